@@ -1,0 +1,363 @@
+"""
+Data for nanospec: a corpus, a byte-level BPE tokenizer trained on it, and the
+token streams train.py reads.
+
+By default the corpus is the Python standard library that ships with the running
+interpreter (no download needed); --data PATH swaps in a text file or a folder.
+prepare_data() writes four files to out_dir and reuses them while they still match
+the data source, vocab size and tokenizer kind:
+
+    tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line)
+    train.bin, val.bin   uint16 token ids, every document followed by the EOT id
+    data_meta.json       fingerprint and counts, written last (it marks a complete build)
+
+Run `python data.py --help` for the CLI.
+"""
+import argparse
+import base64
+import hashlib
+import heapq
+import json
+import os
+import pathlib
+import re
+import sysconfig
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import tiktoken
+import tiktoken.load
+
+EOT = "<|endoftext|>"
+DEFAULT_VOCAB = 4096
+FORMAT = 1  # bump when anything below changes what gets written, to invalidate old builds
+
+# Pre-tokenisation regex, cl100k-style: words keep one leading space or symbol, numbers
+# come in runs of <= 3 digits, symbol runs keep trailing newlines, and whitespace leaves
+# its last space for the next word. It only uses explicit ASCII classes because it must
+# split identically in Python's `re` (training) and tiktoken's Rust engine (encoding):
+# the two disagree on what \s and \w mean for rare characters, and `re` has no \p{L}.
+# Everything non-ASCII counts as a symbol. No English contraction rules: on code they
+# would split 'self' into 's + elf.
+_WS = r" \t\n\r\f\v"
+PAT = (r"[^\r\nA-Za-z0-9]?[A-Za-z]+"
+       r"|[0-9]{1,3}"
+       rf"| ?[^{_WS}A-Za-z0-9]+[\r\n]*"
+       rf"|[{_WS}]*[\r\n]+"
+       rf"|[{_WS}]+(?![^{_WS}])"
+       rf"|[{_WS}]+")
+_SPLIT = re.compile(PAT)
+
+
+class DataError(ValueError):
+    """A problem with the user's data or options, phrased so the user can fix it."""
+
+
+# -----------------------------------------------------------------------------
+# corpus: which files, read as documents, split into train/val by file
+
+def stdlib_files() -> list[pathlib.Path]:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return sorted(p for p in root.rglob("*.py")
+                  if not any(d in skip or d.startswith("test_") for d in p.relative_to(root).parts[:-1]))
+
+
+def _source(data: str | None) -> tuple[pathlib.Path, list[pathlib.Path]]:
+    """(root, sorted files) for a data source; document names are paths relative to root."""
+    if data is None:
+        return pathlib.Path(sysconfig.get_paths()["stdlib"]), stdlib_files()
+    path = pathlib.Path(data).expanduser()
+    if path.is_file():
+        return path.parent, [path]
+    if path.is_dir():  # hidden files and folders (.git, .venv, ...) are not part of a corpus
+        return path, sorted(p for p in path.rglob("*") if p.is_file()
+                            and not any(c.startswith(".") for c in p.relative_to(path).parts))
+    raise DataError(f"Data path {str(path)!r} does not exist; pass an existing text file or folder with --data.")
+
+
+def _read_text(path: pathlib.Path) -> str | None:
+    """The file's text, or None if it is not UTF-8 text (NUL bytes count as binary)."""
+    raw = path.read_bytes()
+    try:
+        return None if b"\0" in raw else raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def load_documents(data: str | None = None) -> tuple[list[str], list[str]]:
+    """(train_docs, val_docs); about 5% of the documents go to validation."""
+    root, files = _source(data)
+    single = data is not None and pathlib.Path(data).expanduser().is_file()
+    docs = {}  # name -> text, in sorted file order
+    for f in files:
+        text = _read_text(f)
+        if text is None and single:
+            raise DataError(f"{str(f)!r} is not UTF-8 text (binary or another encoding); pass a UTF-8 text file.")
+        if text and text.strip():
+            docs[f.relative_to(root).as_posix()] = text
+    if not docs:
+        what = f"{'file' if single else 'folder'} {str(data or root)!r}"
+        if single or not files:
+            raise DataError(f"The data {what} is empty; point --data at a file or folder with text in it.")
+        raise DataError(f"The data {what} has {len(files)} files but none is non-empty UTF-8 text; "
+                        "point --data at UTF-8 text files.")
+    if len(docs) == 1:
+        # one document cannot be split by file: cut it into ~20 parts at line boundaries instead
+        (name, text), = docs.items()
+        lines, target, docs, part = text.splitlines(keepends=True), len(text) / 20, {}, ""
+        for line in lines:
+            part += line
+            if len(part) >= target:
+                docs[f"{name}:{len(docs):02d}"], part = part, ""
+        if part:
+            docs[f"{name}:{len(docs):02d}"] = part
+        if len(docs) < 2:
+            raise DataError(f"{name!r} is a single line, too little to split into train and validation; "
+                            "give more lines or more files.")
+    # validation = documents whose name hashes to 0 mod 20: a stable rule, so adding or removing
+    # other files never moves a document between splits; at least one document in each split
+    names = list(docs)
+    val = [n for n in names if int(hashlib.sha256(n.encode()).hexdigest(), 16) % 20 == 0] or names[-1:]
+    val = set(val[1:] if len(val) == len(names) else val)
+    return [docs[n] for n in names if n not in val], [docs[n] for n in names if n in val]
+
+
+def _fingerprint(data: str | None) -> str:
+    """sha256 over sorted relative file names and contents: changes iff the corpus changes."""
+    root, files = _source(data)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# byte-level BPE training, with incremental pair counts
+
+def _merge(word: list[int], a: int, b: int, new: int) -> list[int]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) -> dict[bytes, int]:
+    """Mergeable ranks: the 256 bytes, then merges in learned order (vocab_size counts EOT too)."""
+    if not 257 <= vocab_size <= 65536:
+        raise DataError(f"vocab_size {vocab_size} is out of range; use 257..65536 "
+                        "(256 bytes + EOT at least, and ids must fit in uint16).")
+    t0 = time.time()
+    # regex chunks never merge across each other, so BPE only needs each unique chunk once, with its count
+    chunks = Counter(c for text in texts for c in _SPLIT.findall(text))
+    words = [list(c.encode("utf-8")) for c in chunks]
+    freqs = list(chunks.values())
+    vocab = [bytes([i]) for i in range(256)]  # token id -> bytes; the id is the rank
+    ids = {t: i for i, t in enumerate(vocab)}
+    counts = defaultdict(int)  # pair -> occurrences in the corpus
+    where = defaultdict(set)  # pair -> ids of words that (may) contain it
+    for w, (word, f) in enumerate(zip(words, freqs)):
+        for p in zip(word, word[1:]):
+            counts[p] += f
+            where[p].add(w)
+    # max-heap with lazy deletion: entries whose count is out of date get skipped when popped.
+    # Ties go to the smallest (left bytes, right bytes), so training is deterministic.
+    heap = [(-c, vocab[a], vocab[b], a, b) for (a, b), c in counts.items()]
+    heapq.heapify(heap)
+    while len(ids) < vocab_size - 1 and heap:
+        negc, _, _, a, b = heapq.heappop(heap)
+        if counts.get((a, b)) != -negc:
+            continue
+        tok = vocab[a] + vocab[b]
+        if tok not in ids:  # (two merge paths can spell the same bytes: reuse that token)
+            ids[tok] = len(vocab)
+            vocab.append(tok)
+        new = ids[tok]
+        delta = defaultdict(int)
+        for w in where.pop((a, b)):
+            word, f = words[w], freqs[w]
+            merged = _merge(word, a, b, new)
+            if len(merged) == len(word):
+                continue  # stale entry: an earlier merge already consumed the pair here
+            for p in zip(word, word[1:]):
+                delta[p] -= f
+            for p in zip(merged, merged[1:]):
+                delta[p] += f
+                where[p].add(w)
+            words[w] = merged
+        for p, d in delta.items():
+            if d:
+                counts[p] += d
+                if counts[p] > 0:
+                    heapq.heappush(heap, (-counts[p], vocab[p[0]], vocab[p[1]], *p))
+                else:
+                    del counts[p]
+        if verbose and len(ids) % 512 == 0:
+            print(f"bpe: {len(ids)}/{vocab_size - 1} tokens, last {tok!r} x{-negc}, {time.time() - t0:.1f}s")
+    return ids
+
+
+# -----------------------------------------------------------------------------
+# tokenizer files and encoding helpers
+
+def _atomic_write(path, data: bytes):
+    tmp = f"{path}.tmp{os.getpid()}"  # same folder, so os.replace is an atomic rename
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def save_tokenizer(ranks: dict[bytes, int], path):
+    lines = (f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    _atomic_write(path, "".join(lines).encode())
+
+
+def load_tokenizer(path) -> tiktoken.Encoding:
+    # tiktoken caches files by *path* (in /tmp/data-gym-cache); the expected hash makes it
+    # notice when the file at that path was rebuilt, instead of serving the stale copy.
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=file_sha256(path))
+    return tiktoken.Encoding(name="nanospec", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
+
+
+def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
+    if str(tokenizer_path_or_kind) != "gpt2":
+        return load_tokenizer(tokenizer_path_or_kind)
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # offline, tiktoken cannot download the GPT-2 ranks
+        raise DataError(f"tiktoken could not load the GPT-2 tokenizer ({type(e).__name__}), probably because "
+                        "it is not cached and there is no internet; use the default tokenizer, bpe.") from e
+
+
+def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
+    return enc.encode(text, allowed_special={EOT})
+
+
+def decode(enc: tiktoken.Encoding, ids) -> str:
+    return enc.decode([int(i) for i in ids])
+
+
+# -----------------------------------------------------------------------------
+# prepare_data: build (or reuse) tokenizer + token streams in out_dir
+
+_WHAT = {"format": "data.py's output format", "pattern": "the split regex", "source": "the data path",
+         "fingerprint": "the data contents", "requested_vocab_size": "vocab_size",
+         "tokenizer": "the tokenizer kind"}
+
+
+def _result(out: pathlib.Path, meta: dict) -> dict:
+    # paths are rebuilt from out_dir on every call, so a build stays usable from another cwd
+    bpe = meta["tokenizer"] == "bpe"
+    return {"tokenizer_path": str(out / "tokenizer.tiktoken") if bpe else "gpt2",
+            "tokenizer_hash": meta["tokenizer_hash"], "vocab_size": meta["vocab_size"],
+            "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"), "eot_id": meta["eot_id"],
+            **{k: meta[k] for k in ("n_train_tokens", "n_val_tokens", "val_docs_count")}}
+
+
+def _intact(out: pathlib.Path, meta: dict) -> bool:
+    """Cheap check that the files of a build are still the ones its meta describes."""
+    bins = all((out / f"{s}.bin").exists() and (out / f"{s}.bin").stat().st_size == 2 * meta[f"n_{s}_tokens"]
+               for s in ("train", "val"))
+    tok = out / "tokenizer.tiktoken"
+    return bins and (meta["tokenizer"] == "gpt2" or (tok.exists() and file_sha256(tok) == meta["tokenizer_hash"]))
+
+
+def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe", verbose=True) -> dict:
+    log = print if verbose else (lambda *a, **k: None)
+    if tokenizer not in ("bpe", "gpt2"):
+        raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path, tok_path = out / "data_meta.json", out / "tokenizer.tiktoken"
+    source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
+    want = {"format": FORMAT, "pattern": PAT, "source": source, "fingerprint": _fingerprint(data),
+            "requested_vocab_size": vocab_size if tokenizer == "bpe" else None, "tokenizer": tokenizer}
+
+    # fast path: a complete previous build of the same data with the same settings
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        changed = [k for k in want if meta.get(k) != want[k]]
+        if not changed and _intact(out, meta):
+            log(f"data: reusing {out}/ ({meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens)")
+            return _result(out, meta)
+        why = " and ".join(_WHAT[k] for k in changed) + " changed" if changed else "its files are missing/modified"
+        log(f"data: rebuilding {out}/ because {why}")
+        meta_path.unlink(missing_ok=True)  # a half-finished rebuild must never look complete
+
+    train_docs, val_docs = load_documents(data)
+    log(f"data: {len(train_docs)} train / {len(val_docs)} val documents from {source}")
+    if tokenizer == "gpt2":
+        enc, tok_hash = get_encoding("gpt2"), "gpt2"
+    else:
+        t0 = time.time()
+        ranks = train_bpe(train_docs, vocab_size, verbose=verbose)
+        log(f"data: trained a {len(ranks) + 1}-token BPE tokenizer in {time.time() - t0:.1f}s")
+        if len(ranks) + 1 < vocab_size:
+            log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for {vocab_size}); using that")
+        save_tokenizer(ranks, tok_path)
+        enc, tok_hash = load_tokenizer(tok_path), file_sha256(tok_path)
+
+    meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
+            "val_docs_count": len(val_docs)}
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        # every document is followed by EOT, so documents are separated (nanoGPT style)
+        ids = [t for doc in enc.encode_batch(docs, allowed_special={EOT}) for t in (*doc, enc.eot_token)]
+        _atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
+        meta[f"n_{split}_tokens"] = len(ids)
+    log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, vocab {enc.n_vocab}")
+    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+    return _result(out, meta)
+
+
+def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
+    """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread over documents."""
+    out = pathlib.Path(out_dir)
+    res = _result(out, json.loads((out / "data_meta.json").read_text()))
+    enc, eot = get_encoding(res["tokenizer_path"]), res["eot_id"]
+    val = np.fromfile(out / "val.bin", dtype=np.uint16).astype(np.int64)
+    ends_nl = np.array([not enc.is_special_token(t) and enc.decode_single_token_bytes(t).endswith(b"\n")
+                        for t in range(enc.n_vocab)])
+    bounds = np.flatnonzero(val == eot)  # document i spans [previous EOT + 1, bounds[i])
+    starts = np.concatenate([[0], bounds[:-1] + 1])
+    rng = np.random.default_rng(seed)
+    cands = []  # per long-enough document: the start positions right after a newline (or at its start)
+    for s, e in zip(starts, bounds):
+        c = s + 1 + np.flatnonzero(ends_nl[val[s:e - 1]])
+        c = np.concatenate([[s], c])
+        c = c[c + prompt_len <= e]
+        if len(c):
+            cands.append(c)
+    if not cands:
+        raise DataError(f"No validation document has {prompt_len} tokens; use a shorter prompt_len or more data.")
+    order = rng.permutation(len(cands))
+    # round-robin over a shuffled document order, so n <= #documents gives n different documents
+    picks = [cands[order[i % len(cands)]] for i in range(n)]
+    return [val[(p := int(rng.choice(c))):p + prompt_len].tolist() for c in picks]
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
+    ap.add_argument("--data", default=None, help="text file or folder to train on (default: the Python stdlib)")
+    ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="tokenizer vocab size, EOT included")
+    ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train a BPE here, or use GPT-2's")
+    ap.add_argument("--out-dir", default="out",
+                    help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are written")
+    args = ap.parse_args()
+    try:
+        info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
+    except DataError as e:
+        raise SystemExit(f"error: {e}")
+    print(json.dumps(info, indent=2))

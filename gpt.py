@@ -1,0 +1,343 @@
+"""
+gpt.py -- the target model: a GPT-2 (nanoGPT-style) with a static KV cache that can roll back.
+
+This is the model every drafter in nanospec drafts *for*. It is nanoGPT's model.py with
+three things added, all of which speculative decoding needs:
+
+1. A static, preallocated KV cache (as in gpt-fast). One forward call takes T new tokens at
+   an explicit start position, so prefill (T = prompt length), a one-token decode step
+   (T = 1) and a k-token verify (T = k + 1) are literally the same call.
+2. Explicit rollback: `cache.rollback(n)` forgets everything at positions >= n. After a
+   verify pass in which only some drafted tokens survive, the rejected tail is dropped here.
+   Stale K/V past `cache.length` are never attended to and get overwritten by the next call.
+3. Hidden states of any requested layers come back with the logits (DFlash taps several
+   layers, MTP needs the last one).
+
+Parameter names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ...), so a
+state_dict maps onto other GPT-2 implementations.
+
+    python gpt.py    # a quick self-check: cached logits == uncached logits, in float64
+"""
+
+import math
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256   # context window; also the size of the preallocated KV cache
+    vocab_size: int = 4096  # our byte-level BPE, end-of-text included (GPT-2's is 50257)
+    n_layer: int = 6        # depth: what makes the target expensive to run token by token
+    n_head: int = 8         # head size = n_embd / n_head
+    n_embd: int = 256       # width
+    dropout: float = 0.0    # 0 for the short runs here: we are far from overfitting
+    bias: bool = True       # GPT-2 has biases in Linears and LayerNorms
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown GPT config fields {sorted(unknown)}: the checkpoint is not a nanospec GPT")
+        return cls(**d)
+
+
+# -----------------------------------------------------------------------------
+# the KV cache
+
+
+class KVCache:
+    """Preallocated keys/values for every layer, written at explicit positions.
+
+    `length` is the number of valid positions. Everything at index >= length is stale:
+    forward() only ever attends to [0, start + T), and it refuses to write past a gap.
+    """
+
+    def __init__(self, config, batch_size=1, device="cpu", dtype=torch.float32, max_len=None):
+        hs = config.n_embd // config.n_head
+        self.max_len = max_len or config.block_size
+        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)  # (L, B, nh, Tmax, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def rollback(self, n):
+        """Forget positions >= n. Rolling 'forward' is an error: those K/V were never written."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back a cache of length {self.length} to {n}")
+        self.length = n
+
+    def reset(self):
+        self.length = 0
+
+
+# -----------------------------------------------------------------------------
+# the model: attention -> MLP -> block -> GPT
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x, kv=None, start=0, attn_mask=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv is not None:
+            # write the new keys/values at their absolute positions, then attend over the
+            # whole valid prefix [0, start + T). Nothing past that is ever read.
+            k_cache, v_cache = kv
+            k_cache[:, :, start:start + T] = k
+            v_cache[:, :, start:start + T] = v
+            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
+        dp = self.dropout if self.training else 0.0
+        if attn_mask is None:  # plain causal self-attention over these T tokens only
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dp, is_causal=T > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dp)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv=None, start=0, attn_mask=None):
+        x = x + self.attn(self.ln_1(x), kv, start, attn_mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+def chunk_mask(start, T, device):
+    """Boolean mask (T, start+T) for T new queries at positions start.. over all keys so far:
+    query i (absolute position start+i) may see keys at positions <= start+i."""
+    q_pos = torch.arange(start, start + T, device=device)
+    k_pos = torch.arange(start + T, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+
+    def new_cache(self, batch_size=1, device=None, dtype=None):
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, device or p.device, dtype or p.dtype)
+
+    def forward(self, idx, targets=None, cache=None, start=None, hidden_layers=(), last_only=False):
+        """idx (B, T) token ids at absolute positions start .. start+T-1.
+
+        cache=None: an ordinary full-sequence forward from position 0 (training).
+        cache given: `start` defaults to cache.length and must equal it (write at a gap or
+          over valid entries is a bookkeeping bug: roll back explicitly first). Afterwards
+          cache.length == start + T.
+        hidden_layers: which hidden states to return; layer 0 is the embedding output, layer i
+          the output of block i (so n_layer is the last block, before ln_f).
+        last_only: compute logits for the last position only (cheap one-token decoding).
+        Returns (logits, loss, hiddens) with hiddens a dict {layer: (B, T, n_embd)}.
+        """
+        B, T = idx.size()
+        if cache is not None:
+            if start is None:
+                start = cache.length
+            if start != cache.length:
+                raise ValueError(f"forward at position {start} but the cache holds {cache.length}: roll back first")
+        start = start or 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the context window of {self.config.block_size}")
+
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        # one-token steps need no mask; prefill from 0 uses is_causal; a chunk after a
+        # prefix (the verify pass) needs the explicit rectangular causal mask.
+        mask = chunk_mask(start, T, idx.device) if (cache is not None and start > 0 and T > 1) else None
+        hiddens = {0: x} if 0 in hidden_layers else {}
+        for i, block in enumerate(self.transformer.h):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            x = block(x, kv, start, mask)
+            if i + 1 in hidden_layers:
+                hiddens[i + 1] = x
+        if cache is not None:
+            cache.length = start + T
+        x = self.transformer.ln_f(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss, hiddens
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        # nanoGPT's rule: decay every 2D tensor (matmuls, embeddings), not biases or norms
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: {kind, config dict, plain state_dict, hashes, step, ...}, written atomically
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not belong with the others."""
+
+
+def state_hash(state_dict):
+    """A short content hash of a state_dict: drafters record the hash of the target they were
+    trained against, so a retrained target can never be silently paired with an old drafter."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_checkpoint(obj, path):
+    """torch.save to a temp file in the same folder, then rename: a run killed mid-write
+    leaves the previous file intact, never a half-written one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, kind, stage=None):
+    """Load a checkpoint of the given kind with weights_only=True (a file crafted to run code
+    when unpickled is refused, not run). Every failure is one clear CheckpointError."""
+    stage = stage or kind
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} not found: run `python train.py --only {stage}` (or plain `python train.py`) to make it")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupted, or not a checkpoint at all (incl. pickles with code)
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a readable nanospec checkpoint ({first}); "
+                              f"delete it and run `python train.py --only {stage}`") from None
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != kind or "state_dict" not in ckpt:
+        found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{path} is not a {kind} checkpoint (found {found!r}); "
+                              f"run `python train.py --only {stage} --force` to remake it")
+    return ckpt
+
+
+def load_target(path, device="cpu", dtype=torch.float32):
+    """The trained target, in eval mode, plus its checkpoint dict (for the hashes)."""
+    ckpt = load_checkpoint(path, "target")
+    model = GPT(GPTConfig.from_dict(ckpt["config"]))
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path} does not match its own config ({str(e).splitlines()[0]}); "
+                              "run `python train.py --only target --force`") from None
+    return model.to(device=device, dtype=dtype).eval(), ckpt
+
+
+# -----------------------------------------------------------------------------
+# devices: auto-detect, and one clear error for a device that is not there
+
+
+def pick_device(name="auto"):
+    """'auto' -> cuda if present, else mps if it works, else cpu. Anything else must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available()):
+        return name
+    if name == "mps" and torch.backends.mps.is_available():
+        return name
+    raise ValueError(f"device {name!r} is not available here: use --device cpu, or auto to pick the best one")
+
+
+def synchronize(device):
+    """Wait for queued GPU work before reading a clock (a no-op on CPU)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    elif str(device) == "mps":
+        torch.mps.synchronize()
+
+
+# -----------------------------------------------------------------------------
+# a self-check you can run by hand (the real proofs live in tests/test_gpt.py)
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg).double().eval()
+    idx = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        full, _, _ = model(idx)
+        cache = model.new_cache()
+        parts = [model(idx[:, :20], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
+    err = (torch.cat(parts, 1) - full).abs().max().item()
+    print(f"max |cached - uncached| logit difference in float64: {err:.2e}")

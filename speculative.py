@@ -1,0 +1,417 @@
+"""
+speculative.py -- plain decoding (the baseline) and the generic draft-then-verify loop.
+
+gpt.py gave us a target with a KV cache that rolls back. This file adds the one idea the
+whole repo teaches (Leviathan et al. 2023, Chen et al. 2023): let a cheap drafter guess k
+tokens, check all of them with ONE target forward over [last, d1..dk], keep the longest
+prefix the target agrees with plus one token of the target's own, roll both caches back to
+exactly that, repeat. The output is unchanged; only the number of target forwards drops.
+
+Three ways to accept a draft (the `Sampler`):
+  greedy     accept while draft == target argmax; token-identical to plain greedy decoding.
+  coupled    Gumbel-max with noise keyed on (seed, absolute position), shared by drafter and
+             target; accept iff equal. Token-identical to plain sampling with the same seed
+             (Daliri, Musco & Suresh 2024).
+  rejection  accept d ~ q with prob min(1, p(d)/q(d)), else resample from norm(max(0, p - q)).
+             Same *distribution* as plain sampling, not the same tokens.
+
+Every drafter (here: the classic independent small GPT; draft_mtp.py, draft_dflash.py and
+draft_dspark.py add more) implements one interface, `Drafter`, and the loop never asks which
+one it runs.
+
+    python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, pick_device, synchronize
+
+# -----------------------------------------------------------------------------
+# sampling: one object decides how tokens are picked, drafted and verified
+
+
+def keyed_gumbel(seed, positions, vocab_size, device):
+    """Gumbel(0,1) noise of shape (len(positions), V), a pure function of (seed, position,
+    token id): a counter-based integer hash, so the baseline and the speculative loop see the
+    same noise at the same absolute position, on any device and in any chunking."""
+    M = 0xFFFFFFFF
+    pos = torch.as_tensor(positions, device=device, dtype=torch.int64).view(-1, 1)
+    v = torch.arange(vocab_size, device=device, dtype=torch.int64).view(1, -1)
+    x = (v + pos * 0x9E3779B1 + (seed & M) * 0x85EBCA77) & M
+    for _ in range(3):  # xorshift-multiply rounds; constants < 2^31 keep the int64 products exact
+        x = ((x ^ (x >> 16)) * 0x045D9F3B) & M
+    x = x ^ (x >> 16)
+    u = (x.to(torch.float64) + 0.5) / 2.0 ** 32  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+class Sampler:
+    """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for greedy and for
+    both sampling modes (keyed Gumbel-max is exact sampling from softmax(logits / T))."""
+
+    def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu"):
+        if mode not in ("greedy", "coupled", "rejection"):
+            raise ValueError(f"unknown sampling mode {mode!r}: use greedy, coupled or rejection")
+        if mode != "greedy" and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for {mode} sampling (got {temperature}); use --sampling greedy for temperature 0")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top-k must be a positive number of tokens (got {top_k})")
+        self.mode, self.temperature, self.top_k, self.seed = mode, temperature, top_k, seed
+        self.gen = torch.Generator(device=device).manual_seed(seed)  # rejection mode only
+
+    def scaled(self, logits):
+        """Logits after temperature and top-k: the distribution we sample from is softmax of this."""
+        logits = logits.double() / self.temperature
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return logits
+
+    def probs(self, logits):
+        return F.softmax(self.scaled(logits), dim=-1)
+
+    def pick(self, logits, positions):
+        """(T, V) logits for tokens at absolute `positions` -> (T,) tokens. Deterministic."""
+        if self.mode == "greedy":
+            return logits.argmax(-1)
+        noise = keyed_gumbel(self.seed, positions, logits.size(-1), logits.device)
+        return (self.scaled(logits) + noise).argmax(-1)
+
+    def draft(self, logits, positions):
+        """The drafter's choice: (tokens, q) where q is the distribution it sampled from
+        (rejection mode needs the real q; the other modes compare tokens only)."""
+        if self.mode != "rejection":
+            return self.pick(logits, positions), None
+        q = self.probs(logits)
+        return torch.multinomial(q, 1, generator=self.gen).view(-1), q
+
+    def first(self, logits, position):
+        """The target's token after the prefill (rejection mode draws from p with its own RNG)."""
+        if self.mode != "rejection":
+            return self.pick(logits, [position])
+        return torch.multinomial(self.probs(logits), 1, generator=self.gen).view(-1)
+
+    def verify(self, logits, draft, q, positions):
+        """logits (k+1, V) of the target over [last, d1..dk]; draft (k,). Returns (n accepted,
+        the target's own next token). Exactly one host sync per call (the .tolist())."""
+        k = draft.numel()
+        if self.mode != "rejection":
+            t = self.pick(logits, positions)  # (k+1,) what the target itself would emit
+            both = torch.cat([t, draft]).tolist()  # host sync
+            t, d = both[:k + 1], both[k + 1:]
+            n = 0
+            while n < k and d[n] == t[n]:
+                n += 1
+            return n, t[n]
+        p = self.probs(logits)  # (k+1, V)
+        n = k
+        if k > 0:
+            idx = torch.arange(k, device=logits.device)
+            ratio = p[idx, draft] / q[idx, draft]
+            r = torch.rand(k, generator=self.gen, device=logits.device, dtype=ratio.dtype)
+            rejected = (r >= ratio).tolist()  # host sync
+            n = rejected.index(True) if True in rejected else k
+        if n < k:  # resample from the residual: exactly what makes the output distribution p
+            resid = (p[n] - q[n]).clamp_min(0)
+            tok = torch.multinomial(resid / resid.sum(), 1, generator=self.gen)
+        else:      # every draft survived: a free bonus token from p
+            tok = torch.multinomial(p[k], 1, generator=self.gen)
+        return n, tok.item()  # host sync
+
+
+# -----------------------------------------------------------------------------
+# plain decoding: the baseline every speedup is measured against
+
+
+def room(model, prompt_len, max_new_tokens):
+    """How many tokens we may generate: the sequence never outgrows the context window."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt_len >= model.config.block_size:
+        raise ValueError(f"the prompt has {prompt_len} tokens but the context window is "
+                         f"{model.config.block_size}: shorten it to at most {model.config.block_size - 1}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive (got {max_new_tokens})")
+    return min(max_new_tokens, model.config.block_size - prompt_len)
+
+
+def as_prompt(prompt, device):
+    return torch.as_tensor(prompt, dtype=torch.long, device=device).view(1, -1)
+
+
+@torch.inference_mode()
+def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
+    """Token-by-token decoding with the KV cache. No host sync until the end: the chosen token
+    stays on the device and is fed straight back in."""
+    dev = model.lm_head.weight.device
+    x = as_prompt(prompt, dev)
+    P = x.size(1)
+    n = room(model, P, max_new_tokens)
+    cache = cache or model.new_cache()
+    cache.reset()
+    out = torch.empty(n, dtype=torch.long, device=dev)
+    logits = model(x, cache=cache, last_only=True)[0][0]  # (1, V)
+    out[0:1] = sampler.first(logits, P)
+    for i in range(1, n):
+        logits = model(out[i - 1:i].view(1, 1), cache=cache)[0][0]
+        out[i:i + 1] = sampler.pick(logits, [P + i])
+    return out.tolist()  # host sync (the only one)
+
+
+# -----------------------------------------------------------------------------
+# the drafter interface
+
+
+class Drafter:
+    """What the loop needs from any drafter. The loop keeps this invariant: the confirmed
+    sequence is `tokens`, and the target has hidden states for every confirmed token but the
+    last (that one is the first input of the next verify pass).
+
+    begin(tokens, hidden)       a new sequence. tokens (1, n); hidden {layer: (1, n-1, d)}.
+    propose(k, sampler)         draft up to k tokens after the confirmed sequence -> (tokens (k',), q (k', V)
+                                or None), 1 <= k' <= k (a scheduler may choose to verify fewer).
+    commit(n, new, hidden)      n of the k drafts survived; `new` (n+1,) = those n plus the target's
+                                own token; hidden {layer: (1, n+1, d)} = the target's states at the
+                                n+1 positions that just became 'all but the last'.
+    """
+    name = "drafter"
+    hidden_layers = ()  # which target hidden states this drafter reads
+    max_k = None        # most tokens it can draft in one round (None: no limit)
+    default_k = 4       # what bench.py and speculative.py use unless told otherwise
+
+    def begin(self, tokens, hidden):
+        raise NotImplementedError
+
+    def propose(self, k, sampler):
+        raise NotImplementedError
+
+    def commit(self, n, new, hidden):
+        raise NotImplementedError
+
+
+class DraftModel(Drafter):
+    """Classic speculative decoding: an independent small GPT with its own KV cache.
+
+    Cache bookkeeping: after drafting k tokens the cache holds the confirmed tokens plus
+    d1..d_{k-1} (d_k was predicted, never fed). On commit with n < k it is cut back to the
+    confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
+    with the target's token, at the start of the next propose."""
+    name = "small"
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = model.new_cache()
+
+    def begin(self, tokens, hidden):
+        self.cache.reset()
+        self.seq = tokens.view(-1).clone()
+
+    @torch.inference_mode()
+    def propose(self, k, sampler):
+        S = self.seq.numel()
+        pending = self.seq[self.cache.length:].view(1, -1)  # confirmed tokens not yet in the cache (>= 1)
+        drafts, qs = [], []
+        for j in range(k):
+            logits = self.model(pending, cache=self.cache, last_only=True)[0][0]  # (1, V)
+            tok, q = sampler.draft(logits, [S + j])
+            drafts.append(tok)
+            qs.append(q)
+            if j + 1 < k:
+                pending = tok.view(1, 1)
+        return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
+
+    def commit(self, n, new, hidden):
+        S = self.seq.numel()
+        k_minus_1 = self.cache.length - S  # how many drafts were fed
+        self.cache.rollback(S + min(n, k_minus_1))
+        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class Stats:
+    """What a run of the loop measured. tau counts tokens per target forward, bonus included."""
+    tokens: int = 0
+    target_forwards: int = 0
+    rounds: int = 0
+    drafted_at: list = field(default_factory=list)   # rounds that drafted position i
+    accepted_at: list = field(default_factory=list)  # rounds in which position i survived
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+    @property
+    def tau(self):
+        return self.tokens / max(1, self.target_forwards)
+
+    def acceptance(self):
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def add(self, other):
+        self.tokens += other.tokens
+        self.target_forwards += other.target_forwards
+        self.rounds += other.rounds
+        for name in ("drafted_at", "accepted_at"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        self.draft_time += other.draft_time
+        self.verify_time += other.verify_time
+
+
+@torch.inference_mode()
+def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None, trace=None):
+    """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
+    Returns (generated tokens, Stats). If `trace` is a list, each round appends
+    (accepted draft tokens, the target's own token, whether that token was a bonus)."""
+    if k <= 0:
+        raise ValueError(f"k (tokens drafted per round) must be at least 1 (got {k})")
+    if drafter.max_k is not None and k > drafter.max_k:
+        raise ValueError(f"the {drafter.name} drafter can draft at most {drafter.max_k} tokens per round (asked for k={k})")
+    dev = target.lm_head.weight.device
+    x = as_prompt(prompt, dev)
+    P = x.size(1)
+    n_total = room(target, P, max_new_tokens)
+    layers = drafter.hidden_layers
+    cache = cache or target.new_cache()
+    cache.reset()
+    st = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
+
+    logits, _, hid = target(x, cache=cache, hidden_layers=layers)
+    first = sampler.first(logits[0, -1:], P)
+    seq = torch.cat([x[0], first])  # confirmed tokens
+    drafter.begin(seq.view(1, -1), hid)
+    st.target_forwards, out = 1, [first.item()]  # host sync
+
+    while len(out) < n_total:
+        L = cache.length  # == len(seq) - 1: the last confirmed token is not in the cache yet
+        kk = min(k, n_total - len(out) - 1)  # never draft past max_new_tokens or the context window
+        t0 = time.perf_counter()
+        if kk > 0:
+            draft, q = drafter.propose(kk, sampler)
+            kk = draft.numel()  # a scheduling drafter may offer fewer than asked
+        else:
+            draft, q = seq[:0], None
+        synchronize(dev)  # only so that the draft/verify split is honest on a GPU
+        t1 = time.perf_counter()
+        logits, _, hid = target(torch.cat([seq[-1:], draft]).view(1, -1), cache=cache, hidden_layers=layers)
+        n, tok = sampler.verify(logits[0], draft, q, list(range(L + 1, L + kk + 2)))  # host sync inside
+        cache.rollback(L + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
+        new = torch.cat([draft[:n], torch.tensor([tok], device=dev)])
+        seq = torch.cat([seq, new])
+        drafter.commit(n, new, {l: h[:, :n + 1] for l, h in hid.items()})
+        st.verify_time += time.perf_counter() - t1
+        st.draft_time += t1 - t0
+        st.target_forwards += 1
+        st.rounds += 1
+        for i in range(kk):
+            st.drafted_at[i] += 1
+            st.accepted_at[i] += i < n
+        out.extend(new.tolist())
+        if trace is not None:
+            trace.append((new[:n].tolist(), tok, kk > 0 and n == kk))
+    st.tokens = len(out)
+    return out, st
+
+
+# -----------------------------------------------------------------------------
+# loading drafters by name: the one place that knows which file makes which
+
+DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that makes it)
+    "small": ("speculative", "small.pt", "small"),
+}
+
+
+def load_small(ckpt, target, device, dtype):
+    model = GPT(GPTConfig.from_dict(ckpt["config"]))
+    model.load_state_dict(ckpt["state_dict"])
+    return DraftModel(model.to(device=device, dtype=dtype).eval())
+
+
+def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32):
+    """Load a trained drafter and check it belongs to this very target and tokenizer."""
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown method {name!r}: choose from ar, {', '.join(DRAFTERS)}")
+    module, fname, stage = DRAFTERS[name]
+    path = os.path.join(out_dir, fname)
+    ckpt = load_checkpoint(path, name, stage=stage)
+    for what, key, want in (("target", "target_hash", target_ckpt["model_hash"]),
+                            ("tokenizer", "tokenizer_hash", target_ckpt["tokenizer_hash"])):
+        if ckpt.get(key) != want:
+            raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} but the current {what} is "
+                                  f"{str(want)[:16]}: run `python train.py --only {stage} --force` to retrain it")
+    try:
+        return getattr(importlib.import_module(module), f"load_{name}")(ckpt, target, device, dtype)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
+                              f"run `python train.py --only {stage} --force`") from None
+
+
+# -----------------------------------------------------------------------------
+# watch it work
+
+
+def show(enc, prompt_ids, trace, color):
+    """Prompt, then each round: accepted drafts (green), the target's own token (red if it
+    corrected a draft, blue if it was a free bonus after full acceptance)."""
+    G, R, B, Z = ("\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m") if color else ("", "[", "{", "")
+    parts = [enc.decode(prompt_ids)]
+    for acc, tok, full in trace:
+        if acc:
+            parts.append(G + enc.decode(acc) + Z)
+        close = (Z if color else ("}" if full else "]"))
+        parts.append((B if full else R) + enc.decode([tok]) + close)
+    return "".join(parts)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Generate text with speculative decoding and show what was drafted and kept.")
+    p.add_argument("--prompt", default="def parse(", help="the text to continue")
+    p.add_argument("--method", default="small", help=f"drafter: {', '.join(DRAFTERS)}")
+    p.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="how many tokens to generate")
+    p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (coupled/rejection)")
+    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
+    p.add_argument("--out-dir", default="out", help="where train.py put the checkpoints")
+    p.add_argument("--no-color", action="store_true", help="mark tokens with [correction] and {bonus} instead of colors")
+    a = p.parse_args(argv)
+    import data
+    device = pick_device(a.device)
+    target, tckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
+    enc = data.get_encoding(os.path.join(a.out_dir, "tokenizer.tiktoken"))
+    drafter = load_drafter(a.method, a.out_dir, target, tckpt, device)
+    sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
+    ids = data.encode(enc, a.prompt)
+    trace = []
+    out, st = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler, trace=trace)
+    color = sys.stdout.isatty() and not a.no_color
+    print(show(enc, ids, [([], out[0], False)] + trace, color))
+    print()
+    print(f"method {a.method}, k={a.k}, {a.sampling}: {st.tokens} tokens in {st.target_forwards} target forwards, "
+          f"tau = {st.tau:.2f}")
+    print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in st.acceptance()))
+    print(f"time: draft {st.draft_time * 1000:.0f} ms, verify {st.verify_time * 1000:.0f} ms")
+    legend = "green = accepted draft, red = target's correction, blue = target's bonus" if color else \
+        "plain = accepted draft, [x] = target's correction, {x} = target's bonus"
+    print(legend)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}")

@@ -1,0 +1,122 @@
+"""The target's KV cache: cached == uncached in float64, and rollback is exact."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_gpt
+from gpt import GPT, GPTConfig, CheckpointError, KVCache, load_checkpoint, load_target, save_checkpoint, state_hash
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gpt(0, scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def seq():
+    torch.manual_seed(1)
+    return torch.randint(0, 64, (2, 60))
+
+
+def full_logits(model, seq):
+    with torch.no_grad():
+        return model(seq)[0]
+
+
+def test_prefill_matches_uncached(model, seq):
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        logits = model(seq, cache=cache)[0]
+    assert torch.allclose(logits, full_logits(model, seq), atol=1e-10, rtol=0)
+    assert cache.length == seq.size(1)
+
+
+def test_step_by_step_matches_uncached(model, seq):
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        parts = [model(seq[:, t:t + 1], cache=cache)[0] for t in range(seq.size(1))]
+    assert torch.allclose(torch.cat(parts, 1), full_logits(model, seq), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 17])
+def test_chunks_match_uncached(model, seq, chunk):
+    """A k-token verify pass after a prefix is the same call as a prefill."""
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        parts = [model(seq[:, :7], cache=cache)[0]]
+        for t in range(7, seq.size(1), chunk):
+            parts.append(model(seq[:, t:t + chunk], cache=cache)[0])
+    assert torch.allclose(torch.cat(parts, 1), full_logits(model, seq), atol=1e-10, rtol=0)
+
+
+def test_hidden_states_match_uncached(model, seq):
+    cache = model.new_cache(batch_size=2)
+    layers = (0, 1, 2)
+    with torch.no_grad():
+        _, _, h_full = model(seq, hidden_layers=layers)
+        _, _, h_a = model(seq[:, :30], cache=cache, hidden_layers=layers)
+        _, _, h_b = model(seq[:, 30:], cache=cache, hidden_layers=layers)
+    for l in layers:
+        assert torch.allclose(torch.cat([h_a[l], h_b[l]], 1), h_full[l], atol=1e-10, rtol=0)
+
+
+def test_rollback_then_forward_equals_fresh_prefill(model, seq):
+    torch.manual_seed(2)
+    junk = torch.randint(0, 64, (2, 9))
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        model(seq[:, :40], cache=cache)
+        model(junk, cache=cache)            # a rejected draft...
+        cache.rollback(25)                  # ...and more: roll back into the prompt itself
+        after = model(seq[:, 25:50], cache=cache)[0]
+    assert cache.length == 50
+    assert torch.allclose(after, full_logits(model, seq[:, :50])[:, 25:], atol=1e-10, rtol=0)
+
+
+def test_cache_bookkeeping_errors(model, seq):
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        model(seq[:, :10], cache=cache)
+        with pytest.raises(ValueError, match="roll back first"):
+            model(seq[:, 10:12], cache=cache, start=5)
+        with pytest.raises(ValueError, match="cannot roll back"):
+            cache.rollback(11)
+        with pytest.raises(ValueError, match="context window"):
+            model(torch.zeros(2, model.config.block_size, dtype=torch.long), cache=cache)
+
+
+def test_float32_close_to_float64(model, seq):
+    m32 = tiny_gpt(0, scale=1.0).float()
+    with torch.no_grad():
+        cache = m32.new_cache(batch_size=2)
+        a = torch.cat([m32(seq[:, :30], cache=cache)[0], m32(seq[:, 30:], cache=cache)[0]], 1)
+    assert a.dtype == torch.float32
+    assert torch.allclose(a.double(), full_logits(model, seq), atol=1e-4)
+
+
+def test_checkpoint_roundtrip(tmp_path, model):
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    path = str(tmp_path / "target.pt")
+    save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
+                     "model_hash": state_hash(sd), "tokenizer_hash": "x"}, path)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]  # no temp file left behind
+    loaded, ckpt = load_target(path, dtype=torch.float64)
+    assert ckpt["model_hash"] == state_hash(loaded.state_dict())
+    x = torch.randint(0, 64, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], model(x)[0])
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not found.*train.py"):
+        load_checkpoint(str(tmp_path / "nope.pt"), "target")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable nanospec checkpoint"):
+        load_checkpoint(str(bad), "target")
+    other = tmp_path / "other.pt"
+    save_checkpoint({"kind": "small", "config": {}, "state_dict": {}}, str(other))
+    with pytest.raises(CheckpointError, match="not a target checkpoint"):
+        load_checkpoint(str(other), "target")

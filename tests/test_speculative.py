@@ -1,0 +1,206 @@
+"""The loop's promises, checked for every drafter in conftest.DRAFTER_FACTORIES:
+greedy and coupled sampling are token-identical to plain decoding (float64), rejection
+sampling has the target's distribution, caches after a rejection equal a fresh prefill,
+and generation stops exactly where it should."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DRAFTER_FACTORIES, tiny_gpt
+from speculative import DraftModel, Sampler, generate_plain, generate_speculative, keyed_gumbel
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_is_token_identical(target, drafter_name, k):
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    rounds = 0
+    for i, p in enumerate(prompts(12, target.config.vocab_size)):
+        ref = generate_plain(target, p, 40, Sampler("greedy"))
+        out, st = generate_speculative(target, drafter, p, 40, k, Sampler("greedy"))
+        assert out == ref, f"prompt {i}: diverged at {next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"
+        rounds += st.rounds
+    assert rounds > 0
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temperature):
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    for seed, p in enumerate(prompts(10, target.config.vocab_size, seed=1)):
+        ref = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed))
+        out, _ = generate_speculative(target, drafter, p, 40, 4, Sampler("coupled", temperature, None, seed))
+        assert out == ref
+    # and the seed matters: a different seed gives different text (the test can fail)
+    other = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed + 1))
+    assert other != ref
+
+
+def test_random_drafter_is_rejected_often(target):
+    """The random drafter must exercise the rejection path, or the tests above prove little."""
+    _, st = generate_speculative(target, DRAFTER_FACTORIES["small"](target), [1, 2, 3], 60, 4, Sampler("greedy"))
+    assert st.acceptance()[0] < 0.9
+    _, st = generate_speculative(target, DRAFTER_FACTORIES["self"](target), [1, 2, 3], 60, 4, Sampler("greedy"))
+    assert st.acceptance() == [1.0] * 4 and st.tau > 4
+
+
+# -----------------------------------------------------------------------------
+# rejection sampling: same distribution as the target, checked against the exact one
+
+def exact_pair_distribution(model, prompt, temperature):
+    """P(t2, t3) of plain sampling, summed over t1: V*V cells, computed exactly."""
+    V = model.config.vocab_size
+    with torch.no_grad():
+        def dist(seq):
+            return torch.softmax(model(torch.tensor([seq]))[0][0, -1] / temperature, -1)
+        p1 = dist(prompt)
+        joint = torch.zeros(V, V, dtype=torch.float64)
+        for t1 in range(V):
+            p2 = dist(prompt + [t1])
+            for t2 in range(V):
+                joint[t2] += p1[t1] * p2[t2] * dist(prompt + [t1, t2])
+    return joint
+
+
+def chi_square(counts, expected):
+    """Pearson's statistic over cells, pooling cells with expected count < 5; returns (stat, dof)."""
+    small = expected < 5
+    c = torch.cat([counts[~small], counts[small].sum().view(1)])
+    e = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = e > 0
+    return (((c - e) ** 2)[keep] / e[keep]).sum().item(), int(keep.sum()) - 1
+
+
+def chi2_critical(dof, z=3.719):  # Wilson-Hilferty: the upper 1e-4 quantile of chi-square(dof)
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+class AlwaysAccept(Sampler):
+    """A wrong rule (keeps every draft): the statistical test must catch it."""
+
+    def verify(self, logits, draft, q, positions):
+        k = draft.numel()
+        return k, torch.multinomial(self.probs(logits[k:k + 1]), 1, generator=self.gen).item()
+
+
+@pytest.fixture(scope="module")
+def target8():
+    return tiny_gpt(3, vocab=8, scale=3.0)
+
+
+def empirical_pairs(target, drafter, prompt, n, sampler_cls=Sampler):
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for seed in range(n):
+        out, _ = generate_speculative(target, drafter, prompt, 4, 2, sampler_cls("rejection", 1.0, None, seed))
+        counts[out[1], out[2]] += 1
+    return counts
+
+
+def test_rejection_sampling_matches_target_distribution(target8, drafter_name):
+    prompt, n = [1, 5, 2], 3000
+    expected = exact_pair_distribution(target8, prompt, 1.0) * n
+    counts = empirical_pairs(target8, DRAFTER_FACTORIES[drafter_name](target8), prompt, n)
+    stat, dof = chi_square(counts.view(-1), expected.view(-1))
+    assert stat < chi2_critical(dof), f"chi-square {stat:.1f} over {dof} dof"
+
+
+def test_statistical_test_catches_a_biased_rule(target8):
+    prompt, n = [1, 5, 2], 3000
+    expected = exact_pair_distribution(target8, prompt, 1.0) * n
+    counts = empirical_pairs(target8, DRAFTER_FACTORIES["small"](target8), prompt, n, AlwaysAccept)
+    stat, dof = chi_square(counts.view(-1), expected.view(-1))
+    assert stat > chi2_critical(dof)
+
+
+# -----------------------------------------------------------------------------
+# bookkeeping
+
+def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name):
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    cache = target.new_cache()
+    prompt = [3, 1, 4, 1, 5]
+    out, st = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"), cache=cache)
+    seq = prompt + out
+    assert cache.length == len(seq) - 1  # the last token has no K/V yet
+    fresh = target.new_cache()
+    with torch.no_grad():
+        target(torch.tensor([seq[:-1]]), cache=fresh)
+    L = cache.length
+    assert torch.allclose(cache.k[:, :, :, :L], fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
+    assert torch.allclose(cache.v[:, :, :, :L], fresh.v[:, :, :, :L], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_stops_exactly_at_max_new_tokens(target, drafter_name, n):
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    out, st = generate_speculative(target, drafter, [1, 2, 3], n, 8, Sampler("greedy"))
+    assert len(out) == n == st.tokens
+    assert len(generate_plain(target, [1, 2, 3], n, Sampler("greedy"))) == n
+
+
+def test_stops_at_the_context_limit(target, drafter_name):
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    T = target.config.block_size
+    prompt = list(range(10)) * 8  # 80 tokens
+    out, _ = generate_speculative(target, drafter, prompt, 1000, 8, Sampler("greedy"))
+    assert len(prompt) + len(out) == T
+    assert out == generate_plain(target, prompt, 1000, Sampler("greedy"))
+
+
+def test_small_drafter_cache_bookkeeping(target):
+    """After each commit the drafter's cache equals a fresh prefill of the tokens it holds, and
+    it holds the confirmed prefix plus min(n, k-1) of the surviving drafts."""
+    drafter = DRAFTER_FACTORIES["small"](target)
+    sampler = Sampler("greedy")
+    seq = torch.tensor([[5, 6, 7, 8]])
+    drafter.begin(seq, {})
+    saw_full, saw_reject = False, False
+    for rnd in range(20):
+        S = drafter.seq.numel()
+        draft, _ = drafter.propose(4, sampler)
+        assert drafter.cache.length == S + 3
+        n = [4, 0, 2, 1][rnd % 4]  # pretend verdicts: full acceptance and rejections
+        new = torch.cat([draft[:n], torch.tensor([rnd % target.config.vocab_size])])
+        drafter.commit(n, new, {})
+        assert drafter.cache.length == S + min(n, 3)
+        saw_full |= n == 4
+        saw_reject |= n < 4
+        L = drafter.cache.length
+        fresh = drafter.model.new_cache()
+        with torch.no_grad():
+            drafter.model(drafter.seq[:L].view(1, -1), cache=fresh)
+        assert torch.allclose(drafter.cache.k[:, :, :, :L], fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
+    assert saw_full and saw_reject
+
+
+def test_keyed_noise_depends_only_on_seed_and_position():
+    a = keyed_gumbel(7, [3, 4, 5], 100, "cpu")
+    b = keyed_gumbel(7, [5], 100, "cpu")
+    assert torch.equal(a[2], b[0])
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(keyed_gumbel(8, [5], 100, "cpu"), b)
+    # Gumbel(0,1): mean is the Euler-Mascheroni constant, variance pi^2/6
+    g = keyed_gumbel(1, list(range(200)), 1000, "cpu")
+    assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+
+
+def test_bad_arguments(target):
+    d = DRAFTER_FACTORIES["small"](target)
+    with pytest.raises(ValueError, match="at least 1"):
+        generate_speculative(target, d, [1], 5, 0, Sampler())
+    with pytest.raises(ValueError, match="empty"):
+        generate_plain(target, [], 5, Sampler())
+    with pytest.raises(ValueError, match="context window"):
+        generate_speculative(target, d, [1] * target.config.block_size, 5, 2, Sampler())
+    with pytest.raises(ValueError, match="temperature"):
+        Sampler("coupled", temperature=-1)
+    with pytest.raises(ValueError, match="top-k"):
+        Sampler("coupled", top_k=0)
+    with pytest.raises(ValueError, match="unknown sampling"):
+        Sampler("beam")
