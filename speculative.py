@@ -330,6 +330,9 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
 
 DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that makes it)
     "small": ("speculative", "small.pt", "small"),
+    "mtp": ("draft_mtp", "mtp.pt", "mtp"),
+    "dflash": ("draft_dflash", "dflash.pt", "dflash"),
+    "dspark": ("draft_dspark", "dspark.pt", "dspark"),
 }
 
 
@@ -379,7 +382,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Generate text with speculative decoding and show what was drafted and kept.")
     p.add_argument("--prompt", default="def parse(", help="the text to continue")
     p.add_argument("--method", default="small", help=f"drafter: {', '.join(DRAFTERS)}")
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    p.add_argument("--k", type=int, default=None, help="tokens drafted per round (default: the drafter's own)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="how many tokens to generate")
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (coupled/rejection)")
@@ -397,10 +400,14 @@ def main(argv=None):
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = data.encode(enc, a.prompt)
     trace = []
+    a.k = a.k if a.k is not None else drafter.default_k
     out, st = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler, trace=trace)
     color = sys.stdout.isatty() and not a.no_color
     print(show(enc, ids, [([], out[0], False)] + trace, color))
     print()
+    if len(out) < a.max_new_tokens:
+        print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
+              f"the target's context window)")
     print(f"method {a.method}, k={a.k}, {a.sampling}: {st.tokens} tokens in {st.target_forwards} target forwards, "
           f"tau = {st.tau:.2f}")
     print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in st.acceptance()))

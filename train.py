@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import data as datamod
 from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, pick_device, save_checkpoint, state_hash
+from draft_mtp import mtp_loss
 
 # -----------------------------------------------------------------------------
 # presets: the defaults live here and only here
@@ -35,15 +36,30 @@ PRESETS = {
     # measured on a 2-core CPU: the target takes ~half of the ~20-minute budget
     "cpu": dict(n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
                 target_iters=1200, target_lr=2e-3, warmup=60,
-                small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0),
+                small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0,
+                mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=300, mtp_lr=2e-3, mtp_distill=1.0,
+                mtp_text="gen", mtp_gen_seqs=256,
+                dflash_layers=2, dflash_heads=8, dflash_block=16, dflash_gamma=7.0, dflash_anchors=16,
+                dflash_iters=600, dflash_lr=2e-3, dflash_text="gen", dflash_gen_seqs=256, dflash_taps="auto",
+                dspark_rank=64, dspark_iters=150, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash"),
     # one consumer GPU, ~10 minutes: wider, deeper, longer context, bigger batches
     "cuda": dict(n_layer=8, n_head=8, n_embd=512, block_size=512, batch_size=32,
                  target_iters=4000, target_lr=1e-3, warmup=200,
-                 small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0),
+                 small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0,
+                 mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=2000, mtp_lr=1e-3, mtp_distill=1.0,
+                 mtp_text="gen", mtp_gen_seqs=2048,
+                 dflash_layers=3, dflash_heads=8, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
+                 dflash_iters=2000, dflash_lr=1e-3, dflash_text="gen", dflash_gen_seqs=2048, dflash_taps="auto",
+                 dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256, dspark_init="dflash"),
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
                  target_iters=30, target_lr=3e-3, warmup=5,
-                 small_layers=1, small_embd=16, small_heads=2, small_iters=10, small_lr=3e-3, small_distill=1.0),
+                 small_layers=1, small_embd=16, small_heads=2, small_iters=10, small_lr=3e-3, small_distill=1.0,
+                 mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=10, mtp_lr=3e-3, mtp_distill=1.0,
+                 mtp_text="gen", mtp_gen_seqs=8,
+                 dflash_layers=1, dflash_heads=2, dflash_block=8, dflash_gamma=4.0, dflash_anchors=4,
+                 dflash_iters=10, dflash_lr=3e-3, dflash_text="gen", dflash_gen_seqs=8, dflash_taps="auto",
+                 dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4, dspark_init="dflash"),
 }
 PRESETS["mps"] = PRESETS["cuda"]
 
@@ -62,6 +78,29 @@ FIELD_HELP = {
     "small_iters": "small draft model: optimizer steps",
     "small_lr": "small draft model: peak learning rate",
     "small_distill": "small draft model: weight of the KL-to-target loss (1 = pure distillation, 0 = data only)",
+    "mtp_mode": "mtp: 'joint' (the target trains with L_main + lambda*L_mtp and writes mtp.pt too) or 'posthoc' (the head trains on the frozen target)",
+    "mtp_modules": "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse the last one",
+    "mtp_lambda": "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
+    "mtp_iters": "mtp: optimizer steps in posthoc mode",
+    "mtp_lr": "mtp: peak learning rate in posthoc mode",
+    "mtp_distill": "mtp: posthoc loss, weight of the KL to the target's next-next distribution (1 = pure distillation, 0 = data only)",
+    "mtp_text": "mtp: posthoc training text, 'gen' (the target's own greedy continuations, shared with dflash when --mtp-gen-seqs matches) or 'data'",
+    "mtp_gen_seqs": "mtp: how many sequences the target writes for --mtp-text gen",
+    "dflash_layers": "dflash: draft layers",
+    "dflash_heads": "dflash: attention heads (width is the target's)",
+    "dflash_block": "dflash: trained block size (anchor + block-1 masks); drafts up to block-1 tokens",
+    "dflash_gamma": "dflash: position weight decay, w_k = exp(-(k-1)/gamma) (paper: 7 for block 16)",
+    "dflash_anchors": "dflash: random anchors (blocks) per training sequence",
+    "dflash_iters": "dflash: optimizer steps",
+    "dflash_lr": "dflash: peak learning rate",
+    "dflash_text": "dflash: training text, 'gen' (the target's own greedy continuations) or 'data' (the corpus); soft labels from the target either way",
+    "dflash_gen_seqs": "dflash: how many sequences the target writes for --dflash-text gen",
+    "dflash_taps": "dflash: target layers read as context, e.g. '1,2,3,4,5' ('auto': every block but the last)",
+    "dspark_rank": "dspark: rank r of the Markov head W1[x] W2 (its backbone takes the --dflash-* shape and text)",
+    "dspark_iters": "dspark: optimizer steps",
+    "dspark_lr": "dspark: peak learning rate",
+    "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration (0: none)",
+    "dspark_init": "dspark: 'dflash' (start the backbone from out/dflash.pt) or 'scratch'",
 }
 
 # -----------------------------------------------------------------------------
@@ -128,7 +167,11 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         elif r is not None:
             print(f"{name}: the resume file is from a run with other settings; starting over")
 
+    saved_step = start if start else None
+
     def save_resume(step):
+        nonlocal saved_step
+        saved_step = step
         save_checkpoint({"kind": "resume", "fingerprint": fingerprint, "step": step,
                          "state_dict": module.state_dict(), "optimizer": opt.state_dict()}, resume_path)
 
@@ -140,13 +183,15 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
             g["lr"] = lr_at(step, iters, lr, args.warmup)
         loss = loss_fn(step)
         loss_val = loss.item()  # host sync: once per step, for the NaN check and the log
-        if not math.isfinite(loss_val):
-            kept = f"the last good state (step {start if step == start else 'saved'}) is kept in {resume_path}" \
-                if os.path.exists(resume_path) else "nothing was saved for this stage"
-            raise TrainingError(f"{name}: the loss became {loss_val} at step {step}; {kept}. "
+        if math.isfinite(loss_val):
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()  # a NaN gradient would poison the weights
+        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
+            kept = f"the last good state (step {saved_step}) is kept in {resume_path}" if saved_step is not None \
+                else "no state of this stage was saved yet"
+            raise TrainingError(f"{name}: the loss (or its gradient) became {loss_val if not math.isfinite(loss_val) else grad_norm} "
+                                f"at step {step}, so training stopped; {kept}. "
                                 f"Try a lower learning rate (--{name}-lr).")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         done = step + 1
@@ -241,18 +286,29 @@ def stage_target(ctx):
     torch.manual_seed(a.seed)
     model = GPT(cfg).to(ctx.device)
     print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
+    mtp = new_mtp(ctx, cfg) if mtp_mode(a) == "joint" else None  # trains alongside: L_main + λ·L_mtp
+    L = (cfg.n_layer,) if mtp is not None else ()
 
     def loss_fn(step):
-        return model(*ctx.batches.get("train", step, ctx.device))[1]
+        x, y = ctx.batches.get("train", step, ctx.device)
+        _, loss, hid = model(x, y, hidden_layers=L)
+        if mtp is not None:  # DeepSeek-V3: the MTP gradient flows into the target's trunk, embedding and head too
+            loss = loss + a.mtp_lambda * mtp_loss(mtp, model, hid[cfg.n_layer], x, y)
+        return loss
 
     fingerprint = {"stage": "target", "config": cfg.to_dict(), "tokenizer": ctx.info["tokenizer_hash"],
-                   "iters": a.target_iters, "lr": a.target_lr, "batch": a.batch_size, "seed": a.seed}
-    val, opt_state = train_loop("target", model, loss_fn, lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
+                   "iters": a.target_iters, "lr": a.target_lr, "batch": a.batch_size, "seed": a.seed,
+                   "mtp": None if mtp is None else (a.mtp_modules, a.mtp_lambda)}
+    val, opt_state = train_loop("target", model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp}),
+                                loss_fn, lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),  # val: L_main only
                                 a.target_iters, a.target_lr, a, fingerprint, a.batch_size * a.block_size)
     sd = {k: v.cpu() for k, v in model.state_dict().items()}
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd, "model_hash": state_hash(sd),
                      "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": opt_state,
                      "val_loss": val, "tokens_seen": a.target_iters * a.batch_size * a.block_size}, ctx.path("target"))
+    if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current and skipped
+        ctx._target = None
+        save_mtp(ctx, mtp, "joint")
     return val
 
 
@@ -285,7 +341,180 @@ def stage_small(ctx):
     return val
 
 
-STAGES = {"target": stage_target, "small": stage_small}
+def parse_taps(spec, n_layer):
+    """'auto' or '1,3,5' -> a list of target layers."""
+    from draft_dflash import default_taps
+    if spec == "auto":
+        return default_taps(n_layer)
+    try:
+        return [int(t) for t in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--dflash-taps must be 'auto' or comma-separated layer numbers like 1,3,5 (got {spec!r})") from None
+
+
+def drafter_text(ctx, kind, n_seqs, seed, split="train"):
+    """step -> (batch_size, block_size) training text for the block drafters. 'data': corpus
+    windows. 'gen': the target's own greedy continuations of short corpus prompts, written once
+    (DFlash trains on text the target regenerated, so it learns what the target will say) and
+    shared by the stages of one run."""
+    a = ctx.args
+    if kind == "data":
+        return lambda step: ctx.batches.get(split, step, ctx.device)[0]
+    if kind != "gen":
+        raise ValueError(f"unknown drafter text {kind!r}: use gen or data")
+    from draft_dflash import target_continuations
+    pools = ctx.__dict__.setdefault("_gen_text", {})
+    if (n_seqs, seed, split) not in pools:
+        target, _ = ctx.target()
+        P = max(1, a.block_size // 8)
+        prompts = ctx.batches.get(split, 10_000_000 + seed, ctx.device, B=n_seqs)[0][:, :P]
+        t0 = time.time()
+        pools[(n_seqs, seed, split)] = torch.cat([target_continuations(target, prompts[i:i + 64], a.block_size)
+                                                  for i in range(0, n_seqs, 64)])
+        print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text in {time.time() - t0:.0f}s")
+    pool = pools[(n_seqs, seed, split)]
+
+    def batch(step):
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+        return pool[torch.randint(n_seqs, (a.batch_size,), generator=g).to(ctx.device)]
+    return batch
+
+
+def stage_dflash(ctx):
+    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
+    from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors
+    a = ctx.args
+    target, tckpt = ctx.target()
+    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
+                       taps=parse_taps(a.dflash_taps, target.config.n_layer), block=a.dflash_block)
+    torch.manual_seed(a.seed + 3)
+    net = DFlash(cfg, target).to(ctx.device)
+    print(f"dflash: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {cfg}")
+    text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
+
+    def loss_of(x, step):
+        with torch.no_grad():  # one target forward: the context states AND the soft labels
+            t_logits, _, hid = target(x, hidden_layers=cfg.taps)
+        g = torch.Generator().manual_seed(a.seed * 7_919 + step)
+        anchors = sample_anchors(x.size(0), x.size(1), a.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
+        return dflash_loss(net, x, hid, t_logits, anchors, a.dflash_gamma)
+
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
+                   "lr": a.dflash_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs, "anchors": a.dflash_anchors,
+                   "gamma": a.dflash_gamma, "seed": a.seed}
+    val, _ = train_loop("dflash", net, lambda s: loss_of(text(s), s),
+                        lambda: ctx.val_loss(lambda x, y: loss_of(x, -1)),  # val: corpus windows, fixed anchors
+                        a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
+    sd = {k: v.cpu() for k, v in net.state_dict().items()}
+    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
+    return val
+
+
+def stage_dspark(ctx):
+    """DSpark (draft_dspark.py): the DFlash backbone, same shape and text as --dflash-*, but the
+    anchor slot predicts too; plus the Markov head and the confidence head, then calibration."""
+    from draft_dflash import DFlashConfig, sample_anchors
+    from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
+    a = ctx.args
+    target, tckpt = ctx.target()
+    bcfg = DFlashConfig(n_embd=target.config.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
+                        taps=parse_taps(a.dflash_taps, target.config.n_layer), block=a.dflash_block, shift=1)
+    cfg = DSparkConfig(rank=a.dspark_rank)
+    torch.manual_seed(a.seed + 4)
+    net = DSpark(bcfg, cfg, target).to(ctx.device)
+    print(f"dspark: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
+    if a.dspark_init == "dflash":  # warm start: the same backbone shape, only the slot -> token offset moves by one
+        dfl = load_checkpoint(ctx.path("dflash"), "dflash")
+        if dfl.get("target_hash") != tckpt["model_hash"] or {**dfl["config"], "shift": 1} != bcfg.to_dict():
+            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this target with the same "
+                             "--dflash-* shape: run `python train.py --only dflash` first, or use --dspark-init scratch")
+        net.backbone.load_state_dict(dfl["state_dict"])
+        print(f"dspark: backbone initialised from {ctx.path('dflash')}")
+    elif a.dspark_init != "scratch":
+        raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
+    text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
+
+    def inputs(x, step):
+        with torch.no_grad():
+            t_logits, _, hid = target(x, hidden_layers=bcfg.taps)
+        g = torch.Generator().manual_seed(a.seed * 7_919 + step)
+        return x, hid, t_logits, sample_anchors(x.size(0), x.size(1), a.dflash_anchors, bcfg.block, 1, g, ctx.device)
+
+    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
+                   "init": a.dspark_init,
+                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs,
+                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
+    val, _ = train_loop("dspark", net, lambda s: dspark_loss(net, *inputs(text(s), s), a.dflash_gamma),
+                        lambda: ctx.val_loss(lambda x, y: dspark_loss(net, *inputs(x, -1), a.dflash_gamma)),
+                        a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
+    extra = {"val_loss": val, "text": a.dflash_text}
+    if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
+        held = drafter_text(ctx, "gen", a.dspark_calib_seqs, a.seed, split="val")
+        before, after = calibrate(net, [inputs(held(s), -1 - s) for s in range(max(1, a.dspark_calib_seqs // a.batch_size))])
+        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
+              f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
+        extra.update(ece_before=before, ece_after=after)
+    sd = {k: v.cpu() for k, v in net.state_dict().items()}
+    save_checkpoint(ctx.drafter_meta("dspark", {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}, sd, extra),
+                    ctx.path("dspark"))
+    return val
+
+
+def mtp_mode(a):
+    if a.mtp_mode not in ("joint", "posthoc"):
+        raise ValueError(f"--mtp-mode must be joint or posthoc (got {a.mtp_mode!r})")
+    return a.mtp_mode
+
+
+def new_mtp(ctx, target_cfg):
+    from draft_mtp import MTP, MTPConfig
+    torch.manual_seed(ctx.args.seed + 2)
+    return MTP(MTPConfig.for_target(target_cfg, ctx.args.mtp_modules)).to(ctx.device)
+
+
+def save_mtp(ctx, mtp, mode):
+    """out/mtp.pt, with the head's own val loss: CE on t_{i+2} (comparable across modes)."""
+    target, _ = ctx.target()
+    L = target.config.n_layer
+    mtp.eval()
+    val = ctx.val_loss(lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
+    print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
+    sd = {k: v.cpu() for k, v in mtp.state_dict().items()}
+    save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd, {"val_loss": val, "mode": mode}), ctx.path("mtp"))
+    return val
+
+
+def stage_mtp(ctx):
+    """MTP (draft_mtp.py), post hoc: the head trains on the frozen target's hidden states. In joint
+    mode the target stage already wrote out/mtp.pt; we only get here if that target predates it."""
+    a = ctx.args
+    target, tckpt = ctx.target()
+    if mtp_mode(a) == "joint":
+        print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc on it "
+              "(`python train.py --only target --force` retrains both jointly)")
+    mtp = new_mtp(ctx, target.config)
+    L = target.config.n_layer
+    print(f"mtp: {sum(p.numel() for p in mtp.parameters()) / 1e6:.2f}M trainable parameters, {mtp.config}")
+
+    text = drafter_text(ctx, a.mtp_text, a.mtp_gen_seqs, a.seed)  # (B, block_size) token windows
+
+    def loss_of(x, y):
+        with torch.no_grad():  # one target forward gives the inputs (h) and the distillation teacher
+            t_logits, _, hid = target(x, hidden_layers=(L,))
+        return mtp_loss(mtp, target, hid[L], x, y, t_logits, a.mtp_distill)
+
+    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"], "iters": a.mtp_iters,
+                   "lr": a.mtp_lr, "distill": a.mtp_distill, "text": a.mtp_text, "gen_seqs": a.mtp_gen_seqs, "seed": a.seed}
+    def train_step(step):
+        w = text(step)  # (B, block_size): inputs w[:, :-1], labels w[:, 1:]
+        return loss_of(w[:, :-1], w[:, 1:])
+
+    train_loop("mtp", mtp, train_step, lambda: ctx.val_loss(loss_of),  # val: corpus windows
+               a.mtp_iters, a.mtp_lr, a, fingerprint, a.batch_size * a.block_size)
+    return save_mtp(ctx, mtp, "posthoc")
+
+
+STAGES = {"target": stage_target, "small": stage_small, "mtp": stage_mtp, "dflash": stage_dflash, "dspark": stage_dspark}
 
 # -----------------------------------------------------------------------------
 # command line
@@ -320,7 +549,7 @@ def resolve_args(argv=None):
         if getattr(args, field) is None:
             setattr(args, field, preset[field])
     if args.only is not None and args.only not in STAGES:
-        raise SystemExit(f"unknown stage {args.only!r}: choose one of {', '.join(STAGES)}")
+        raise ValueError(f"unknown stage {args.only!r}: choose one of {', '.join(STAGES)}")
     return args
 
 

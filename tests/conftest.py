@@ -2,6 +2,7 @@
 equivalence test runs over all of them (add a new drafter to DRAFTER_FACTORIES)."""
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import data  # noqa: E402
+import train  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from speculative import DraftModel  # noqa: E402
 
@@ -47,9 +50,127 @@ def make_self(target):
     return DraftModel(target)
 
 
-DRAFTER_FACTORIES = {"small": make_small, "self": make_self}
+_MTP_FITTED = {}
+
+
+def fit_mtp(target, n_modules=2, steps=30):
+    """A random MTP head, then a few Adam steps distilling the target on its own samples: it
+    now agrees with the target SOME of the time (a purely random head never does), so the
+    shared tests walk through full acceptance, partial acceptance and rejection alike."""
+    key = (id(target), n_modules, steps)
+    if key not in _MTP_FITTED:
+        with torch.inference_mode(False), torch.enable_grad():  # a test may call this inside inference_mode
+            _MTP_FITTED[key] = _fit_mtp(target, n_modules, steps)
+    return _MTP_FITTED[key]
+
+
+def _fit_mtp(target, n_modules, steps):
+    from draft_mtp import MTP, MTPConfig, mtp_loss
+    g = torch.manual_seed(2)
+    mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
+    L = target.config.n_layer
+    with torch.no_grad():
+        x = torch.randint(0, target.config.vocab_size, (16, 4), generator=g)
+        for _ in range(40):
+            p = torch.softmax(target(x)[0][:, -1], -1)
+            x = torch.cat([x, torch.multinomial(p, 1, generator=g)], 1)
+        logits, _, hid = target(x[:, :-1], hidden_layers=(L,))
+    opt = torch.optim.Adam(mtp.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    target.zero_grad(set_to_none=True)  # the shared head got gradients too; only the MTP stepped
+    return mtp.eval()
+
+
+def make_mtp(target):
+    """Two chained MTP modules, so k >= 3 exercises the chain AND the recursive reuse of the last one."""
+    from draft_mtp import MTPDrafter
+    return MTPDrafter(fit_mtp(target), target)
+
+
+_BLOCK_FITTED = {}
+
+
+def fit_block_drafter(target, kind, steps=40):
+    """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers,
+    block 9 (so the shared tests' k = 1..8 are all allowed): random weights, then a few Adam
+    steps on the target's own samples, so it agrees with the target some of the time and the
+    loop sees full, partial and no acceptance."""
+    key = (id(target), kind, steps)
+    if key not in _BLOCK_FITTED:
+        with torch.inference_mode(False), torch.enable_grad():  # callers may be in no-grad or inference mode
+            _BLOCK_FITTED[key] = _fit_block_drafter(target, kind, steps)
+    return _BLOCK_FITTED[key]
+
+
+def _fit_block_drafter(target, kind, steps):
+    from draft_dflash import DFlash, DFlashConfig, dflash_loss
+    from draft_dspark import DSpark, DSparkConfig, dspark_loss
+    g = torch.manual_seed(3)
+    shift = 1 if kind == "dspark" else 0
+    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2], block=9 - shift, shift=shift)
+    net = (DSpark(cfg, DSparkConfig(rank=8), target) if shift else DFlash(cfg, target)).double()
+    loss_fn = dspark_loss if shift else dflash_loss
+    with torch.no_grad():
+        x = torch.randint(0, target.config.vocab_size, (16, 4), generator=g)
+        for _ in range(36):
+            x = torch.cat([x, torch.multinomial(torch.softmax(target(x)[0][:, -1], -1), 1, generator=g)], 1)
+        logits, _, hid = target(x, hidden_layers=cfg.taps)
+    anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)  # every third position
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = loss_fn(net, x, hid, logits, anchors, gamma=4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    target.zero_grad(set_to_none=True)  # the shared head got gradients too; only the drafter stepped
+    return net.eval()
+
+
+def make_dflash(target):
+    from draft_dflash import DFlashDrafter
+    return DFlashDrafter(fit_block_drafter(target, "dflash"))
+
+
+def make_dspark(target):
+    """DSpark with its Markov head and the throughput scheduler on (verify latency profiled on
+    this very target at construction, as at load)."""
+    from draft_dspark import DSparkDrafter
+    return DSparkDrafter(fit_block_drafter(target, "dspark"), schedule="auto")
+
+
+DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "dflash": make_dflash, "dspark": make_dspark}
 
 
 @pytest.fixture(params=sorted(DRAFTER_FACTORIES))
 def drafter_name(request):
     return request.param
+
+
+# -----------------------------------------------------------------------------
+# a real (tiny) train.py run, shared by the tests that only read its out/ folder
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small, fixed corpus: 40 stdlib files, so tokenizer + data take about a second."""
+    d = tmp_path_factory.mktemp("corpus")
+    for f in data.stdlib_files()[:40]:
+        shutil.copy(f, d / f.name)
+    return str(d)
+
+
+def tiny_args(corpus, out, *extra):
+    return ["--preset", "tiny", "--data", corpus, "--vocab-size", "384", "--out-dir", str(out),
+            "--log-interval", "10", "--eval-interval", "1000", *extra]
+
+
+@pytest.fixture(scope="session")
+def trained(corpus, tmp_path_factory):
+    """One full tiny pipeline (every stage), shared by the tests that only read it."""
+    out = tmp_path_factory.mktemp("out")
+    train.main(tiny_args(corpus, out))
+    return out

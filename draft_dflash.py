@@ -1,0 +1,364 @@
+"""
+draft_dflash.py -- DFlash: a block-diffusion drafter that fills a whole block in ONE forward pass.
+
+Paper: Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative Decoding", ICML 2026,
+arXiv 2602.06036.
+
+speculative.py's small drafter pays one forward per drafted token, so drafting k tokens costs
+k forwards. DFlash drafts a block at once: the anchor (the last confirmed token) plus B-1
+learned mask embeddings go through a few bidirectional layers, and every mask slot comes out
+as a draft token, all from one denoising step. What makes such a shallow drafter accurate is
+that it reads the target's own hidden states: several target layers ("taps") are concatenated,
+projected d*n -> d and normalised into a context, and in EVERY draft layer that context is
+injected as extra keys/values in front of the block ("KV injection"). Queries come only from
+the block. Embedding, ln_f and LM head are the target's, frozen.
+
+Two departures from the paper, both because we train for minutes, not GPU-days (see
+DFlash.__init__ and alibi_bias): one mask embedding per block offset instead of one shared
+mask, and an ALiBi distance penalty on top of RoPE.
+
+Bookkeeping at inference (DESIGN.md sec. 5): the context is the target's hidden states of
+every confirmed token BEFORE the anchor t*; t* itself enters the block as a token at its
+absolute position. Each draft layer keeps its context K/V in a static cache: computed once per
+position, appended at commit, never recomputed (the target's states of a position never change).
+
+    python train.py --only dflash && python speculative.py --method dflash --k 15
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from gpt import MLP
+from speculative import Drafter
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class DFlashConfig:
+    n_embd: int = 256        # must be the target's width: we use its embedding and LM head
+    n_head: int = 8          # head size n_embd / n_head (32, as the target's)
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale, 2 fit the CPU budget
+    taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])  # target layers read as context (see default_taps)
+    block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
+    shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts itself);
+    #                          1: slot j predicts anchor+j+1, so the anchor slot drafts too (DSpark's backbone)
+    rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
+    alibi: bool = True       # plus a per-head distance penalty on the attention scores (see alibi_bias())
+    bias: bool = True        # like the target's Linears and LayerNorms
+    dropout: float = 0.0     # gpt.MLP wants it; 0 for runs this short
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown DFlash config fields {sorted(unknown)}: the checkpoint is not a nanospec DFlash drafter")
+        return cls(**d)
+
+
+def default_taps(n_layer):
+    """Which target layers feed the context. The paper spreads 5 taps from the 2nd layer to the
+    third-to-last of 36. Our target has only 6, so we take every block output but the last
+    (1..n_layer-1): the last block is specialised on predicting the *next* token, which at the
+    anchor we already know; the shallower ones still carry what the sequence is about. With a
+    tiny 2-layer target that leaves [1], so we keep both there."""
+    return list(range(1, n_layer)) if n_layer > 2 else list(range(1, n_layer + 1))
+
+
+# -----------------------------------------------------------------------------
+# the draft layers: RoPE, KV-injected attention, a block
+
+
+def rope(x, pos, base):
+    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs) at absolute positions pos
+    ((T,) or (B, T)). Why RoPE and not the target's wpe: after rotation q.k depends only on the
+    distance between a block slot and a context position, so "slot j, j tokens after the
+    anchor, attends to the last few context positions" is the same pattern at every position.
+    Keys are rotated once, at their absolute position, and cached that way."""
+    hs = x.size(-1)
+    inv = base ** (-torch.arange(0, hs, 2, device=x.device, dtype=x.dtype) / hs)  # (hs/2,)
+    ang = pos.to(x.dtype)[..., None] * inv  # (T, hs/2) or (B, T, hs/2)
+    if ang.dim() == 3:
+        ang = ang[:, None]  # (B, 1, T, hs/2): broadcast over heads
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def alibi_bias(pos, n_ctx, n_head, mask, dtype):
+    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh). Context
+    positions are 0..n_ctx-1, block positions `pos` ((T,) or (B, T)). Why: at init the queries
+    and keys are near zero, so attention is uniform over the whole context and the few states
+    that matter (the last ones before the anchor) are drowned, and learning starts slowly
+    (measured, one batch, 40 steps: loss 5.9 with the bias, 6.1 without). The bias gives some
+    heads a recency prior from step 0; heads with small slopes stay global.
+    Returns a float mask (…, nh, T, n_ctx + T), -inf where `mask` (bool) forbids."""
+    k_pos = torch.cat([torch.arange(n_ctx, device=pos.device).expand(*pos.shape[:-1], -1), pos], dim=-1)
+    dist = (pos[..., :, None] - k_pos[..., None, :]).abs().to(dtype)  # (…, T, Tk)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=pos.device, dtype=dtype) / n_head)
+    bias = -slopes.view(n_head, 1, 1) * dist[..., None, :, :]  # (…, nh, T, Tk)
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
+class InjectedAttention(nn.Module):
+    """Queries from the block only; keys/values = [context ; block] along the sequence axis.
+    One key/value projection serves both, so context and block live in the same key space."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.rope_base = cfg.n_head, cfg.rope_base
+
+    def heads(self, t):
+        B, T, C = t.shape
+        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+    def kv(self, x, pos):
+        """(B, T, C) -> keys (rotated to their absolute positions) and values, (B, nh, T, hs) each."""
+        k, v = self.c_kv(x).split(x.size(-1), dim=2)
+        return rope(self.heads(k), pos, self.rope_base), self.heads(v)
+
+    def forward(self, x, pos, ctx_k, ctx_v, mask=None):
+        B, T, C = x.shape
+        q = rope(self.heads(self.c_q(x)), pos, self.rope_base)  # (B, nh, T, hs)
+        k, v = self.kv(x, pos)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (B, nh, Tc + T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask None: all visible (inference)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class DraftLayer(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = InjectedAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, pos, ctx_kv, mask=None):
+        x = x + self.attn(self.ln_1(x), pos, *ctx_kv, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+# -----------------------------------------------------------------------------
+# the drafter network
+
+
+class DFlash(nn.Module):
+    """Fusion projection + mask embedding + draft layers. The target (embedding, ln_f, LM head)
+    is held but not registered as a submodule: its weights stay frozen, out of the optimizer and
+    out of our state_dict."""
+
+    def __init__(self, cfg, target):
+        super().__init__()
+        if cfg.n_embd != target.config.n_embd:
+            raise ValueError(f"the drafter width ({cfg.n_embd}) must equal the target's ({target.config.n_embd})")
+        if not cfg.taps or not all(1 <= t <= target.config.n_layer for t in cfg.taps):
+            raise ValueError(f"taps {cfg.taps} must be target layers in 1..{target.config.n_layer}")
+        self.config = cfg
+        self.__dict__["target"] = target  # plain attribute, not a submodule (see above)
+        self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
+        self.ctx_norm = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        # one learned mask embedding per block offset 1..block-1. A single shared mask (the paper's)
+        # leaves RoPE as the only thing telling slot 3 from slot 9; in our few hundred training
+        # steps every slot then made one and the same guess. Initialised at the scale of the
+        # target's token embeddings (row norm ~1): at 0.02 the slot identity drowned in the
+        # attention output, and the slots still collapsed (measured on held-out target text).
+        self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) / math.sqrt(cfg.n_embd))
+        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
+        for pn, p in self.named_parameters():
+            if p.dim() == 2 and pn != "mask_emb":
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1))
+            elif pn.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def context(self, hidden):
+        """{layer: (B, T, d)} target states -> projected, normalised context (B, T, d)."""
+        return self.ctx_norm(self.fc(torch.cat([hidden[t] for t in self.config.taps], dim=-1)))
+
+    def context_kv(self, ctx, pos):
+        """Every draft layer's keys/values for these context positions: [(k, v)] * n_layer."""
+        return [layer.attn.kv(ctx, pos) for layer in self.layers]
+
+    def block_input(self, anchors, n_slots):
+        """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the masks."""
+        B, A = anchors.shape
+        masks = self.mask_emb[:n_slots - 1].expand(B, A, -1, -1)  # (B, A, n_slots-1, d)
+        x = torch.cat([self.target.transformer.wte(anchors)[:, :, None], masks], dim=2)  # (B, A, n_slots, d)
+        return x.view(B, A * n_slots, -1)
+
+    def run(self, x, pos, ctx_kvs, mask=None):
+        if self.config.alibi:
+            mask = alibi_bias(pos, ctx_kvs[0][0].size(2), self.config.n_head, mask, x.dtype)
+        for layer, ckv in zip(self.layers, ctx_kvs):
+            x = layer(x, pos, ckv, mask)
+        return x
+
+    def head(self, h):
+        """The target's own ln_f and LM head."""
+        return self.target.lm_head(self.target.transformer.ln_f(h))
+
+
+# -----------------------------------------------------------------------------
+# training: many random anchors per sequence, each block sees only the context before it
+
+
+def sample_anchors(B, T, A, block, shift, gen=None, device="cpu"):
+    """(B, A) distinct anchor positions per row. An anchor a needs >= 1 context position (a >= 1;
+    at inference the prompt always gives one) and its last target a+block-1+shift inside the window."""
+    hi = T - block - shift  # largest valid anchor
+    if hi < 1 or A > hi:
+        raise ValueError(f"a window of {T} tokens holds at most {max(0, hi)} anchors for block {block}; asked for {A}")
+    return (torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :A] + 1).to(device)
+
+
+def training_mask(anchors, T, block):
+    """(B, 1, A*block, T + A*block) boolean attention mask, True = may attend. A query in the
+    block of anchor a sees context position i iff i < a: the context is the target's states of
+    the tokens BEFORE the anchor (the anchor's own state is not known at inference: it is the
+    first input of the next verify). It sees every slot of its own block (bidirectional) and
+    no slot of any other block."""
+    B, A = anchors.shape
+    a = anchors.repeat_interleave(block, dim=1)  # (B, A*block): the anchor of each query
+    ctx_ok = torch.arange(T, device=anchors.device) < a[..., None]  # (B, A*block, T)
+    blk = torch.arange(A, device=anchors.device).repeat_interleave(block)
+    blk_ok = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # (B, A*block, A*block)
+    return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
+
+
+def block_states(net, x, hidden, anchors):
+    """Draft-layer outputs for every prediction of every anchor's block, all in one pass.
+    x (B, T) tokens, hidden {layer: (B, T, d)} the target's states on x, anchors (B, A).
+    Returns h (B, A, P, d) and the positions they predict (B, A, P): prediction i targets the
+    token at anchor + 1 + i, read from slot i + 1 - shift."""
+    cfg = net.config
+    B, T = x.shape
+    A, blk = anchors.size(1), cfg.block
+    ctx_kvs = net.context_kv(net.context(hidden), torch.arange(T, device=x.device))
+    pos = (anchors[..., None] + torch.arange(blk, device=x.device)).view(B, A * blk)
+    h = net.run(net.block_input(x.gather(1, anchors), blk), pos, ctx_kvs, training_mask(anchors, T, blk))
+    P = blk - 1 + cfg.shift
+    h = h.view(B, A, blk, -1)[:, :, 1 - cfg.shift:]
+    return h, anchors[..., None] + 1 + torch.arange(P, device=x.device)
+
+
+def position_weights(P, gamma, device=None):
+    """w_k = exp(-(k-1)/gamma): early positions matter most, a miss there ends the round."""
+    return torch.exp(-torch.arange(P, device=device, dtype=torch.float32) / gamma)
+
+
+def soft_labels(t_logits, tpos):
+    """The target's distribution for the token at each position tpos (B, A, P): the target's
+    logits at tpos - 1, as computed on the training text. -> (B, A, P, V)."""
+    b = torch.arange(t_logits.size(0), device=t_logits.device)[:, None, None]
+    return F.softmax(t_logits[b, tpos - 1].float(), dim=-1)
+
+
+def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
+    """Position-weighted cross-entropy against the target's own distributions (soft labels)."""
+    h, tpos = block_states(net, x, hidden, anchors)
+    logp = F.log_softmax(net.head(h).float(), dim=-1)
+    ce = -(soft_labels(t_logits, tpos) * logp).sum(-1)  # (B, A, P)
+    w = position_weights(ce.size(-1), gamma, ce.device)
+    return (ce * w).sum(-1).mean() / w.sum()
+
+
+@torch.no_grad()
+def target_continuations(target, prompts, T, temperature=0.0, gen=None):
+    """Let the target write the training text itself (the paper regenerates its data with the
+    target). prompts (N, P) -> (N, T) tokens, the first P given, the rest the target's own
+    (greedy at temperature 0, else sampled). Batched decoding with the target's KV cache."""
+    N, P = prompts.shape
+    cache = target.new_cache(batch_size=N)
+    out = torch.empty(N, T, dtype=torch.long, device=prompts.device)
+    out[:, :P] = prompts
+    logits = target(prompts, cache=cache, last_only=True)[0][:, -1]  # (N, V)
+    for t in range(P, T):
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = torch.multinomial(F.softmax(logits.float() / temperature, -1), 1, generator=gen).view(-1)
+        out[:, t] = nxt
+        if t + 1 < T:
+            logits = target(nxt.view(N, 1), cache=cache)[0][:, -1]
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the Drafter: one forward per round, context K/V cached per draft layer
+
+
+class DFlashDrafter(Drafter):
+    """propose(k): anchor + k masks at positions S-1 .. S-1+k -> k drafts in one forward. Any
+    k <= block-1 works (a smaller block is just fewer masks); more than trained is an error."""
+    name = "dflash"
+
+    def __init__(self, net):
+        self.net = net
+        cfg, tcfg = net.config, net.target.config
+        self.hidden_layers = tuple(cfg.taps)
+        self.max_k = cfg.block - 1 + cfg.shift
+        self.default_k = self.max_k
+        p = net.fc.weight
+        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size, cfg.n_embd // cfg.n_head)  # (L, 1, nh, Tmax, hs)
+        self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.n_ctx = 0
+
+    def _extend(self, hidden):
+        """Append the context K/V of the positions whose target states just arrived."""
+        ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})  # (1, m, d)
+        m = ctx.size(1)
+        pos = torch.arange(self.n_ctx, self.n_ctx + m, device=ctx.device)
+        for i, (k, v) in enumerate(self.net.context_kv(ctx, pos)):
+            self.k_cache[i, :, :, self.n_ctx:self.n_ctx + m] = k
+            self.v_cache[i, :, :, self.n_ctx:self.n_ctx + m] = v
+        self.n_ctx += m
+
+    @torch.inference_mode()
+    def begin(self, tokens, hidden):
+        self.seq = tokens.view(-1).clone()
+        self.n_ctx = 0
+        self._extend(hidden)
+
+    def block_states(self, n_slots):
+        """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d)."""
+        S, n = self.seq.numel(), self.n_ctx  # n == S - 1: context = every confirmed token before the anchor
+        pos = torch.arange(S - 1, S - 1 + n_slots, device=self.seq.device)
+        ctx_kvs = [(self.k_cache[i, :, :, :n], self.v_cache[i, :, :, :n]) for i in range(len(self.net.layers))]
+        return self.net.run(self.net.block_input(self.seq[-1:].view(1, 1), n_slots), pos, ctx_kvs)[0]
+
+    def check_k(self, k):
+        if not 1 <= k <= self.max_k:
+            raise ValueError(f"this {self.name} drafter was trained with block {self.net.config.block} and drafts "
+                             f"1..{self.max_k} tokens per round, not k={k}")
+
+    @torch.inference_mode()
+    def propose(self, k, sampler):
+        self.check_k(k)
+        shift = self.net.config.shift
+        h = self.block_states(k + 1 - shift)[1 - shift:]  # (k, d)
+        S = self.seq.numel()
+        return sampler.draft(self.net.head(h), list(range(S, S + k)))
+
+    @torch.inference_mode()
+    def commit(self, n, new, hidden):
+        self._extend(hidden)
+        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+
+
+def load_dflash(ckpt, target, device, dtype):
+    net = DFlash(DFlashConfig.from_dict(ckpt["config"]), target)
+    net.load_state_dict(ckpt["state_dict"])
+    return DFlashDrafter(net.to(device=device, dtype=dtype).eval())

@@ -1,0 +1,293 @@
+"""
+draft_dspark.py -- DSpark: DFlash's one-pass backbone + a cheap semi-autoregressive Markov head
++ confidence-scheduled verification.
+
+Paper: DSpark (Peking University + DeepSeek-AI, 2026; open code in DeepSpec, MIT).
+
+draft_dflash.py drafts every block slot independently: slot 5 never learns what slot 4 chose,
+so two plausible continuations can get mixed ("the the"). DSpark keeps the parallel backbone
+for the expensive part and adds two cheap pieces on top:
+
+1. A Markov head. The backbone gives base logits U_k for every slot in one pass (here the
+   anchor itself is the first prediction slot: anchor + B-1 masks -> B drafts). Then, left to
+   right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2): a rank-r bias that depends on
+   the token just drafted. One row lookup and one (r x V) product per token: the sequential
+   part stays small next to the backbone. Every q is an exact softmax, so rejection sampling
+   stays lossless.
+2. A confidence head c_k = sigmoid(w . [h_k; W1[x_{k-1}]]): the chance draft k survives given
+   that its prefix did. Prefix survival a_j = prod_{i<=j} c_i. A scheduler, with the target's
+   verify latency profiled once at load, verifies only the prefix that maximises expected
+   tokens per second, (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)).
+
+    python train.py --only dspark && python speculative.py --method dspark --k 16
+"""
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from gpt import synchronize
+from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights, soft_labels
+
+# -----------------------------------------------------------------------------
+# the network: a DFlash backbone (shift=1) + Markov head + confidence head
+
+
+@dataclass
+class DSparkConfig:
+    rank: int = 64           # Markov head rank r (paper: 256 with a 100k+ vocabulary; our V is 4096)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class DSpark(nn.Module):
+
+    def __init__(self, bcfg, cfg, target):
+        super().__init__()
+        if bcfg.shift != 1:
+            raise ValueError("DSpark's backbone predicts at the anchor slot too: it needs a DFlashConfig with shift=1")
+        V, d = target.config.vocab_size, bcfg.n_embd
+        self.config = cfg
+        self.backbone = DFlash(bcfg, target)
+        self.w1 = nn.Embedding(V, cfg.rank)              # W1[x]: the previous token's low-rank code
+        self.w2 = nn.Linear(cfg.rank, V, bias=False)     # W2: code -> a bias over the vocabulary
+        self.conf = nn.Linear(d + cfg.rank, 1)           # w of the confidence head
+        nn.init.normal_(self.w1.weight, std=0.02)
+        nn.init.zeros_(self.w2.weight)                   # start as plain DFlash: the bias grows from 0
+        nn.init.zeros_(self.conf.weight)
+        nn.init.zeros_(self.conf.bias)
+        # per-position temperature for the confidence logits, fitted on held-out text (calibrate())
+        self.register_buffer("conf_temp", torch.ones(bcfg.block))
+
+    def markov(self, prev):
+        """B(x_{k-1}, .) = W1[x_{k-1}] W2: prev (...) token ids -> (..., V)."""
+        return self.w2(self.w1(prev))
+
+    def confidence_logit(self, h, prev):
+        """w . [h_k; W1[x_{k-1}]] (before the sigmoid): h (..., d), prev (...) -> (...)."""
+        return self.conf(torch.cat([h, self.w1(prev)], dim=-1)).squeeze(-1)
+
+
+# -----------------------------------------------------------------------------
+# training: 0.1 CE + 0.9 TV + 1.0 BCE, all position-weighted
+
+
+def dspark_terms(net, x, hidden, t_logits, anchors):
+    """Teacher-forced block predictions on text x. Returns per-prediction (B, A, P) tensors:
+    log p_draft of the text token, TV(p_draft, p_target), the confidence logit, and whether the
+    greedy draft equals the target's argmax (what calibration fits)."""
+    h, tpos = block_states(net.backbone, x, hidden, anchors)  # (B, A, P, d), (B, A, P)
+    b = torch.arange(x.size(0), device=x.device)[:, None, None]
+    prev = x[b, tpos - 1]  # x_{k-1}: the anchor for the first slot, then the text's own tokens
+    logp = F.log_softmax((net.backbone.head(h) + net.markov(prev)).float(), dim=-1)  # (B, A, P, V)
+    p_t = soft_labels(t_logits, tpos)
+    tv = 0.5 * (logp.exp() - p_t).abs().sum(-1)
+    ce = -logp.gather(-1, x[b, tpos][..., None]).squeeze(-1)
+    # the confidence head is a probe on the backbone: its BCE does not pull the drafting features
+    z = net.confidence_logit(h.detach(), prev)
+    hit = (logp.argmax(-1) == p_t.argmax(-1)).float()
+    return ce, tv, z, hit
+
+
+def dspark_loss(net, x, hidden, t_logits, anchors, gamma):
+    ce, tv, z, _ = dspark_terms(net, x, hidden, t_logits, anchors)
+    bce = F.binary_cross_entropy_with_logits(z.float(), (1 - tv).detach(), reduction="none")  # soft label 1 - TV
+    w = position_weights(ce.size(-1), gamma, ce.device)
+    return (((0.1 * ce + 0.9 * tv + bce) * w).sum(-1).mean() / w.sum())
+
+
+@torch.no_grad()
+def calibrate(net, batches):
+    """Per-position temperature scaling of the confidence logits (Guo et al. 2017): for each
+    slot k pick T_k minimising the log loss of sigmoid(z / T_k) against whether the greedy draft
+    matched the target (teacher-forced on the target's own text, so 'its prefix survived').
+    batches: list of (x, hidden, t_logits, anchors). Returns the ECE before and after."""
+    zs, hits = [], []
+    for x, hid, t_logits, anchors in batches:
+        _, _, z, hit = dspark_terms(net, x, hid, t_logits, anchors)
+        zs.append(z.flatten(0, 1))
+        hits.append(hit.flatten(0, 1))
+    z, hit = torch.cat(zs).float(), torch.cat(hits)  # (N, P)
+    grid = torch.logspace(-1.5, 1.5, 61, device=z.device)
+    before = ece(torch.sigmoid(z / net.conf_temp.float()).flatten(), hit.flatten())
+    for k in range(z.size(1)):
+        losses = [F.binary_cross_entropy_with_logits(z[:, k] / t, hit[:, k]).item() for t in grid]
+        net.conf_temp[k] = grid[min(range(len(grid)), key=losses.__getitem__)]
+    after = ece(torch.sigmoid(z / net.conf_temp.float()).flatten(), hit.flatten())
+    return before, after
+
+
+def ece(prob, outcome, bins=10):
+    """Expected calibration error: |mean confidence - frequency| per equal-width bin, weighted."""
+    idx = (prob * bins).long().clamp(max=bins - 1)
+    err = 0.0
+    for i in range(bins):
+        m = idx == i
+        if m.any():
+            err += m.float().mean().item() * abs(prob[m].mean().item() - outcome[m].float().mean().item())
+    return err
+
+
+# -----------------------------------------------------------------------------
+# the scheduler: how many drafts to verify this round
+
+
+class Throughput:
+    """The scheduler's rule, fed a_1, a_2, ... in order: admit position l while the expected
+    throughput (1 + sum_{j<=l} a_j) / (t_draft + t_verify[l+1]) does not drop; refuse (and stay
+    refused) at the first drop. t_verify[m]: seconds for an m-token target forward. The first
+    position is always admitted: a round verifies at least one draft."""
+
+    def __init__(self, t_draft, t_verify):
+        self.t_draft, self.t_verify = t_draft, t_verify
+        self.l, self.expected, self.theta = 0, 1.0, 0.0
+
+    def admit(self, a):
+        e = self.expected + a
+        th = e / (self.t_draft + self.t_verify[self.l + 2])
+        if self.l >= 1 and th < self.theta:
+            return False
+        self.l, self.expected, self.theta = self.l + 1, e, th
+        return True
+
+
+class Threshold:
+    """The static rule, for comparison: admit while a_l >= threshold (and always the first)."""
+
+    def __init__(self, threshold):
+        self.threshold, self.l = threshold, 0
+
+    def admit(self, a):
+        if self.l >= 1 and a < self.threshold:
+            return False
+        self.l += 1
+        return True
+
+
+def schedule_length(a, t_draft, t_verify):
+    """How many of the drafts with prefix survival a (a_1..a_K) the throughput rule verifies."""
+    rule = Throughput(t_draft, t_verify)
+    for x in a:
+        if not rule.admit(x):
+            break
+    return rule.l
+
+
+def profile_verify(target, m_max, context=None, reps=9):
+    """Seconds of one target forward over m = 1..m_max new tokens after a context of `context`
+    tokens (default: half the window), on the target's own device and dtype. The fastest of
+    `reps` tries: interference from other processes only ever adds time (a median was thrown
+    off by a busy shared CPU). Made non-decreasing in m. Returns a list indexed by m (0 unused)."""
+    dev = target.lm_head.weight.device
+    L = context if context is not None else target.config.block_size // 2
+    L = min(L, target.config.block_size - m_max)
+    cache = target.new_cache()
+    x = torch.zeros(1, L + m_max, dtype=torch.long, device=dev)
+    with torch.inference_mode():
+        target(x[:, :L], cache=cache)
+        t = [0.0]
+        for m in range(1, m_max + 1):
+            ts = []
+            for _ in range(reps):
+                cache.rollback(L)
+                synchronize(dev)
+                t0 = time.perf_counter()
+                target(x[:, L:L + m], cache=cache)
+                synchronize(dev)
+                ts.append(time.perf_counter() - t0)
+            t.append(max(min(ts), t[-1]))
+    return t
+
+
+# -----------------------------------------------------------------------------
+# the Drafter
+
+
+class DSparkDrafter(DFlashDrafter):
+    """schedule: 'auto' (the throughput scheduler), 'threshold' (verify while a_j >= threshold)
+    or 'full' (always all k), so bench can ablate. markov=False drops the Markov bias (ablation).
+    mean_verify_len: average number of drafts actually sent to verification."""
+    name = "dspark"
+
+    def __init__(self, net, schedule="auto", threshold=0.5, markov=True, profile=True):
+        super().__init__(net.backbone)
+        if schedule not in ("auto", "threshold", "full"):
+            raise ValueError(f"unknown schedule {schedule!r}: use auto, threshold or full")
+        self.spark, self.schedule, self.threshold, self.markov = net, schedule, threshold, markov
+        self.log = None  # set to a list to record (a_1..a_l, n survived) per round (calibration checks)
+        self.verified, self.rounds, self.t_draft = 0, 0, 0.0
+        self.t_verify = profile_verify(net.backbone.target, self.max_k + 1) if profile else None
+        if profile:
+            self.t_draft = self.profile_draft()
+
+    @property
+    def mean_verify_len(self):
+        return self.verified / max(1, self.rounds)
+
+    def profile_draft(self, reps=9):
+        """Seconds for one full-block propose() on a dummy context (a greedy pick); the fastest try."""
+        from speculative import Sampler
+        tcfg = self.net.target.config
+        L = tcfg.block_size // 2
+        hid = {t: torch.zeros(1, L, tcfg.n_embd, device=self.k_cache.device, dtype=self.k_cache.dtype)
+               for t in self.hidden_layers}
+        self.begin(torch.zeros(1, L + 1, dtype=torch.long, device=self.k_cache.device), hid)
+        saved = self.schedule, self.threshold
+        self.schedule, self.threshold = "threshold", 0.0  # every position scored and admitted: the full cost
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.propose(self.max_k, Sampler("greedy"))
+            synchronize(self.k_cache.device)
+            ts.append(time.perf_counter() - t0)
+        self.schedule, self.threshold = saved
+        self.verified, self.rounds = 0, 0
+        return min(ts)
+
+    @torch.inference_mode()
+    def propose(self, k, sampler):
+        self.check_k(k)
+        h = self.block_states(k)  # anchor + k-1 masks; slot j drafts the token after it: (k, d)
+        U = self.net.head(h)  # (k, V) base logits, all slots in one product (row by row was slower)
+        rule = {"auto": lambda: Throughput(self.t_draft, self.t_verify),
+                "threshold": lambda: Threshold(self.threshold), "full": lambda: None}[self.schedule]()
+        scored = rule is not None or self.log is not None
+        if scored:  # the h part of every confidence logit at once; the W1[x_{k-1}] part comes per step
+            w = self.spark.conf.weight[0]
+            zh = h @ w[:h.size(-1)] + self.spark.conf.bias  # (k,)
+        S = self.seq.numel()
+        prev, toks, qs, a, surv = self.seq[-1:], [], [], [], 1.0
+        for j in range(k):  # the cheap sequential part: one row lookup and one (r x V) product per token
+            code = self.spark.w1(prev)  # (1, r): W1[x_{j-1}]
+            if scored:
+                c = torch.sigmoid((zh[j] + code[0] @ w[h.size(-1):]) / self.spark.conf_temp[j])
+                surv *= c.item()  # host sync per step: free on a CPU; batch it on a GPU
+                if rule is not None and not rule.admit(surv):
+                    break  # the first drop: neither verify nor even draft the rest
+                a.append(surv)
+            logits = (U[j:j + 1] + self.spark.w2(code)) if self.markov else U[j:j + 1]
+            tok, q = sampler.draft(logits, [S + j])
+            toks.append(tok)
+            qs.append(q)
+            prev = tok
+        self._a = a
+        self.verified += len(toks)
+        self.rounds += 1
+        return torch.cat(toks), (torch.cat(qs) if qs[0] is not None else None)
+
+    @torch.inference_mode()
+    def commit(self, n, new, hidden):
+        if self.log is not None:
+            self.log.append((self._a, n))
+        super().commit(n, new, hidden)
+
+
+def load_dspark(ckpt, target, device, dtype):
+    bcfg = DFlashConfig.from_dict(ckpt["config"]["backbone"])
+    net = DSpark(bcfg, DSparkConfig(**ckpt["config"]["dspark"]), target)
+    net.load_state_dict(ckpt["state_dict"])
+    return DSparkDrafter(net.to(device=device, dtype=dtype).eval())

@@ -1,0 +1,243 @@
+"""
+draft_mtp.py -- multi-token prediction (MTP) as a built-in drafter (DeepSeek-V3, arXiv 2412.19437, §2.2).
+
+speculative.py drafted with an independent small GPT that reads only tokens. An MTP module
+instead reads the target's own last hidden state: to predict the token after next it takes
+h_i (what the target 'thinks' at position i) and the embedding of t_{i+1} (the token the
+target just chose), mixes them with one linear map, runs ONE transformer block and reads
+the answer off the target's own output head:
+
+    h'_i = M · [RMSNorm(h_i) ; RMSNorm(Emb(t_{i+1}))]      M: 2d -> d, no bias
+    h''_i = Block(h'_0 .. h'_i)                             causal, its own KV cache
+    p(t_{i+2}) = softmax(lm_head(ln_f(h''_i)))              the target's ln_f + lm_head
+
+Embedding and head are the target's (frozen at draft time), so the module is tiny: one
+block plus M. D modules chain as in DeepSeek-V3 (module k reads module k-1's output and
+t_{i+k}, predicts t_{i+k+1}); drafts deeper than D reuse the last module recursively,
+feeding back its own output and its own drafted token (as vLLM/SGLang do).
+
+Position: no position embedding is added. h_i already carries position (the target added
+wpe at its input and six causal layers have mixed it in), and the block's causal attention
+sees the module's own history. The module is thereby free of absolute positions.
+
+It trains two ways (train.py --mtp-mode). `joint` adds λ·L_mtp to the target's own loss while
+the target trains (DeepSeek-V3, λ = 0.3) and writes out/mtp.pt with the target. `posthoc` (the
+default) trains the module alone on the frozen target, distilling the target's own distribution
+of the token after next on text the target wrote itself. At a matched budget joint training made
+the TARGET slightly better, but its head drafted clearly worse (see the README): a drafter is
+judged by agreeing with the target, and a head trained with CE on the corpus while the target
+moves under it learns the data, not the target.
+
+    python train.py --only mtp && python speculative.py --method mtp --k 2
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from gpt import Block, GPTConfig, KVCache, chunk_mask
+from speculative import Drafter
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class MTPConfig:
+    n_embd: int = 256     # must equal the target's width: h_i and its embedding go in as they are
+    n_head: int = 8       # the block's heads (the target's, so the block is one more target layer)
+    n_modules: int = 1    # D: chained modules (DeepSeek-V3 uses 1); deeper drafts reuse the last one
+    block_size: int = 256  # the target's context window: size of the module's KV cache
+    bias: bool = True     # like the target's Linears and LayerNorms (M itself never has a bias)
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**d)
+
+    @classmethod
+    def for_target(cls, gpt_config, n_modules=1):
+        c = gpt_config
+        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=n_modules, block_size=c.block_size, bias=c.bias)
+
+    def block_config(self):
+        return GPTConfig(block_size=self.block_size, n_layer=1, n_head=self.n_head, n_embd=self.n_embd, bias=self.bias)
+
+
+# -----------------------------------------------------------------------------
+# the module
+
+
+class MTPModule(nn.Module):
+    """One depth: (h_i, Emb(t_{i+k})) -> h''_i, from which the shared head predicts t_{i+k+1}."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.n_embd
+        self.norm_h = nn.RMSNorm(d)  # h comes off the residual stream un-normalised; Emb is ~N(0, 0.02)
+        self.norm_e = nn.RMSNorm(d)  # normalising both puts them on one scale before M mixes them
+        self.proj = nn.Linear(2 * d, d, bias=False)  # M
+        self.block = Block(config.block_config())
+
+    def forward(self, h, e, kv=None, start=0, attn_mask=None):
+        x = self.proj(torch.cat([self.norm_h(h), self.norm_e(e)], dim=-1))  # (B, T, d)
+        return self.block(x, kv, start, attn_mask)
+
+
+def head(target, h):
+    """The target's own output head (ln_f + lm_head): shared, never copied into the checkpoint."""
+    return target.lm_head(target.transformer.ln_f(h))
+
+
+class MTP(nn.Module):
+    """D chained MTP modules. Only these weights train in posthoc mode and go in out/mtp.pt;
+    the target (embedding, head, hidden states) is passed in, never registered as a submodule."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.mods = nn.ModuleList([MTPModule(config) for _ in range(config.n_modules)])
+        for pn, p in self.named_parameters():  # GPT-2 init: N(0, 0.02), residual projections scaled down
+            if p.dim() >= 2:
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02)
+            elif pn.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, target, hidden, idx, next_tok):
+        """Training forward over whole sequences.
+
+        hidden (B, T, d): the target's last block output at positions 0..T-1 of idx (B, T);
+        next_tok (B, 1): the token after idx (so t_0..t_T are all known).
+        Module k (1-based) runs over indices i = 0..T-1-k: input (h^{k-1}_i, t_{i+k}), predicting
+        t_{i+k+1}. Returns ([logits (B, T-k, V) for each k], [targets (B, T-k) for each k])."""
+        T = idx.size(1)
+        full = torch.cat([idx, next_tok], dim=1)  # (B, T+1): t_0 .. t_T
+        wte = target.transformer.wte
+        h, logits, targets = hidden, [], []
+        for k, mod in enumerate(self.mods, start=1):
+            h = mod(h[:, :T - k], wte(full[:, k:T]))  # (B, T-k, d): plain causal attention from 0
+            logits.append(head(target, h))
+            targets.append(full[:, k + 1:T + 1])
+        return logits, targets
+
+
+def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
+    """Mean over the D modules of (1 - distill)·CE(data) + distill·KL(target || module).
+    The distillation teacher for module k at index i is the target's own distribution at
+    position i+k (given the true prefix), which is exactly what greedy acceptance compares to."""
+    logits, targets = mtp(target, hidden, x, y[:, -1:])
+    total = 0.0
+    for k, (lg, tg) in enumerate(zip(logits, targets), start=1):
+        loss = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1)) if distill < 1 else 0.0
+        if distill > 0:
+            teacher = F.log_softmax(target_logits[:, k:].detach(), dim=-1)
+            kl = (teacher.exp() * (teacher - F.log_softmax(lg, dim=-1))).sum(-1).mean()
+            loss = (1 - distill) * loss + distill * kl
+        total = total + loss
+    return total / len(logits)
+
+
+# -----------------------------------------------------------------------------
+# drafting
+
+
+class MTPDrafter(Drafter):
+    """Drafts with the MTP modules, each keeping its own KV cache indexed by i (the position of
+    the target hidden state at the root of that entry).
+
+    Bookkeeping. The confirmed sequence is t_0..t_{S-1}; the target has h_0..h_{S-2}.
+      - Entry i of module k reads (h^{k-1}_i, t_{i+k}) and predicts t_{i+k+1}. It is EXACT
+        (a pure function of confirmed data) when i <= S-1-k. Module 1's exact entries are
+        0..S-2: all of them, since h_i is the target's own.
+      - propose: module k (k <= D) first catches up on a chunk of indices [cache length, S-2]
+        in one forward (for k = 1 these are the target states that commit handed over, the
+        last one being step 1 = (h_{S-2}, t*)); the output at S-2 drafts token S+k-1. Module
+        k >= 2 reads the drafts d_1..d_{k-1} at its tail, so its last k-1 entries are
+        speculative. Steps past D reuse module D at indices S-1, S, ...: input = its own
+        previous output (standing in for a target state it does not have) + its own last
+        draft. Those RECURSIVE entries are always speculative.
+      - commit: every cache is cut back to its exact entries (module k: indices < S-k, with
+        S the length before the commit), and the target's states of the n+1 positions that
+        just became 'all but the last' go into H[0], to be eaten by the next propose.
+    H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it."""
+    name = "mtp"
+    default_k = 2  # best measured speedup on the CPU preset: tau keeps rising with k, but here
+    #                each draft step costs about a third of a target forward
+    max_k = None
+
+    def __init__(self, mtp, target):
+        self.mtp, self.target = mtp, target
+        self.hidden_layers = (target.config.n_layer,)
+        p = target.lm_head.weight
+        cfg = mtp.config
+        D = cfg.n_modules
+        # one cache per module (module k's is caches[k-1]): the modules' exact extents differ
+        self.caches = [KVCache(cfg.block_config(), 1, p.device, p.dtype) for _ in range(D)]
+        self.H = torch.zeros(D + 1, cfg.block_size, cfg.n_embd, device=p.device, dtype=p.dtype)
+
+    def begin(self, tokens, hidden):
+        self.seq = tokens.view(-1).clone()
+        S = self.seq.numel()
+        for c in self.caches:
+            c.reset()
+        self.H[0, :S - 1] = hidden[self.hidden_layers[0]][0]
+
+    def _run(self, k, h, toks, cache):
+        """Feed module k the entries (h, toks) at indices cache.length.. and return its outputs (T, d)."""
+        start, T = cache.length, h.size(0)
+        mask = chunk_mask(start, T, h.device) if (start > 0 and T > 1) else None  # as in GPT.forward
+        out = self.mtp.mods[k - 1](h.view(1, T, -1), self.target.transformer.wte(toks).view(1, T, -1),
+                                   (cache.k[0], cache.v[0]), start, mask)
+        cache.length = start + T
+        return out[0]
+
+    @torch.inference_mode()
+    def propose(self, k, sampler):
+        S, D = self.seq.numel(), self.mtp.config.n_modules
+        toks = self.seq
+        drafts, qs = [], []
+
+        def draft(out, position):
+            tok, q = sampler.draft(head(self.target, out), [position])
+            drafts.append(tok)
+            qs.append(q)
+            return tok
+
+        # chained modules: module j over indices [cache length, S-2]; output at S-2 drafts S+j-1
+        for j in range(1, min(k, D) + 1):
+            a = self.caches[j - 1].length
+            out = self._run(j, self.H[j - 1, a:S - 1], toks[a + j:S - 1 + j], self.caches[j - 1])  # (S-1-a, d)
+            self.H[j, a:S - 1] = out
+            toks = torch.cat([toks, draft(out[-1:], S + j - 1)])
+        # recursion: module D again at index i = S-2+m, fed its own last output and last draft
+        g = out[-1:]
+        for j in range(D + 1, k + 1):
+            g = self._run(D, g, drafts[-1], self.caches[D - 1])
+            draft(g, S + j - 1)
+        return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
+
+    def commit(self, n, new, hidden):
+        S = self.seq.numel()
+        for k, c in enumerate(self.caches, start=1):
+            c.rollback(max(0, min(c.length, S - k)))  # keep exact entries 0..S-1-k, drop the rest
+        self.H[0, S - 1:S + n] = hidden[self.hidden_layers[0]][0]  # h_{S-1} .. h_{S+n-1}
+        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+
+
+# -----------------------------------------------------------------------------
+# loading (speculative.load_drafter has already checked this head belongs to this target)
+
+
+def load_mtp(ckpt, target, device, dtype):
+    cfg = MTPConfig.from_dict(ckpt["config"])
+    tc = target.config
+    if (cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size):
+        raise RuntimeError(f"MTP config {cfg} does not fit the target {tc}")
+    mtp = MTP(cfg)
+    mtp.load_state_dict(ckpt["state_dict"])
+    return MTPDrafter(mtp.to(device=device, dtype=dtype).eval(), target)

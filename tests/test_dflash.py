@@ -1,0 +1,120 @@
+"""DFlash: the training mask is the one the definition asks for, training and inference compute
+the same block, cached context K/V equal a recomputation, k is bounded by the trained block,
+and the drafter can actually learn (a tiny overfit reaches near-full acceptance).
+The shared equivalence tests cover dflash through conftest.make_dflash."""
+
+import pytest
+import torch
+
+from conftest import make_dflash, tiny_gpt
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, dflash_loss, sample_anchors,
+                          target_continuations, training_mask)
+from speculative import Sampler, generate_plain, generate_speculative
+
+
+def test_training_mask_matches_the_definition():
+    T, block = 40, 5
+    anchors = sample_anchors(3, T, 6, block, 0, torch.Generator().manual_seed(0))
+    assert anchors.min() >= 1 and anchors.max() <= T - block
+    mask = training_mask(anchors, T, block)[:, 0]  # (B, A*block, T + A*block)
+    for b in range(3):
+        for qi in range(6 * block):
+            a = anchors[b, qi // block].item()
+            for ki in range(T + 6 * block):
+                if ki < T:  # a context position: only the target states of tokens before the anchor
+                    want = ki < a
+                else:       # a block slot: only those of the query's own block
+                    want = (ki - T) // block == qi // block
+                assert mask[b, qi, ki].item() == want, (b, qi, ki)
+
+
+@torch.no_grad()
+def test_a_block_never_sees_past_its_anchor_or_another_block(target):
+    """Change everything a block may not see; its output must not move (and the rest must)."""
+    net = make_dflash(target).net
+    T = 30
+    x = torch.randint(0, target.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+    hid = target(x, hidden_layers=net.config.taps)[2]
+    anchors = torch.tensor([[7, 15]])
+    h, tpos = block_states(net, x, hid, anchors)
+    assert tpos[0, 0].tolist() == list(range(8, 8 + net.config.block - 1))
+    hid2 = {l: v.clone() for l, v in hid.items()}
+    for v in hid2.values():
+        v[:, 7:] += 1.0  # every state at or after the first anchor
+    x2 = x.clone()
+    x2[0, 15] = (x[0, 15] + 1) % target.config.vocab_size  # the other block's anchor token
+    h2, _ = block_states(net, x2, hid2, anchors)
+    assert torch.allclose(h[0, 0], h2[0, 0], atol=1e-12, rtol=0)
+    assert not torch.allclose(h[0, 1], h2[0, 1])
+
+
+@torch.inference_mode()
+def test_training_path_equals_inference_path(target):
+    """block_states (all anchors at once, masked) == the drafter's cached one-block forward."""
+    d = make_dflash(target)
+    T = 25
+    x = torch.randint(0, target.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
+    hid = target(x, hidden_layers=d.hidden_layers)[2]
+    anchors = torch.tensor([[3, 11, 16]])
+    h, _ = block_states(d.net, x, hid, anchors)
+    for i, a in enumerate(anchors[0].tolist()):
+        d.begin(x[:, :a + 1], {l: v[:, :a] for l, v in hid.items()})
+        hb = d.block_states(d.net.config.block)[1:]
+        assert torch.allclose(h[0, i], hb, atol=1e-10, rtol=0)
+
+
+@torch.inference_mode()
+def test_cached_context_equals_recomputing_from_scratch(target):
+    d = make_dflash(target)
+    sampler = Sampler("greedy")
+    V = target.config.vocab_size
+    d.begin(torch.tensor([[5, 6, 7, 8]]), target(torch.tensor([[5, 6, 7]]), hidden_layers=d.hidden_layers)[2])
+    for rnd in range(12):
+        k = [3, 8, 1, 5][rnd % 4]
+        draft, _ = d.propose(k, sampler)
+        n = [k, 0, min(2, k), 1][rnd % 4]  # pretend verdicts: full acceptance and rejections
+        new = torch.cat([draft[:n], torch.tensor([(3 * rnd + 1) % V])])
+        S = d.seq.numel()
+        full = torch.cat([d.seq, new])
+        hid_full = target(full[None, :-1], hidden_layers=d.hidden_layers)[2]  # states of all but the last
+        d.commit(n, new, {l: v[:, S - 1:S + n] for l, v in hid_full.items()})
+        fresh = make_dflash(target)
+        fresh.begin(full[None], hid_full)
+        assert d.n_ctx == fresh.n_ctx == full.numel() - 1
+        a, b = d.block_states(9), fresh.block_states(9)
+        assert torch.allclose(a, b, atol=1e-10, rtol=0)
+
+
+@torch.inference_mode()
+def test_k_beyond_the_trained_block_is_an_error(target):
+    d = make_dflash(target)
+    assert d.max_k == d.net.config.block - 1 == d.default_k == 8
+    d.begin(torch.tensor([[1, 2]]), target(torch.tensor([[1]]), hidden_layers=d.hidden_layers)[2])
+    with pytest.raises(ValueError, match="trained with block"):
+        d.propose(d.max_k + 1, Sampler("greedy"))
+
+
+def test_tiny_overfit_reaches_near_full_acceptance():
+    """Train on the target's own greedy continuation of one prompt (it soon repeats itself);
+    drafting that prompt again must then be accepted almost always, and stay token-identical."""
+    torch.manual_seed(0)
+    target = tiny_gpt(5, scale=3.0)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    prompt = torch.tensor([[3, 1, 4]])
+    x = target_continuations(target, prompt, 40)  # (1, 40)
+    cfg = DFlashConfig(n_embd=32, n_head=2, n_layer=1, taps=[1, 2], block=5)
+    net = DFlash(cfg, target).double()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    t_logits, _, hid = target(x, hidden_layers=cfg.taps)
+    t_logits = 8 * t_logits  # sharper soft labels, same argmax (all greedy acceptance needs): fewer steps
+    anchors = torch.arange(1, 40 - cfg.block + 1)[None]  # every anchor
+    for _ in range(300):
+        loss = dflash_loss(net, x, hid, t_logits, anchors, gamma=4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+    out, st = generate_speculative(target, DFlashDrafter(net), prompt[0].tolist(), 30, 4, Sampler("greedy"))
+    assert out == generate_plain(target, prompt[0].tolist(), 30, Sampler("greedy"))
+    assert st.acceptance()[0] > 0.9 and st.tau > 4.0, (st.acceptance(), st.tau)

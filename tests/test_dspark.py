@@ -1,0 +1,94 @@
+"""DSpark: the scheduler picks the throughput formula's optimum and stops at the first drop, a
+round verifies only what it picked, the Markov head's draft probabilities are exact softmaxes,
+and calibration lowers the ECE. The shared equivalence tests (tests/test_speculative.py) run
+over conftest.make_dspark: Markov head and scheduler on."""
+
+import torch
+
+from conftest import fit_block_drafter, make_dspark
+from draft_dspark import calibrate, ece, schedule_length
+from speculative import Sampler, generate_plain, generate_speculative
+
+
+def throughput(a, t_draft, t_verify, l):
+    return (1 + sum(a[:l])) / (t_draft + t_verify[l + 1])
+
+
+def test_scheduler_picks_the_formula_optimum():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        K = int(torch.randint(2, 16, (1,), generator=g))
+        a = torch.cumprod(torch.rand(K, generator=g) * 0.3 + 0.7, 0).tolist()  # prefix survival
+        # a concave-ish latency table (flat, then linear): throughput is unimodal in l
+        knee = float(torch.rand(1, generator=g)) * K
+        t_verify = [0.0] + [1.0 + 0.2 * max(0.0, m - knee) for m in range(1, K + 2)]
+        t_draft = 0.3
+        l = schedule_length(a, t_draft, t_verify)
+        best = max(range(1, K + 1), key=lambda j: throughput(a, t_draft, t_verify, j))
+        assert throughput(a, t_draft, t_verify, l) == throughput(a, t_draft, t_verify, best)
+
+
+def test_scheduler_stops_at_the_first_drop():
+    a = [0.95, 0.9, 0.9, 0.9, 0.9, 0.9]
+    t_verify = [0, 1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5]  # a 3-token verify costs a step, then nothing more
+    assert throughput(a, 0.0, t_verify, 2) < throughput(a, 0.0, t_verify, 1)  # the first drop...
+    assert throughput(a, 0.0, t_verify, 6) > throughput(a, 0.0, t_verify, 1)  # ...though later ones would pay
+    assert schedule_length(a, 0.0, t_verify) == 1
+    assert schedule_length(a, 0.0, [0] + [1.0] * 7) == 6  # a flat table: everything is worth verifying
+    assert schedule_length([0.01, 0.001], 1.0, [0, 1.0, 1.0, 3.0]) == 1  # never fewer than one draft
+
+
+@torch.inference_mode()
+def test_a_round_verifies_only_the_scheduled_prefix(target):
+    d = make_dspark(target)
+    d.begin(torch.tensor([[1, 2, 3]]), target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2])
+    d.t_draft, d.t_verify = 0.0, [0.0] + [1.0 + 10.0 * m for m in range(1, d.max_k + 2)]  # verifying is dear
+    draft, _ = d.propose(8, Sampler("greedy"))
+    assert draft.numel() < 8
+    d.schedule = "full"
+    assert d.propose(8, Sampler("greedy"))[0].numel() == 8
+    d.schedule, d.threshold = "threshold", 2.0  # nothing reaches it: one draft
+    assert d.propose(8, Sampler("greedy"))[0].numel() == 1
+    assert d.mean_verify_len == (draft.numel() + 8 + 1) / 3
+
+
+@torch.inference_mode()
+def test_markov_head_probabilities_are_exact_softmaxes(target):
+    d = make_dspark(target)
+    net = d.spark
+    assert net.w2.weight.abs().sum() > 0  # the head is not a no-op after fitting
+    d.schedule = "full"
+    seq = torch.tensor([[4, 9, 16, 25]])
+    d.begin(seq, target(seq[:, :-1], hidden_layers=d.hidden_layers)[2])
+    sampler = Sampler("rejection", 1.0, None, 7)
+    draft, q = d.propose(6, sampler)
+    assert torch.allclose(q.sum(-1), torch.ones(6, dtype=q.dtype), atol=1e-12, rtol=0)
+    U = net.backbone.head(d.block_states(6))  # (6, V) base logits
+    prev = torch.cat([seq[0, -1:], draft[:-1]])
+    assert torch.allclose(q, torch.softmax(U + net.markov(prev), -1), atol=1e-12, rtol=0)
+    assert not torch.allclose(q, torch.softmax(U, -1))  # the bias really depends on the previous token
+
+
+def test_threshold_schedule_stays_token_identical(target):
+    d = make_dspark(target)
+    d.schedule, d.threshold = "threshold", 0.5
+    for p in ([3, 1, 4], [2, 7, 1, 8]):
+        out, st = generate_speculative(target, d, p, 40, 8, Sampler("greedy"))
+        assert out == generate_plain(target, p, 40, Sampler("greedy"))
+    assert 1 <= d.mean_verify_len < 8
+
+
+def test_calibration_lowers_the_ece(target):
+    net = fit_block_drafter(target, "dspark")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, target.config.vocab_size, (8, 30), generator=g)
+    with torch.no_grad():
+        logits, _, hid = target(x, hidden_layers=net.backbone.config.taps)
+    anchors = torch.arange(1, 30 - net.backbone.config.block - 1 + 1, 2).expand(8, -1)
+    saved = net.conf_temp.clone()
+    try:
+        before, after = calibrate(net, [(x, hid, logits, anchors)])
+        assert after <= before
+    finally:
+        net.conf_temp.copy_(saved)  # the fitted net is shared with other tests
+    assert ece(torch.tensor([0.9, 0.9, 0.1, 0.1]), torch.tensor([1, 1, 0, 0])) < 0.11

@@ -1,0 +1,189 @@
+"""Bad input, interruptions and untrusted files (issue 7): each case ends in one clear
+sentence that says what is wrong and what to do -- no traceback, no silent wrong answer."""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+import speculative
+from gpt import CheckpointError, load_checkpoint, load_target, pick_device, save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*argv):
+    """Run one of the project's scripts as a user would; return (exit code, stdout, stderr)."""
+    p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def one_clear_error(rc, err, *needles):
+    assert rc != 0
+    assert "Traceback" not in err, err
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture
+def out(trained, tmp_path):
+    """A private copy of the tiny trained out/ folder, free to damage."""
+    dst = tmp_path / "out"
+    shutil.copytree(trained, dst)
+    return dst
+
+
+# -----------------------------------------------------------------------------
+# before training, and files that don't belong together
+
+def test_bench_and_speculative_before_training_name_the_stage(tmp_path):
+    rc, _, err = cli("bench.py", "--out-dir", str(tmp_path))
+    one_clear_error(rc, err, "target.pt not found", "python train.py --only target")
+    rc, _, err = cli("speculative.py", "--out-dir", str(tmp_path))
+    one_clear_error(rc, err, "target.pt not found", "train.py")
+
+
+def test_missing_drafter_names_its_stage(out):
+    os.remove(out / "small.pt")
+    with pytest.raises(CheckpointError, match=r"small.pt not found.*--only small"):
+        bench.main(["--out-dir", str(out), "--methods", "ar,small", "--prompt-len", "16"])
+
+
+def test_drafter_of_another_target_is_refused_naming_both_hashes(out):
+    ck = load_checkpoint(str(out / "small.pt"), "small")
+    ck["target_hash"] = "0123456789abcdef"  # as if the target had been retrained since
+    save_checkpoint(ck, str(out / "small.pt"))
+    target, tckpt = load_target(str(out / "target.pt"))
+    with pytest.raises(CheckpointError, match=f"0123456789abcdef.*{tckpt['model_hash']}.*--only small --force"):
+        speculative.load_drafter("small", str(out), target, tckpt)
+
+
+def test_drafter_of_another_tokenizer_is_refused(out):
+    ck = load_checkpoint(str(out / "small.pt"), "small")
+    ck["tokenizer_hash"] = "feedfacefeedface"
+    save_checkpoint(ck, str(out / "small.pt"))
+    target, tckpt = load_target(str(out / "target.pt"))
+    with pytest.raises(CheckpointError, match="tokenizer feedfacefeedface"):
+        speculative.load_drafter("small", str(out), target, tckpt)
+
+
+# -----------------------------------------------------------------------------
+# damaged and hostile files
+
+def test_truncated_checkpoint_is_a_clear_error(out):
+    path = out / "target.pt"
+    path.write_bytes(path.read_bytes()[:5000])
+    rc, _, err = cli("bench.py", "--out-dir", str(out))
+    one_clear_error(rc, err, "not a readable nanospec checkpoint", "--only target")
+
+
+class Exploit:
+    def __reduce__(self):  # what a malicious "checkpoint" would do when unpickled
+        return (os.system, (f"touch {Exploit.marker}",))
+
+
+def test_checkpoint_that_runs_code_on_load_is_refused_not_run(tmp_path):
+    Exploit.marker = str(tmp_path / "pwned")
+    path = tmp_path / "target.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"kind": "target", "state_dict": Exploit()}, f)
+    with pytest.raises(CheckpointError, match="not a readable nanospec checkpoint"):
+        load_checkpoint(str(path), "target")
+    assert not os.path.exists(Exploit.marker)
+
+
+def test_a_file_that_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "target.pt"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(CheckpointError, match="not a target checkpoint"):
+        load_checkpoint(str(path), "target")
+
+
+# -----------------------------------------------------------------------------
+# bad arguments
+
+def test_prompt_longer_than_context_and_empty_prompt(out):
+    long_prompt = "x = 1\n" * 400
+    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--prompt", long_prompt)
+    one_clear_error(rc, err, "context window", "shorten it")
+    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--prompt", "")
+    one_clear_error(rc, err, "prompt is empty")
+
+
+def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
+    rc, so, err = cli("speculative.py", "--out-dir", str(out), "--prompt", "def f(x):\n" * 5,
+                      "--max-new-tokens", "1000", "--no-color")
+    assert rc == 0, err
+    assert "stopped at the context limit" in so
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--k", "0"], "at least 1"),
+    (["--sampling", "coupled", "--temperature", "-1"], "temperature must be > 0"),
+    (["--sampling", "coupled", "--top-k", "0"], "top-k must be a positive"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--device", "tpu"], "device 'tpu' is not available"),
+])
+def test_bad_flags_of_speculative_py(out, flags, needle):
+    rc, _, err = cli("speculative.py", "--out-dir", str(out), *flags)
+    one_clear_error(rc, err, needle)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--methods", "ar,warp"], "unknown method 'warp'"),
+    (["--k", "-2"], "at least 1"),
+    (["--device", "cuda:7" if not torch.cuda.is_available() else "tpu"], "is not available"),
+])
+def test_bad_flags_of_bench_py(out, flags, needle):
+    rc, _, err = cli("bench.py", "--out-dir", str(out), *flags)
+    one_clear_error(rc, err, needle)
+
+
+def test_unknown_device():
+    with pytest.raises(ValueError, match="not available here"):
+        pick_device("quantum")
+
+
+def test_prompts_file_with_a_malformed_line_names_the_line(out, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def a():"}\n\n{"prompt": "import os"}\n{"text": 3}\n')
+    rc, _, err = cli("bench.py", "--out-dir", str(out), "--prompts", str(f))
+    one_clear_error(rc, err, "line 4")
+    f.write_text('{"prompt": "def a():"}\nnot json\n')
+    rc, _, err = cli("bench.py", "--out-dir", str(out), "--prompts", str(f))
+    one_clear_error(rc, err, "line 2")
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "binary"])
+def test_bad_data_path_in_train_py(tmp_path, kind):
+    path = tmp_path / "d"
+    if kind == "empty":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 10)
+    rc, _, err = cli("train.py", "--preset", "tiny", "--data", str(path), "--out-dir", str(tmp_path / "o"))
+    one_clear_error(rc, err, {"missing": "does not exist", "empty": "empty", "binary": "binary"}[kind])
+
+
+def test_unknown_stage_in_train_py(tmp_path):
+    rc, _, err = cli("train.py", "--preset", "tiny", "--only", "warp", "--out-dir", str(tmp_path))
+    one_clear_error(rc, err, "unknown stage 'warp'")
+
+
+# -----------------------------------------------------------------------------
+# determinism: same seed and flags, same text
+
+def test_same_seed_same_text(out):
+    args = ("speculative.py", "--out-dir", str(out), "--sampling", "coupled", "--temperature", "0.8",
+            "--seed", "5", "--no-color", "--max-new-tokens", "24")
+    a, b = cli(*args), cli(*args)
+    text = [o.split("\nmethod ")[0] for o in (a[1], b[1])]  # the generated text, without the timings
+    assert a[0] == 0 and text[0] == text[1] and len(text[0]) > len("def parse(")

@@ -1,0 +1,94 @@
+"""train.py end to end on the tiny preset: the loss goes down, checkpoints are complete and
+written atomically, an interrupted stage resumes to the very same weights, a NaN loss stops
+with a message, and the same seed gives the same checkpoints."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import data
+import train
+from conftest import tiny_args
+from gpt import load_checkpoint, load_target
+
+
+def test_target_checkpoint_is_complete_and_learned(trained):
+    ckpt = load_checkpoint(str(trained / "target.pt"), "target")
+    for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer", "val_loss"):
+        assert key in ckpt
+    assert ckpt["step"] == train.PRESETS["tiny"]["target_iters"]
+    # a random model scores about ln(V); training must have beaten that clearly
+    assert ckpt["val_loss"] < math.log(ckpt["config"]["vocab_size"]) - 0.5
+    assert not [f for f in os.listdir(trained) if ".tmp" in f or f.endswith(".resume.pt")]
+    model, _ = load_target(str(trained / "target.pt"))
+    assert model.config.n_layer == train.PRESETS["tiny"]["n_layer"]
+
+
+def test_every_stage_wrote_a_matching_checkpoint(trained):
+    t = load_checkpoint(str(trained / "target.pt"), "target")
+    for stage in train.STAGES:
+        if stage == "target":
+            continue
+        ck = load_checkpoint(str(trained / f"{stage}.pt"), stage)
+        assert ck["target_hash"] == t["model_hash"] and ck["tokenizer_hash"] == t["tokenizer_hash"]
+
+
+def test_existing_stages_are_skipped(trained, corpus, capsys):
+    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+    train.main(tiny_args(corpus, trained))
+    assert "exists, skipping" in capsys.readouterr().out
+    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeypatch, capsys):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    train.main(tiny_args(corpus, ref_dir, "--only", "target"))
+    real_lr_at = train.lr_at
+
+    def dying_lr_at(step, *a):  # the process "dies" at step 20, after a resume file was written
+        if step == 20:
+            raise Interrupt
+        return real_lr_at(step, *a)
+
+    monkeypatch.setattr(train, "lr_at", dying_lr_at)
+    with pytest.raises(Interrupt):
+        train.main(tiny_args(corpus, run_dir, "--only", "target", "--ckpt-interval", "0"))
+    assert not (run_dir / "target.pt").exists()  # no half-finished checkpoint masquerades as done
+    assert load_checkpoint(str(run_dir / "target.resume.pt"), "resume")["step"] == 20
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    capsys.readouterr()
+    train.main(tiny_args(corpus, run_dir, "--only", "target"))
+    assert "resuming an interrupted run at step 20" in capsys.readouterr().out
+    a = load_checkpoint(str(ref_dir / "target.pt"), "target")
+    b = load_checkpoint(str(run_dir / "target.pt"), "target")
+    assert a["model_hash"] == b["model_hash"]
+    assert not (run_dir / "target.resume.pt").exists()
+
+
+def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path, monkeypatch):
+    real_loop = train.train_loop
+
+    def poisoned_loop(name, module, loss_fn, *a):  # the loss turns NaN from step 12 on
+        return real_loop(name, module, lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0), *a)
+
+    monkeypatch.setattr(train, "train_loop", poisoned_loop)
+    with pytest.raises(train.TrainingError, match="became nan at step 12.*step 12.*kept in"):
+        train.main(tiny_args(corpus, tmp_path, "--only", "target", "--ckpt-interval", "0"))
+    assert not (tmp_path / "target.pt").exists()
+    kept = load_checkpoint(str(tmp_path / "target.resume.pt"), "resume")
+    assert kept["step"] == 12 and all(torch.isfinite(v).all() for v in kept["state_dict"].values())
+
+
+def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
+    train.main(tiny_args(corpus, tmp_path))
+    for stage in train.STAGES:
+        a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
+        b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
+    assert data.file_sha256(trained / "tokenizer.tiktoken") == data.file_sha256(tmp_path / "tokenizer.tiktoken")
