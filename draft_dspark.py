@@ -22,6 +22,7 @@ for the expensive part and adds two cheap pieces on top:
     python train.py --only dspark && python speculative.py --method dspark --k 16
 """
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 
@@ -223,6 +224,20 @@ class DSparkDrafter(DFlashDrafter):
         self.t_verify = profile_verify(net.backbone.target, self.max_k + 1) if profile else None
         if profile:
             self.t_draft = self.profile_draft()
+
+    def variants(self):
+        """Ablation rows for bench.py: the same network with one part switched off. They share
+        this drafter's buffers, which is fine because every generation starts with begin()."""
+        rows = {"dspark-full": dict(schedule="full"),            # no scheduler: verify the whole block
+                "dspark-threshold": dict(threshold=0.5, schedule="threshold"),  # static rule instead
+                "dspark-nomarkov": dict(markov=False)}          # no Markov head: DFlash-style parallel picks
+        out = {}
+        for name, changes in rows.items():
+            v = copy.copy(self)
+            v.__dict__.update(changes)
+            v.verified, v.rounds = 0, 0
+            out[name] = v
+        return out
 
     @property
     def mean_verify_len(self):

@@ -64,25 +64,38 @@ def fit_mtp(target, n_modules=2, steps=30):
     return _MTP_FITTED[key]
 
 
-def _fit_mtp(target, n_modules, steps):
-    from draft_mtp import MTP, MTPConfig, mtp_loss
-    g = torch.manual_seed(2)
-    mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
-    L = target.config.n_layer
+def target_text(target, seed, length):
+    """16 sequences the target writes itself (sampled from 4 random tokens): what a drafter
+    should learn to predict."""
+    g = torch.manual_seed(seed)
     with torch.no_grad():
         x = torch.randint(0, target.config.vocab_size, (16, 4), generator=g)
-        for _ in range(40):
-            p = torch.softmax(target(x)[0][:, -1], -1)
-            x = torch.cat([x, torch.multinomial(p, 1, generator=g)], 1)
-        logits, _, hid = target(x[:, :-1], hidden_layers=(L,))
-    opt = torch.optim.Adam(mtp.parameters(), lr=1e-2)
+        while x.size(1) < length:
+            x = torch.cat([x, torch.multinomial(torch.softmax(target(x)[0][:, -1], -1), 1, generator=g)], 1)
+    return x
+
+
+def adam_fit(net, loss_fn, steps, target):
+    """A few Adam steps on loss_fn(); only `net` steps (the target's shared head gets gradients too)."""
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     for _ in range(steps):
-        loss = mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0)
+        loss = loss_fn()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    target.zero_grad(set_to_none=True)  # the shared head got gradients too; only the MTP stepped
-    return mtp.eval()
+    target.zero_grad(set_to_none=True)
+    return net.eval()
+
+
+def _fit_mtp(target, n_modules, steps):
+    from draft_mtp import MTP, MTPConfig, mtp_loss
+    torch.manual_seed(2)
+    mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
+    L = target.config.n_layer
+    x = target_text(target, 2, 44)
+    with torch.no_grad():
+        logits, _, hid = target(x[:, :-1], hidden_layers=(L,))
+    return adam_fit(mtp, lambda: mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0), steps, target)
 
 
 def make_mtp(target):
@@ -109,25 +122,16 @@ def fit_block_drafter(target, kind, steps=40):
 def _fit_block_drafter(target, kind, steps):
     from draft_dflash import DFlash, DFlashConfig, dflash_loss
     from draft_dspark import DSpark, DSparkConfig, dspark_loss
-    g = torch.manual_seed(3)
+    torch.manual_seed(3)
     shift = 1 if kind == "dspark" else 0
     cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2], block=9 - shift, shift=shift)
     net = (DSpark(cfg, DSparkConfig(rank=8), target) if shift else DFlash(cfg, target)).double()
     loss_fn = dspark_loss if shift else dflash_loss
+    x = target_text(target, 3, 40)
     with torch.no_grad():
-        x = torch.randint(0, target.config.vocab_size, (16, 4), generator=g)
-        for _ in range(36):
-            x = torch.cat([x, torch.multinomial(torch.softmax(target(x)[0][:, -1], -1), 1, generator=g)], 1)
         logits, _, hid = target(x, hidden_layers=cfg.taps)
     anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)  # every third position
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = loss_fn(net, x, hid, logits, anchors, gamma=4.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    target.zero_grad(set_to_none=True)  # the shared head got gradients too; only the drafter stepped
-    return net.eval()
+    return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps, target)
 
 
 def make_dflash(target):
