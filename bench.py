@@ -190,7 +190,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts per method")
-    p.add_argument("--sweep", default="1,3,7,15", help="k values for the draft-latency sweep ('' to skip)")
+    p.add_argument("--sweep", default="1,2,3,4,7,15", help="k values for the draft-latency sweep ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=8, help="prompts used by the sweep")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the results as JSON here (schema in the docstring)")

@@ -4,6 +4,10 @@ with a message, and the same seed gives the same checkpoints."""
 
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -92,3 +96,25 @@ def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
     assert data.file_sha256(trained / "tokenizer.tiktoken") == data.file_sha256(tmp_path / "tokenizer.tiktoken")
+
+
+def test_a_killed_train_py_resumes_where_it_stopped(corpus, tmp_path):
+    """A real SIGKILL mid-stage, not an exception: the next run resumes, and nothing half-written loads."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "train.py", *tiny_args(corpus, tmp_path, "--only", "target", "--target-iters", "3000",
+                                                  "--ckpt-interval", "0.5")]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    resume = tmp_path / "target.resume.pt"
+    deadline = time.time() + 120
+    while not resume.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (tmp_path / "target.pt").exists()
+    step = load_checkpoint(str(resume), "resume")["step"]  # loads: the file was never half-written
+    assert 0 < step < 3000
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "resuming an interrupted run at step" in out.stdout
+    assert load_checkpoint(str(tmp_path / "target.pt"), "target")["step"] == 3000
