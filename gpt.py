@@ -232,14 +232,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss, hiddens
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas):
-        # nanoGPT's rule: decay every 2D tensor (matmuls, embeddings), not biases or norms
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
-
 
 # -----------------------------------------------------------------------------
 # checkpoints: {kind, config dict, plain state_dict, hashes, step, ...}, written atomically
