@@ -256,6 +256,11 @@ class Context:
                 "target_hash": tckpt["model_hash"], "tokenizer_hash": self.info["tokenizer_hash"], **(extra or {})}
 
 
+def cpu_state_dict(module):
+    """A plain state_dict on the CPU: what every checkpoint holds, loadable on any device."""
+    return {k: v.cpu() for k, v in module.state_dict().items()}
+
+
 def is_current(ctx, stage):
     """Does out/<stage>.pt exist and belong to the current target/tokenizer?"""
     path = ctx.path(stage)
@@ -302,7 +307,7 @@ def stage_target(ctx):
     val, opt_state = train_loop("target", model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp}),
                                 loss_fn, lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),  # val: L_main only
                                 a.target_iters, a.target_lr, a, fingerprint, a.batch_size * a.block_size)
-    sd = {k: v.cpu() for k, v in model.state_dict().items()}
+    sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd, "model_hash": state_hash(sd),
                      "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": opt_state,
                      "val_loss": val, "tokens_seen": a.target_iters * a.batch_size * a.block_size}, ctx.path("target"))
@@ -336,7 +341,7 @@ def stage_small(ctx):
     val, _ = train_loop("small", model, lambda s: loss_of(*ctx.batches.get("train", s, ctx.device)),
                         lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
                         a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
-    sd = {k: v.cpu() for k, v in model.state_dict().items()}
+    sd = cpu_state_dict(model)
     save_checkpoint(ctx.drafter_meta("small", cfg.to_dict(), sd, {"val_loss": val}), ctx.path("small"))
     return val
 
@@ -380,9 +385,22 @@ def drafter_text(ctx, kind, n_seqs, seed, split="train"):
     return batch
 
 
+def block_batch(ctx, x, step, cfg):
+    """What DFlash and DSpark train on, for token windows x: one no-grad target forward gives
+    the context states AND the soft labels; the anchors of step s come from a generator seeded
+    with (seed, s), so a resumed run replays them."""
+    from draft_dflash import sample_anchors
+    target, _ = ctx.target()
+    with torch.no_grad():
+        t_logits, _, hid = target(x, hidden_layers=cfg.taps)
+    g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
+    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
+    return x, hid, t_logits, anchors
+
+
 def stage_dflash(ctx):
     """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
-    from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors
+    from draft_dflash import DFlash, DFlashConfig, dflash_loss
     a = ctx.args
     target, tckpt = ctx.target()
     cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
@@ -393,11 +411,7 @@ def stage_dflash(ctx):
     text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
 
     def loss_of(x, step):
-        with torch.no_grad():  # one target forward: the context states AND the soft labels
-            t_logits, _, hid = target(x, hidden_layers=cfg.taps)
-        g = torch.Generator().manual_seed(a.seed * 7_919 + step)
-        anchors = sample_anchors(x.size(0), x.size(1), a.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
-        return dflash_loss(net, x, hid, t_logits, anchors, a.dflash_gamma)
+        return dflash_loss(net, *block_batch(ctx, x, step, cfg), a.dflash_gamma)
 
     fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
                    "lr": a.dflash_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs, "anchors": a.dflash_anchors,
@@ -405,7 +419,7 @@ def stage_dflash(ctx):
     val, _ = train_loop("dflash", net, lambda s: loss_of(text(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, -1)),  # val: corpus windows, fixed anchors
                         a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
-    sd = {k: v.cpu() for k, v in net.state_dict().items()}
+    sd = cpu_state_dict(net)
     save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
     return val
 
@@ -413,7 +427,7 @@ def stage_dflash(ctx):
 def stage_dspark(ctx):
     """DSpark (draft_dspark.py): the DFlash backbone, same shape and text as --dflash-*, but the
     anchor slot predicts too; plus the Markov head and the confidence head, then calibration."""
-    from draft_dflash import DFlashConfig, sample_anchors
+    from draft_dflash import DFlashConfig
     from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
     a = ctx.args
     target, tckpt = ctx.target()
@@ -434,27 +448,23 @@ def stage_dspark(ctx):
         raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
     text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
 
-    def inputs(x, step):
-        with torch.no_grad():
-            t_logits, _, hid = target(x, hidden_layers=bcfg.taps)
-        g = torch.Generator().manual_seed(a.seed * 7_919 + step)
-        return x, hid, t_logits, sample_anchors(x.size(0), x.size(1), a.dflash_anchors, bcfg.block, 1, g, ctx.device)
+    def loss_of(x, step):
+        return dspark_loss(net, *block_batch(ctx, x, step, bcfg), a.dflash_gamma)
 
     fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
                    "init": a.dspark_init,
                    "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs,
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dspark", net, lambda s: dspark_loss(net, *inputs(text(s), s), a.dflash_gamma),
-                        lambda: ctx.val_loss(lambda x, y: dspark_loss(net, *inputs(x, -1), a.dflash_gamma)),
+    val, _ = train_loop("dspark", net, lambda s: loss_of(text(s), s), lambda: ctx.val_loss(lambda x, y: loss_of(x, -1)),
                         a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
     extra = {"val_loss": val, "text": a.dflash_text}
     if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
         held = drafter_text(ctx, "gen", a.dspark_calib_seqs, a.seed, split="val")
-        before, after = calibrate(net, [inputs(held(s), -1 - s) for s in range(max(1, a.dspark_calib_seqs // a.batch_size))])
+        before, after = calibrate(net, [block_batch(ctx, held(s), -1 - s, bcfg) for s in range(max(1, a.dspark_calib_seqs // a.batch_size))])
         print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
               f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
         extra.update(ece_before=before, ece_after=after)
-    sd = {k: v.cpu() for k, v in net.state_dict().items()}
+    sd = cpu_state_dict(net)
     save_checkpoint(ctx.drafter_meta("dspark", {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}, sd, extra),
                     ctx.path("dspark"))
     return val
@@ -479,7 +489,7 @@ def save_mtp(ctx, mtp, mode):
     mtp.eval()
     val = ctx.val_loss(lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
     print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
-    sd = {k: v.cpu() for k, v in mtp.state_dict().items()}
+    sd = cpu_state_dict(mtp)
     save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd, {"val_loss": val, "mode": mode}), ctx.path("mtp"))
     return val
 
@@ -505,6 +515,7 @@ def stage_mtp(ctx):
 
     fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"], "iters": a.mtp_iters,
                    "lr": a.mtp_lr, "distill": a.mtp_distill, "text": a.mtp_text, "gen_seqs": a.mtp_gen_seqs, "seed": a.seed}
+
     def train_step(step):
         w = text(step)  # (B, block_size): inputs w[:, :-1], labels w[:, 1:]
         return loss_of(w[:, :-1], w[:, 1:])
