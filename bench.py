@@ -24,10 +24,11 @@ JSON schema (--json PATH):
                       "exact_match": float (share of prompts identical to plain decoding),
                       "per_position_acceptance": [float], "mean_drafted": float,
                       "draft_ms_per_round": float, "verify_ms_per_round": float,
-                      "draft_share": float, "seconds": float (median per pass)}},
+                      "draft_share": float, "seconds": float (median per pass),
+                      "budget": [{"steps": int, "seconds": int}] (its training; a warm start's first)}},
    "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]},
    "divergences": [{"method", "prompt", "position", "margin"}],
-   "goals": [{"goal", "met": bool or null}]}
+   "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see REFERENCES)
 Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark" and any
 ablation variants a drafter offers (e.g. "dspark-nomarkov").
 """
@@ -45,25 +46,35 @@ from gpt import CheckpointError, load_target, pick_device, synchronize
 from speculative import DRAFTERS, Sampler, Stats, generate_plain, generate_speculative, load_drafter
 
 # -----------------------------------------------------------------------------
-# the goals from the issues: reported here, never asserted in a test
+# what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
+# target 1,000x larger, where a 16-token verify costs about what a 1-token step does)
 
-GOALS = [
-    ("small: speedup >= 2x over plain greedy", lambda m, s: m["small"]["speedup"] >= 2.0, ("small",)),
-    ("mtp: second-token acceptance (k=1) >= 90%", lambda m, s: m["mtp-k1"]["per_position_acceptance"][0] >= 0.9, ("mtp-k1",)),
-    ("mtp: speedup >= 1.8x", lambda m, s: m["mtp"]["speedup"] >= 1.8, ("mtp",)),
-    ("dflash: tau >= 5 at block 16", lambda m, s: m["dflash"]["tau"] >= 5.0, ("dflash",)),
-    ("dflash: speedup >= 3x and ahead of mtp and small",
-     lambda m, s: m["dflash"]["speedup"] >= 3.0 and all(m["dflash"]["speedup"] > m[x]["speedup"] for x in ("mtp", "small") if x in m),
-     ("dflash",)),
-    ("dflash: draft latency at block 16 <= 1.3x block 4 (sweep)",
-     lambda m, s: {r["k"]: r["draft_ms"] for r in s["dflash"]}[15] <= 1.3 * {r["k"]: r["draft_ms"] for r in s["dflash"]}[3],
-     ("dflash",)),
-    ("dspark: tau >= 1.15x dflash's", lambda m, s: m["dspark"]["tau"] >= 1.15 * m["dflash"]["tau"], ("dspark", "dflash")),
-    ("dspark: speedup >= 1.1x dflash's", lambda m, s: m["dspark"]["speedup"] >= 1.1 * m["dflash"]["speedup"], ("dspark", "dflash")),
-    ("dspark: the scheduler is no worse than the best fixed block size (sweep of dspark-full)",
-     lambda m, s: m["dspark"]["speedup"] >= max(r["speedup"] for r in s["dspark-full"]), ("dspark",)),
-    ("exact match 100% for every method", lambda m, s: all(r["exact_match"] == 1.0 for r in m.values()), ()),
+REFERENCES = [  # (method, what, the paper's figure, its source and setting, our figure from res)
+    ("dflash", "tau", "6.49 (block 16)", "DFlash, Chen et al. 2026: Qwen3-8B, H200, temperature 0, average of its benchmarks",
+     lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
+    ("dflash", "speedup", "4.86x", "DFlash, same setting (EAGLE-3 there: 1.76-2.02x)",
+     lambda m: f"{m['dflash']['speedup']:.2f}x"),
+    ("dspark", "tau over dflash", "+16-18% (block 7)", "DSpark 2026: Qwen3-4B/8B, temperature 0, its DFlash baseline",
+     lambda m: f"{100 * (m['dspark']['tau'] / m['dflash']['tau'] - 1):+.0f}% (block {m['dspark']['k']})"),
+    ("mtp-k1", "2nd-token acceptance", "85-90%", "DeepSeek-V3 tech report: one MTP module, production traffic",
+     lambda m: f"{m['mtp-k1']['per_position_acceptance'][0]:.0%}"),
+    ("mtp", "speedup", "1.8x tokens/s", "DeepSeek-V3 tech report, same setting",
+     lambda m: f"{m['mtp']['speedup']:.2f}x"),
+    ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, T5-small drafter, TPU",
+     lambda m: f"{m['small']['speedup']:.2f}x"),
 ]
+
+
+def references(res):
+    """[{method, what, paper, source, ours}] for every reference whose methods ran."""
+    rows = []
+    for method, what, paper, source, ours in REFERENCES:
+        try:
+            rows.append({"method": method, "what": what, "paper": paper, "source": source, "ours": ours(res)})
+        except (KeyError, IndexError, ZeroDivisionError):  # that method (or its comparison) did not run
+            pass
+    return rows
+
 
 # -----------------------------------------------------------------------------
 # prompts
@@ -149,6 +160,8 @@ def report(res, sweep, header):
     top = max(r["speedup"] for r in res.values())
     lines += ["", "speedup over plain decoding (median of repeats, same run)"]
     lines += [f"  {name:<18}{bar(r['speedup'], top)} {r['speedup']:.2f}x" for name, r in res.items()]
+    lines += ["", "training budget (optimizer steps and seconds of its train.py stage; a warm start's first)"]
+    lines += [f"  {name:<18}{budget_text(r['budget'])}" for name, r in res.items() if r["budget"]]
     if sweep:
         lines += ["", "draft latency per round against k (block size = k + 1)"]
         lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}{'speedup':>9}")
@@ -160,13 +173,21 @@ def report(res, sweep, header):
     return "\n".join(lines)
 
 
+def budget_text(budget):
+    """[{steps, seconds}, ...] -> '3000 + 400 steps, 480 + 75 s' (a warm start's budget first)."""
+    if not budget:
+        return "–"
+    return (" + ".join(str(b["steps"]) for b in budget) + " steps, " +
+            " + ".join(str(b["seconds"]) for b in budget) + " s")
+
+
 def markdown(res):
-    rows = ["| method | k | drafted / round | τ | tokens/s | speedup | draft / verify ms per round | exact match |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| method | k | drafted / round | τ | tokens/s | speedup | draft / verify ms per round | exact match | trained |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in res.items():
         dv = f"{r['draft_ms_per_round']:.2f} / {r['verify_ms_per_round']:.2f}" if name != "ar" else "–"
         rows.append(f"| {name} | {r['k']} | {r['mean_drafted']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | "
-                    f"{r['speedup']:.2f}× | {dv} | {r['exact_match']:.0%} |")
+                    f"{r['speedup']:.2f}× | {dv} | {r['exact_match']:.0%} | {budget_text(r['budget'])} |")
     return "\n".join(rows)
 
 
@@ -190,7 +211,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts per method")
-    p.add_argument("--sweep", default="1,2,3,4,7,15", help="k values for the draft-latency sweep ('' to skip)")
+    p.add_argument("--sweep", default="1,2,3,4,5,7", help="k values for the draft-latency sweep ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=8, help="prompts used by the sweep")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the results as JSON here (schema in the docstring)")
@@ -236,7 +257,7 @@ def main(argv=None):
         for vname, vd in (d.variants() if hasattr(d, "variants") else {}).items():
             drafters[vname] = (vd, args.k or vd.default_k)
     if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
-        drafters["mtp-k1"] = (drafters["mtp"][0], 1)  # the second-token acceptance goal is stated at k = 1
+        drafters["mtp-k1"] = (drafters["mtp"][0], 1)  # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
 
     cache = target.new_cache()
     header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
@@ -287,6 +308,7 @@ def main(argv=None):
             "verify_ms_per_round": 1000 * st.verify_time / rounds if st else 0.0,
             "draft_share": st.draft_time / max(1e-9, st.draft_time + st.verify_time) if st else 0.0,
             "seconds": med,
+            "budget": drafters[name][0].budget if name != "ar" else [],
         }
 
     sweep = {}
@@ -309,19 +331,11 @@ def main(argv=None):
 
     print()
     print(report(res, sweep, header))
-    goals = []
-    for text, fn, needs in GOALS:
-        if text.startswith("exact match") and args.sampling == "rejection":
-            goals.append({"goal": text, "met": None})  # rejection sampling matches in distribution only
-            continue
-        try:
-            met = fn(res, sweep) if all(n in res for n in needs) and len(res) > 1 else None
-        except KeyError:  # e.g. the sweep was skipped
-            met = None
-        goals.append({"goal": text, "met": met})
-    print("\ngoals (issue targets, measured here; CPU float32 greedy is where they are stated)")
-    for g in goals:
-        print(f"  [{'met' if g['met'] else 'MISSED' if g['met'] is False else 'n/a'}] {g['goal']}")
+    refs = references(res)
+    if refs:
+        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter targets; ours: {device}, {args.dtype})")
+        for r in refs:
+            print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} [{r['source']}]")
     if divergences:
         print("\ndivergences from plain decoding (first differing token; small margins are float near-ties):")
         for dv in divergences:
@@ -330,7 +344,7 @@ def main(argv=None):
     out = {"device": device, "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
            "k": args.k, "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "methods": res, "sweep": sweep,
-           "divergences": divergences, "goals": goals}
+           "divergences": divergences, "references": refs}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

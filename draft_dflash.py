@@ -17,12 +17,17 @@ Two departures from the paper, both because we train for minutes, not GPU-days (
 DFlash.__init__ and alibi_bias): one mask embedding per block offset instead of one shared
 mask, and an ALiBi distance penalty on top of RoPE.
 
-Bookkeeping at inference (DESIGN.md sec. 5): the context is the target's hidden states of
-every confirmed token BEFORE the anchor t*; t* itself enters the block as a token at its
-absolute position. Each draft layer keeps its context K/V in a static cache: computed once per
-position, appended at commit, never recomputed (the target's states of a position never change).
+Bookkeeping at inference: the context is the target's hidden states of every confirmed token
+BEFORE the anchor t*; t* itself enters the block as a token at its absolute position. Each draft
+layer keeps its context K/V in a static cache: computed once per position, appended at commit,
+never recomputed (the target's states of a position never change).
 
-    python train.py --only dflash && python speculative.py --method dflash --k 15
+Cost. On a small CPU target a drafter pays per ATen call, not per FLOP, so a round does only
+what changes: RoPE angles and ALiBi biases are tables built once and sliced; the block's K/V go
+into the cache after the context (no concatenation), and the LM head runs on the draft slots only.
+A block-8 round (anchor + 7 masks) costs about 60% of a one-token target step here.
+
+    python train.py --only dflash && python speculative.py --method dflash
 """
 
 import math
@@ -45,7 +50,8 @@ class DFlashConfig:
     n_head: int = 8          # head size n_embd / n_head (32, as the target's)
     n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale, 2 fit the CPU budget
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])  # target layers read as context (see default_taps)
-    block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
+    block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size (the paper: 16;
+    #                          train.py's CPU preset: 8, measured faster there, see README)
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts itself);
     #                          1: slot j predicts anchor+j+1, so the anchor slot drafts too (DSpark's backbone)
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
@@ -77,35 +83,37 @@ def default_taps(n_layer):
 # the draft layers: RoPE, KV-injected attention, a block
 
 
-def rope(x, pos, base):
-    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs) at absolute positions pos
-    ((T,) or (B, T)). Why RoPE and not the target's wpe: after rotation q.k depends only on the
-    distance between a block slot and a context position, so "slot j, j tokens after the
-    anchor, attends to the last few context positions" is the same pattern at every position.
-    Keys are rotated once, at their absolute position, and cached that way."""
+def rope_table(n, hs, base, device=None):
+    """cos and sin of the RoPE angles for positions 0..n-1, each (n, hs/2), in float32: built
+    once (a bfloat16 angle would turn position 200 by the wrong amount)."""
+    inv = base ** (-torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)  # (hs/2,)
+    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv  # (n, hs/2)
+    return ang.cos(), ang.sin()
+
+
+def rope(x, cos, sin):
+    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs), with cos/sin the rows of
+    rope_table at x's positions: (T, hs/2), or (B, 1, T, hs/2) when rows differ. Why RoPE and not
+    the target's wpe: after rotation q.k depends only on the distance between a block slot and a
+    context position, so "slot j, j tokens after the anchor, attends to the last few context
+    positions" is the same pattern at every position. Keys are rotated once, at their absolute
+    position, and cached that way."""
     hs = x.size(-1)
-    inv = base ** (-torch.arange(0, hs, 2, device=x.device, dtype=x.dtype) / hs)  # (hs/2,)
-    ang = pos.to(x.dtype)[..., None] * inv  # (T, hs/2) or (B, T, hs/2)
-    if ang.dim() == 3:
-        ang = ang[:, None]  # (B, 1, T, hs/2): broadcast over heads
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def alibi_bias(pos, n_ctx, n_head, mask, dtype):
-    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh). Context
-    positions are 0..n_ctx-1, block positions `pos` ((T,) or (B, T)). Why: at init the queries
+def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
+    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh), for queries
+    at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init the queries
     and keys are near zero, so attention is uniform over the whole context and the few states
     that matter (the last ones before the anchor) are drowned, and learning starts slowly
     (measured, one batch, 40 steps: loss 5.9 with the bias, 6.1 without). The bias gives some
-    heads a recency prior from step 0; heads with small slopes stay global.
-    Returns a float mask (…, nh, T, n_ctx + T), -inf where `mask` (bool) forbids."""
-    k_pos = torch.cat([torch.arange(n_ctx, device=pos.device).expand(*pos.shape[:-1], -1), pos], dim=-1)
-    dist = (pos[..., :, None] - k_pos[..., None, :]).abs().to(dtype)  # (…, T, Tk)
-    slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=pos.device, dtype=dtype) / n_head)
-    bias = -slopes.view(n_head, 1, 1) * dist[..., None, :, :]  # (…, nh, T, Tk)
-    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    heads a recency prior from step 0; heads with small slopes stay global."""
+    dist = (q_pos[..., :, None] - k_pos[..., None, :]).abs().to(dtype)  # (..., Tq, Tk)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=q_pos.device, dtype=dtype) / n_head)
+    return -slopes.view(n_head, 1, 1) * dist[..., None, :, :]
 
 
 class InjectedAttention(nn.Module):
@@ -117,23 +125,31 @@ class InjectedAttention(nn.Module):
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.n_head, self.rope_base = cfg.n_head, cfg.rope_base
+        self.n_head = cfg.n_head
 
     def heads(self, t):
         B, T, C = t.shape
         return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
 
-    def kv(self, x, pos):
+    def kv(self, x, cs):
         """(B, T, C) -> keys (rotated to their absolute positions) and values, (B, nh, T, hs) each."""
         k, v = self.c_kv(x).split(x.size(-1), dim=2)
-        return rope(self.heads(k), pos, self.rope_base), self.heads(v)
+        return rope(self.heads(k), *cs), self.heads(v)
 
-    def forward(self, x, pos, ctx_k, ctx_v, mask=None):
+    def forward(self, x, cs, kv, start=None, mask=None):
+        """kv = (context keys, context values). Training: start None, the block's own K/V are
+        concatenated after them. Inference (gpt-fast style): kv is a static cache whose first
+        `start` positions hold the context; the block's K/V are written at start.. (stale past
+        the context, overwritten next round) and the prefix is attended to, with no copy."""
         B, T, C = x.shape
-        q = rope(self.heads(self.c_q(x)), pos, self.rope_base)  # (B, nh, T, hs)
-        k, v = self.kv(x, pos)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (B, nh, Tc + T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask None: all visible (inference)
+        q = rope(self.heads(self.c_q(x)), *cs)  # (B, nh, T, hs)
+        k, v = self.kv(x, cs)
+        if start is None:
+            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # (B, nh, Tc + T, hs)
+        else:
+            kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
+            k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask: the ALiBi bias and/or visibility
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -146,8 +162,8 @@ class DraftLayer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, pos, ctx_kv, mask=None):
-        x = x + self.attn(self.ln_1(x), pos, *ctx_kv, mask)
+    def forward(self, x, cs, kv, start=None, mask=None):
+        x = x + self.attn(self.ln_1(x), cs, kv, start, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -183,13 +199,35 @@ class DFlash(nn.Module):
             elif pn.endswith(".bias"):
                 nn.init.zeros_(p)
 
+        self._tables = {}  # position tables, built once per device and dtype (see tables())
+
+    def tables(self, device, dtype):
+        """RoPE cos/sin for every position a block can reach (float32 angles, then cast), and the
+        ALiBi bias between every pair of such positions, (nh, N, N): inference slices them, never
+        rebuilds them. Plain attributes, not buffers: they are derived, not learned."""
+        key = (str(device), dtype)
+        if key not in self._tables:
+            cfg = self.config
+            N = self.target.config.block_size + cfg.block
+            cos, sin = rope_table(N, cfg.n_embd // cfg.n_head, cfg.rope_base, device)
+            pos = torch.arange(N, device=device)
+            bias = alibi_bias(pos, pos, cfg.n_head).to(dtype) if cfg.alibi else None
+            self._tables[key] = (cos.to(dtype), sin.to(dtype), bias)
+        return self._tables[key]
+
+    def cs(self, pos, dtype):
+        """RoPE rows for positions pos ((T,) or (B, T)) -> (cos, sin), (T, hs/2) or (B, 1, T, hs/2)."""
+        cos, sin, _ = self.tables(pos.device, dtype)
+        return (cos[pos], sin[pos]) if pos.dim() == 1 else (cos[pos][:, None], sin[pos][:, None])
+
     def context(self, hidden):
         """{layer: (B, T, d)} target states -> projected, normalised context (B, T, d)."""
         return self.ctx_norm(self.fc(torch.cat([hidden[t] for t in self.config.taps], dim=-1)))
 
     def context_kv(self, ctx, pos):
         """Every draft layer's keys/values for these context positions: [(k, v)] * n_layer."""
-        return [layer.attn.kv(ctx, pos) for layer in self.layers]
+        cs = self.cs(pos, ctx.dtype)
+        return [layer.attn.kv(ctx, cs) for layer in self.layers]
 
     def block_input(self, anchors, n_slots):
         """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the masks."""
@@ -198,11 +236,27 @@ class DFlash(nn.Module):
         x = torch.cat([self.target.transformer.wte(anchors)[:, :, None], masks], dim=2)  # (B, A, n_slots, d)
         return x.view(B, A * n_slots, -1)
 
-    def run(self, x, pos, ctx_kvs, mask=None):
+    def run(self, x, pos, ctx_kvs, visible):
+        """Training: blocks at positions pos (B, Tq) over context positions 0..Tc-1, each query
+        seeing only the keys `visible` (B, 1, Tq, Tc + Tq) allows, ALiBi on top."""
+        mask = visible
         if self.config.alibi:
-            mask = alibi_bias(pos, ctx_kvs[0][0].size(2), self.config.n_head, mask, x.dtype)
+            k_pos = torch.cat([torch.arange(ctx_kvs[0][0].size(2), device=pos.device).expand(pos.size(0), -1), pos], 1)
+            mask = alibi_bias(pos, k_pos, self.config.n_head, x.dtype).masked_fill(~visible, float("-inf"))
+        cs = self.cs(pos, x.dtype)
         for layer, ckv in zip(self.layers, ctx_kvs):
-            x = layer(x, pos, ckv, mask)
+            x = layer(x, cs, ckv, None, mask)
+        return x
+
+    def run_cached(self, x, start, kv_caches):
+        """Inference: one block of T slots at positions start.. over a context of `start` cached
+        positions; every slot sees every key (bidirectional block, whole context)."""
+        T = x.size(1)
+        cos, sin, bias = self.tables(x.device, x.dtype)
+        cs = (cos[start:start + T], sin[start:start + T])
+        mask = bias[:, start:start + T, :start + T] if bias is not None else None  # (nh, T, start + T)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cs, kv, start, mask)
         return x
 
     def head(self, h):
@@ -301,7 +355,10 @@ def target_continuations(target, prompts, T, temperature=0.0, gen=None):
 
 class DFlashDrafter(Drafter):
     """propose(k): anchor + k masks at positions S-1 .. S-1+k -> k drafts in one forward. Any
-    k <= block-1 works (a smaller block is just fewer masks); more than trained is an error."""
+    k <= block-1 works (a smaller block is just fewer masks); more than trained is an error.
+    Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context (computed
+    once per position at commit, never again: the target's states of a position never change);
+    a round writes its block's K/V after them, where the next commit overwrites them."""
     name = "dflash"
 
     def __init__(self, net):
@@ -311,19 +368,27 @@ class DFlashDrafter(Drafter):
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
         p = net.fc.weight
-        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size, cfg.n_embd // cfg.n_head)  # (L, 1, nh, Tmax, hs)
+        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size + cfg.block, cfg.n_embd // cfg.n_head)  # (L, 1, nh, Tmax, hs)
         self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
         self.n_ctx = 0
+        # every layer's c_kv, stacked: (n_layer * 2d, d). A copy, so a drafter is made after training
+        attn = [layer.attn.c_kv for layer in net.layers]
+        self.ctx_kv = (torch.cat([a.weight for a in attn]).detach(),
+                       torch.cat([a.bias for a in attn]).detach() if cfg.bias else None)
 
     def _extend(self, hidden):
-        """Append the context K/V of the positions whose target states just arrived."""
-        ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})  # (1, m, d)
-        m = ctx.size(1)
-        pos = torch.arange(self.n_ctx, self.n_ctx + m, device=ctx.device)
-        for i, (k, v) in enumerate(self.net.context_kv(ctx, pos)):
-            self.k_cache[i, :, :, self.n_ctx:self.n_ctx + m] = k
-            self.v_cache[i, :, :, self.n_ctx:self.n_ctx + m] = v
+        """Append the context K/V of the positions whose target states just arrived: every draft
+        layer's keys and values from ONE product with the layers' c_kv weights stacked (a commit
+        is a few dozen tiny ops on a CPU, so it pays to do it in one pass, not one per layer)."""
+        ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})[0]  # (m, d)
+        n, m = self.n_ctx, ctx.size(0)
+        L, _, nh, _, hs = self.k_cache.shape
+        kv = F.linear(ctx, *self.ctx_kv).view(m, L, 2, nh, hs).permute(1, 2, 3, 0, 4)  # (L, 2, nh, m, hs)
+        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
+        self.k_cache[:, 0, :, n:n + m] = rope(kv[:, 0], cos[n:n + m], sin[n:n + m])
+        self.v_cache[:, 0, :, n:n + m] = kv[:, 1]
         self.n_ctx += m
 
     @torch.inference_mode()
@@ -333,22 +398,26 @@ class DFlashDrafter(Drafter):
         self._extend(hidden)
 
     def block_states(self, n_slots):
-        """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d)."""
-        S, n = self.seq.numel(), self.n_ctx  # n == S - 1: context = every confirmed token before the anchor
-        pos = torch.arange(S - 1, S - 1 + n_slots, device=self.seq.device)
-        ctx_kvs = [(self.k_cache[i, :, :, :n], self.v_cache[i, :, :, :n]) for i in range(len(self.net.layers))]
-        return self.net.run(self.net.block_input(self.seq[-1:].view(1, 1), n_slots), pos, ctx_kvs)[0]
+        """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d). The anchor
+        sits at position n_ctx (== S - 1: the context is every confirmed token before it)."""
+        x = self.net.block_input(self.seq[-1:].view(1, 1), n_slots)
+        return self.net.run_cached(x, self.n_ctx, self.kv_caches)[0]
 
     def check_k(self, k):
         if not 1 <= k <= self.max_k:
             raise ValueError(f"this {self.name} drafter was trained with block {self.net.config.block} and drafts "
                              f"1..{self.max_k} tokens per round, not k={k}")
 
+    def draft_states(self, k):
+        """The k block states that draft the next k tokens: slots 1..k (shift 0), or the anchor
+        slot and slots 1..k-1 (shift 1) -> (k, d)."""
+        shift = self.net.config.shift
+        return self.block_states(k + 1 - shift)[1 - shift:]
+
     @torch.inference_mode()
     def propose(self, k, sampler):
         self.check_k(k)
-        shift = self.net.config.shift
-        h = self.block_states(k + 1 - shift)[1 - shift:]  # (k, d)
+        h = self.draft_states(k)  # (k, d)
         S = self.seq.numel()
         return sampler.draft(self.net.head(h), list(range(S, S + k)))
 

@@ -8,9 +8,8 @@ draft_dflash.py drafts every block slot independently: slot 5 never learns what 
 so two plausible continuations can get mixed ("the the"). DSpark keeps the parallel backbone
 for the expensive part and adds two cheap pieces on top:
 
-1. A Markov head. The backbone gives base logits U_k for every slot in one pass (here the
-   anchor itself is the first prediction slot: anchor + B-1 masks -> B drafts). Then, left to
-   right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2): a rank-r bias that depends on
+1. A Markov head. The backbone (DFlash's network, unchanged) gives base logits U_k for every
+   slot in one pass. Then, left to right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2): a rank-r bias that depends on
    the token just drafted. One row lookup and one (r x V) product per token: the sequential
    part stays small next to the backbone. Every q is an exact softmax, so rejection sampling
    stays lossless.
@@ -19,7 +18,11 @@ for the expensive part and adds two cheap pieces on top:
    verify latency profiled once at load, verifies only the prefix that maximises expected
    tokens per second, (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)).
 
-    python train.py --only dspark && python speculative.py --method dspark --k 16
+The paper lets the anchor slot predict too (anchor + B-1 masks -> B drafts); here the backbone
+is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from the trained DFlash
+network and what it adds is measured against it on equal footing.
+
+    python train.py --only dspark && python speculative.py --method dspark
 """
 
 import copy
@@ -34,7 +37,7 @@ from gpt import synchronize
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights, soft_labels
 
 # -----------------------------------------------------------------------------
-# the network: a DFlash backbone (shift=1) + Markov head + confidence head
+# the network: a DFlash backbone + Markov head + confidence head
 
 
 @dataclass
@@ -49,8 +52,6 @@ class DSpark(nn.Module):
 
     def __init__(self, bcfg, cfg, target):
         super().__init__()
-        if bcfg.shift != 1:
-            raise ValueError("DSpark's backbone predicts at the anchor slot too: it needs a DFlashConfig with shift=1")
         V, d = target.config.vocab_size, bcfg.n_embd
         self.config = cfg
         self.backbone = DFlash(bcfg, target)
@@ -62,7 +63,7 @@ class DSpark(nn.Module):
         nn.init.zeros_(self.conf.weight)
         nn.init.zeros_(self.conf.bias)
         # per-position temperature for the confidence logits, fitted on held-out text (calibrate())
-        self.register_buffer("conf_temp", torch.ones(bcfg.block))
+        self.register_buffer("conf_temp", torch.ones(bcfg.block - 1 + bcfg.shift))  # one per draft position
 
     def markov(self, prev):
         """B(x_{k-1}, .) = W1[x_{k-1}] W2: prev (...) token ids -> (..., V)."""
@@ -266,33 +267,39 @@ class DSparkDrafter(DFlashDrafter):
     @torch.inference_mode()
     def propose(self, k, sampler):
         self.check_k(k)
-        h = self.block_states(k)  # anchor + k-1 masks; slot j drafts the token after it: (k, d)
+        h = self.draft_states(k)  # (k, d): the states that draft the next k tokens
         U = self.net.head(h)  # (k, V) base logits, all slots in one product (row by row was slower)
+        S = self.seq.numel()
+        prev, toks, qs = self.seq[-1:], [], []
+        for j in range(k):  # the sequential part: one row lookup and one (r x V) product per token
+            logits = (U[j:j + 1] + self.spark.markov(prev)) if self.markov else U[j:j + 1]
+            prev, q = sampler.draft(logits, [S + j])
+            toks.append(prev)
+            qs.append(q)
+        toks, qs = torch.cat(toks), (torch.cat(qs) if qs[0] is not None else None)
+        length = self.schedule_round(h, torch.cat([self.seq[-1:], toks[:-1]]))
+        self.verified += length
+        self.rounds += 1
+        return toks[:length], (qs[:length] if qs is not None else None)
+
+    def schedule_round(self, h, prev):
+        """How many of the k drafts to verify: every confidence c_j at once, the prefix survival
+        a_j = prod c_i, then the rule on the host (one sync per round, not one per draft).
+        Drafting all k first costs only the cheap Markov steps past the cut."""
         rule = {"auto": lambda: Throughput(self.t_draft, self.t_verify),
                 "threshold": lambda: Threshold(self.threshold), "full": lambda: None}[self.schedule]()
-        scored = rule is not None or self.log is not None
-        if scored:  # the h part of every confidence logit at once; the W1[x_{k-1}] part comes per step
-            w = self.spark.conf.weight[0]
-            zh = h @ w[:h.size(-1)] + self.spark.conf.bias  # (k,)
-        S = self.seq.numel()
-        prev, toks, qs, a, surv = self.seq[-1:], [], [], [], 1.0
-        for j in range(k):  # the cheap sequential part: one row lookup and one (r x V) product per token
-            code = self.spark.w1(prev)  # (1, r): W1[x_{j-1}]
-            if scored:
-                c = torch.sigmoid((zh[j] + code[0] @ w[h.size(-1):]) / self.spark.conf_temp[j])
-                surv *= c.item()  # host sync per step: free on a CPU; batch it on a GPU
-                if rule is not None and not rule.admit(surv):
-                    break  # the first drop: neither verify nor even draft the rest
-                a.append(surv)
-            logits = (U[j:j + 1] + self.spark.w2(code)) if self.markov else U[j:j + 1]
-            tok, q = sampler.draft(logits, [S + j])
-            toks.append(tok)
-            qs.append(q)
-            prev = tok
-        self._a = a
-        self.verified += len(toks)
-        self.rounds += 1
-        return torch.cat(toks), (torch.cat(qs) if qs[0] is not None else None)
+        if rule is None and self.log is None:
+            return h.size(0)
+        c = torch.sigmoid(self.spark.confidence_logit(h, prev) / self.spark.conf_temp[:h.size(0)])  # (k,)
+        a = torch.cumprod(c, 0).tolist()  # host sync
+        length = h.size(0)
+        if rule is not None:
+            for x in a:
+                if not rule.admit(x):
+                    break  # the first drop: verify nothing past it
+            length = rule.l
+        self._a = a[:length]
+        return length
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):

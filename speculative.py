@@ -186,6 +186,7 @@ class Drafter:
     hidden_layers = ()  # which target hidden states this drafter reads
     max_k = None        # most tokens it can draft in one round (None: no limit)
     default_k = 4       # what bench.py and speculative.py use unless told otherwise
+    budget = []         # its training: [{steps, seconds}], a warm start's first (set by load_drafter)
 
     def begin(self, tokens, hidden):
         raise NotImplementedError
@@ -205,6 +206,7 @@ class DraftModel(Drafter):
     confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
     with the target's token, at the start of the next propose."""
     name = "small"
+    default_k = 5  # the best of the bench sweep on the CPU preset (k = 4 and 5 within noise, 7 slower)
 
     def __init__(self, model):
         self.model = model
@@ -355,10 +357,12 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
             raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} but the current {what} is "
                                   f"{str(want)[:16]}: run `python train.py --only {stage} --force` to retrain it")
     try:
-        return getattr(importlib.import_module(module), f"load_{name}")(ckpt, target, device, dtype)
+        drafter = getattr(importlib.import_module(module), f"load_{name}")(ckpt, target, device, dtype)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
                               f"run `python train.py --only {stage} --force`") from None
+    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget")) if b]  # what its training cost
+    return drafter
 
 
 # -----------------------------------------------------------------------------

@@ -13,7 +13,11 @@ a killed run picks up where it stopped: batches are drawn from a generator seede
 step number, so the resumed run sees the same data an uninterrupted one would have.
 
 Presets are chosen by device (cpu: the whole script in about 20 minutes on 2 cores; cuda: a
-larger model, ~10 minutes on one consumer GPU). Every preset field is also a flag.
+larger model, not yet run on a GPU). Every preset field is also a flag. Training runs under
+bfloat16 autocast where the device measurably does bfloat16 fast (--bf16), else in float32.
+
+The drafters all learn from one distillation set: the target's own continuations of corpus
+prompts, written once to out/distill.pt (a quarter of them sampled, the rest greedy).
 """
 
 import argparse
@@ -33,32 +37,32 @@ from draft_mtp import mtp_loss
 # presets: the defaults live here and only here
 
 PRESETS = {
-    # measured on a 2-core CPU: the target takes ~half of the ~20-minute budget
+    # measured on a 2-core CPU with fast bfloat16: ~20 minutes in all, the target a third of it, DFlash a third
     "cpu": dict(n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
-                target_iters=1200, target_lr=2e-3, warmup=60,
-                small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0,
-                mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=300, mtp_lr=2e-3, mtp_distill=1.0,
-                mtp_text="gen", mtp_gen_seqs=256,
-                dflash_layers=2, dflash_heads=8, dflash_block=16, dflash_gamma=7.0, dflash_anchors=16,
-                dflash_iters=600, dflash_lr=2e-3, dflash_text="gen", dflash_gen_seqs=256, dflash_taps="auto",
-                dspark_rank=64, dspark_iters=150, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash"),
-    # one consumer GPU, ~10 minutes: wider, deeper, longer context, bigger batches
+                target_iters=1300, target_lr=2e-3, warmup=60,
+                small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0, small_text="gen",
+                mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=1000, mtp_lr=2e-3, mtp_distill=1.0,
+                mtp_text="gen", gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
+                dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
+                dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
+                dspark_rank=64, dspark_iters=500, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash"),
+    # one consumer GPU: wider, deeper, longer context, bigger batches (never run yet: no GPU was at hand)
     "cuda": dict(n_layer=8, n_head=8, n_embd=512, block_size=512, batch_size=32,
                  target_iters=4000, target_lr=1e-3, warmup=200,
-                 small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0,
+                 small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0, small_text="gen",
                  mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=2000, mtp_lr=1e-3, mtp_distill=1.0,
-                 mtp_text="gen", mtp_gen_seqs=2048,
+                 mtp_text="gen", gen_seqs=2048, gen_sampled=0.25, gen_temperature=0.8, feature_cache=0,
                  dflash_layers=3, dflash_heads=8, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
-                 dflash_iters=2000, dflash_lr=1e-3, dflash_text="gen", dflash_gen_seqs=2048, dflash_taps="auto",
+                 dflash_iters=2000, dflash_lr=1e-3, dflash_text="gen", dflash_taps="auto",
                  dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256, dspark_init="dflash"),
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
                  target_iters=30, target_lr=3e-3, warmup=5,
-                 small_layers=1, small_embd=16, small_heads=2, small_iters=10, small_lr=3e-3, small_distill=1.0,
+                 small_layers=1, small_embd=16, small_heads=2, small_iters=10, small_lr=3e-3, small_distill=1.0, small_text="gen",
                  mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=10, mtp_lr=3e-3, mtp_distill=1.0,
-                 mtp_text="gen", mtp_gen_seqs=8,
+                 mtp_text="gen", gen_seqs=8, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
                  dflash_layers=1, dflash_heads=2, dflash_block=8, dflash_gamma=4.0, dflash_anchors=4,
-                 dflash_iters=10, dflash_lr=3e-3, dflash_text="gen", dflash_gen_seqs=8, dflash_taps="auto",
+                 dflash_iters=10, dflash_lr=3e-3, dflash_text="gen", dflash_taps="auto",
                  dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4, dspark_init="dflash"),
 }
 PRESETS["mps"] = PRESETS["cuda"]
@@ -78,14 +82,18 @@ FIELD_HELP = {
     "small_iters": "small draft model: optimizer steps",
     "small_lr": "small draft model: peak learning rate",
     "small_distill": "small draft model: weight of the KL-to-target loss (1 = pure distillation, 0 = data only)",
+    "small_text": "small draft model: training text, 'gen' (the shared set the target wrote, see --gen-seqs) or 'data' (the corpus)",
     "mtp_mode": "mtp: 'joint' (the target trains with L_main + lambda*L_mtp and writes mtp.pt too) or 'posthoc' (the head trains on the frozen target)",
     "mtp_modules": "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse the last one",
     "mtp_lambda": "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
     "mtp_iters": "mtp: optimizer steps in posthoc mode",
     "mtp_lr": "mtp: peak learning rate in posthoc mode",
     "mtp_distill": "mtp: posthoc loss, weight of the KL to the target's next-next distribution (1 = pure distillation, 0 = data only)",
-    "mtp_text": "mtp: posthoc training text, 'gen' (the target's own greedy continuations, shared with dflash when --mtp-gen-seqs matches) or 'data'",
-    "mtp_gen_seqs": "mtp: how many sequences the target writes for --mtp-text gen",
+    "mtp_text": "mtp: posthoc training text, 'gen' (the shared set the target wrote itself, see --gen-seqs) or 'data' (the corpus)",
+    "gen_seqs": "how many sequences the target writes once (out/distill.pt) for every drafter stage with text 'gen'",
+    "gen_sampled": "share of those sequences sampled at --gen-temperature instead of greedy (so drafters also see sampled text)",
+    "gen_temperature": "temperature of the sampled share (the papers regenerate at ~0.7)",
+    "feature_cache": "1: run the target over the distillation set once and keep its logits and states in host memory (bfloat16); 0: recompute them every step",
     "dflash_layers": "dflash: draft layers",
     "dflash_heads": "dflash: attention heads (width is the target's)",
     "dflash_block": "dflash: trained block size (anchor + block-1 masks); drafts up to block-1 tokens",
@@ -93,8 +101,7 @@ FIELD_HELP = {
     "dflash_anchors": "dflash: random anchors (blocks) per training sequence",
     "dflash_iters": "dflash: optimizer steps",
     "dflash_lr": "dflash: peak learning rate",
-    "dflash_text": "dflash: training text, 'gen' (the target's own greedy continuations) or 'data' (the corpus); soft labels from the target either way",
-    "dflash_gen_seqs": "dflash: how many sequences the target writes for --dflash-text gen",
+    "dflash_text": "dflash and dspark: training text, 'gen' (the shared set the target wrote, see --gen-seqs) or 'data' (the corpus); soft labels from the target either way",
     "dflash_taps": "dflash: target layers read as context, e.g. '1,2,3,4,5' ('auto': every block but the last)",
     "dspark_rank": "dspark: rank r of the Markov head W1[x] W2 (its backbone takes the --dflash-* shape and text)",
     "dspark_iters": "dspark: optimizer steps",
@@ -134,6 +141,33 @@ class TrainingError(RuntimeError):
     pass
 
 
+def fast_bf16(device):
+    """Does bfloat16 autocast speed training up on this device? CUDA: if the GPU has bfloat16.
+    CPU: measured, not assumed -- a (256 x 1024) @ (1024 x 1024) product in both dtypes, the
+    fastest of a few tries each. CPUs with AVX512-BF16 or AMX run it ~2x faster (a target training
+    step here: 480 ms -> 240 ms); CPUs without emulate bfloat16 and would be slower. MPS: no."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    if str(device) != "cpu":
+        return False
+
+    def best(dtype):
+        a, b = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+    return best(torch.bfloat16) < 0.7 * best(torch.float32)
+
+
+def autocast(args, device):
+    """The context every training forward runs in: bfloat16 autocast (parameters, optimizer state
+    and the loss's reductions stay float32) where it pays, else a no-op."""
+    return torch.autocast(device_type=str(device).split(":")[0], dtype=torch.bfloat16, enabled=args.use_bf16)
+
+
 def lr_at(step, iters, peak, warmup):
     """Linear warmup, then cosine decay to a tenth of the peak (nanoGPT)."""
     if step < warmup:
@@ -160,10 +194,13 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
             print(f"{name}: ignoring an unreadable resume file ({e})")
             r = None
         if r is not None and r.get("fingerprint") == fingerprint:
-            module.load_state_dict(r["state_dict"])
-            opt.load_state_dict(r["optimizer"])
-            start = r["step"]
-            print(f"{name}: resuming an interrupted run at step {start}/{iters}")
+            try:
+                module.load_state_dict(r["state_dict"])
+                opt.load_state_dict(r["optimizer"])
+                start = r["step"]
+                print(f"{name}: resuming an interrupted run at step {start}/{iters}")
+            except (RuntimeError, ValueError, KeyError) as e:  # e.g. written by an older version of the code
+                print(f"{name}: the resume file does not fit this model ({str(e).splitlines()[0][:100]}); starting over")
         elif r is not None:
             print(f"{name}: the resume file is from a run with other settings; starting over")
 
@@ -181,7 +218,8 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
     for step in range(start, iters):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, iters, lr, args.warmup)
-        loss = loss_fn(step)
+        with autocast(args, args.device_resolved):
+            loss = loss_fn(step)
         loss_val = loss.item()  # host sync: once per step, for the NaN check and the log
         if math.isfinite(loss_val):
             loss.backward()
@@ -229,6 +267,9 @@ class Context:
         self.info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
         self.batches = Batches(self.info, args.block_size, args.batch_size, args.seed)
         self._target = None
+        self.distill = None  # the target's own text, shared by the drafter stages (distill_text)
+        self.features = None  # the target's logits and states on it (feature_cache)
+        self.stage_t0 = time.time()  # when the running stage started (for the budget in its checkpoint)
 
     def path(self, stage):
         return os.path.join(self.args.out_dir, f"{stage}.pt")
@@ -249,10 +290,12 @@ class Context:
         with torch.no_grad():
             return sum(loss_of_batch(*self.batches.get("val", i, self.device)).item() for i in range(n)) / n
 
-    def drafter_meta(self, kind, config, state_dict, extra=None):
-        """Checkpoint dict for a drafter: it records which target and tokenizer it belongs to."""
+    def drafter_meta(self, kind, config, state_dict, extra=None, steps=None):
+        """Checkpoint dict for a drafter: it records which target and tokenizer it belongs to, and
+        its training budget (optimizer steps, seconds of this stage), which bench.py prints."""
         _, tckpt = self.target()
-        return {"kind": kind, "config": config, "state_dict": state_dict,
+        budget = {"steps": steps or getattr(self.args, f"{kind}_iters"), "seconds": round(time.time() - self.stage_t0)}
+        return {"kind": kind, "config": config, "state_dict": state_dict, "budget": budget,
                 "target_hash": tckpt["model_hash"], "tokenizer_hash": self.info["tokenizer_hash"], **(extra or {})}
 
 
@@ -327,18 +370,20 @@ def stage_small(ctx):
     model = GPT(cfg).to(ctx.device)
     print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
 
-    def loss_of(x, y):
-        logits, ce, _ = model(x, y)
+    def loss_of(w, p_logits):  # w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
+        logits, ce, _ = model(w[:, :-1], w[:, 1:])
         if a.small_distill == 0:
             return ce
-        with torch.no_grad():
-            p_logits = target(x)[0]
+        p_logits = p_logits[:, :-1]
+        x = w[:, :-1]
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(p_logits, -1), log_target=True, reduction="batchmean") / x.size(1)
         return a.small_distill * kl + (1 - a.small_distill) * ce
 
     fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": ctx.target()[1]["model_hash"],
-                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed}
-    val, _ = train_loop("small", model, lambda s: loss_of(*ctx.batches.get("train", s, ctx.device)),
+                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed,
+                   "text": distill_key(ctx, a.small_text)}
+    batches = drafter_batches(ctx, a.small_text)
+    val, _ = train_loop("small", model, lambda s: (lambda w, logits, hid: loss_of(w, logits))(*batches(s)),
                         lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
                         a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
     sd = cpu_state_dict(model)
@@ -357,67 +402,146 @@ def parse_taps(spec, n_layer):
         raise ValueError(f"--dflash-taps must be 'auto' or comma-separated layer numbers like 1,3,5 (got {spec!r})") from None
 
 
-def drafter_text(ctx, kind, n_seqs, seed, split="train"):
-    """step -> (batch_size, block_size) training text for the block drafters. 'data': corpus
-    windows. 'gen': the target's own greedy continuations of short corpus prompts, written once
-    (DFlash trains on text the target regenerated, so it learns what the target will say) and
-    shared by the stages of one run."""
+def write_text(ctx, n_seqs, n_sampled, seed, split):
+    """The target continues n_seqs short corpus prompts to full windows (block_size tokens): the
+    first n_seqs - n_sampled greedily, the rest sampled at --gen-temperature. Batched decoding."""
+    from draft_dflash import target_continuations
+    a = ctx.args
+    target, _ = ctx.target()
+    P = max(1, a.block_size // 8)
+    prompts = ctx.batches.get(split, 10_000_000 + seed, ctx.device, B=n_seqs)[0][:, :P]
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+    t0, chunks = time.time(), []
+    for i in range(0, n_seqs, 128):
+        rows = prompts[i:i + 128]
+        greedy = max(0, min(len(rows), n_seqs - n_sampled - i))  # rows of this chunk written greedily
+        for part, temp in ((rows[:greedy], 0.0), (rows[greedy:], a.gen_temperature)):
+            if len(part):
+                chunks.append(target_continuations(target, part, a.block_size, temp, gen))
+    print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text ({n_sampled} sampled at "
+          f"temperature {a.gen_temperature}) in {time.time() - t0:.0f}s")
+    return torch.cat(chunks)
+
+
+def distill_text(ctx):
+    """The one distillation set every drafter learns from: the target's own continuations of
+    corpus prompts (the papers regenerate their training text with the target, so a drafter
+    learns what the target will say). Written once to out/distill.pt and reused by every stage
+    and every later run, for as long as the target and the --gen-* settings are the same."""
+    a = ctx.args
+    want = {"target": ctx.target()[1]["model_hash"], "seqs": a.gen_seqs, "sampled": round(a.gen_seqs * a.gen_sampled),
+            "temperature": a.gen_temperature, "block_size": a.block_size, "seed": a.seed}
+    if ctx.distill is None:
+        path = os.path.join(a.out_dir, "distill.pt")
+        try:
+            ck = load_checkpoint(path, "distill") if os.path.exists(path) else None
+        except CheckpointError as e:
+            print(f"distill: rewriting an unreadable {path} ({e})")
+            ck = None
+        if ck is None or ck.get("settings") != want:
+            t0 = time.time()
+            ck = {"kind": "distill", "settings": want, "state_dict": {},
+                  "tokens": write_text(ctx, a.gen_seqs, want["sampled"], a.seed, "train").cpu()}
+            save_checkpoint(ck, path)
+            ctx.stage_t0 += time.time() - t0  # shared work: not charged to the stage that happened to ask first
+        ctx.distill = ck["tokens"].to(ctx.device)
+    return ctx.distill
+
+
+def target_features(ctx, x):
+    """The frozen target on windows x (B, T): its logits (B, T, V) and every layer's hidden
+    states {layer: (B, T, d)}: the soft labels and the inputs of every drafter's loss."""
+    target, _ = ctx.target()
+    with torch.no_grad():
+        logits, _, hid = target(x, hidden_layers=range(1, target.config.n_layer + 1))
+    return logits, hid
+
+
+def feature_cache(ctx):
+    """target_features of the whole distillation set, computed once per run and kept in host
+    memory in bfloat16 (~2.9 GB for the cpu preset): the drafter stages then never run the target
+    while they train (it was 40% of a DFlash step). Computed under the training autocast, so the
+    numbers are the ones an on-the-fly forward would give."""
+    if ctx.features is None:
+        pool, t0, chunks = distill_text(ctx), time.time(), []
+        with autocast(ctx.args, ctx.device):
+            for i in range(0, len(pool), 32):
+                logits, hid = target_features(ctx, pool[i:i + 32])
+                chunks.append((logits.to("cpu", torch.bfloat16), {l: h.to("cpu", torch.bfloat16) for l, h in hid.items()}))
+        ctx.features = (torch.cat([c[0] for c in chunks]), {l: torch.cat([c[1][l] for c in chunks]) for l in chunks[0][1]})
+        print(f"the target's logits and hidden states on the distillation set, once: {time.time() - t0:.0f}s")
+        ctx.stage_t0 += time.time() - t0  # shared work, like the set itself
+    return ctx.features
+
+
+def drafter_batches(ctx, kind):
+    """step -> (x, logits, hidden): batch_size training windows for a drafter with the target's
+    features on them. 'gen': rows of the shared distillation set, features from the cache
+    (--feature-cache 1) or computed per step; 'data': corpus windows, features per step."""
     a = ctx.args
     if kind == "data":
-        return lambda step: ctx.batches.get(split, step, ctx.device)[0]
+        return lambda step: (lambda x: (x, *target_features(ctx, x)))(ctx.batches.get("train", step, ctx.device)[0])
     if kind != "gen":
         raise ValueError(f"unknown drafter text {kind!r}: use gen or data")
-    from draft_dflash import target_continuations
-    pools = ctx.__dict__.setdefault("_gen_text", {})
-    if (n_seqs, seed, split) not in pools:
-        target, _ = ctx.target()
-        P = max(1, a.block_size // 8)
-        prompts = ctx.batches.get(split, 10_000_000 + seed, ctx.device, B=n_seqs)[0][:, :P]
-        t0 = time.time()
-        pools[(n_seqs, seed, split)] = torch.cat([target_continuations(target, prompts[i:i + 64], a.block_size)
-                                                  for i in range(0, n_seqs, 64)])
-        print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text in {time.time() - t0:.0f}s")
-    pool = pools[(n_seqs, seed, split)]
+    pool = distill_text(ctx)
+    cache = feature_cache(ctx) if a.feature_cache else None
 
     def batch(step):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
-        return pool[torch.randint(n_seqs, (a.batch_size,), generator=g).to(ctx.device)]
+        idx = torch.randint(len(pool), (a.batch_size,), generator=g)
+        x = pool[idx.to(ctx.device)]
+        if cache is None:
+            return (x, *target_features(ctx, x))
+        return x, cache[0][idx].to(ctx.device), {l: h[idx].to(ctx.device, torch.float32) for l, h in cache[1].items()}
     return batch
 
 
-def block_batch(ctx, x, step, cfg):
-    """What DFlash and DSpark train on, for token windows x: one no-grad target forward gives
-    the context states AND the soft labels; the anchors of step s come from a generator seeded
-    with (seed, s), so a resumed run replays them."""
+def distill_key(ctx, kind):
+    """What a stage's resume fingerprint records of its text."""
+    a = ctx.args
+    return (a.gen_seqs, a.gen_sampled, a.gen_temperature) if kind == "gen" else None
+
+
+def block_batch(ctx, x, t_logits, hid, step, cfg):
+    """What DFlash and DSpark train on: windows x, the target's logits on them (the soft labels)
+    and its hidden states (the context); the anchors of step s come from a generator seeded with
+    (seed, s), so a resumed run replays them."""
     from draft_dflash import sample_anchors
-    target, _ = ctx.target()
-    with torch.no_grad():
-        t_logits, _, hid = target(x, hidden_layers=cfg.taps)
     g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
     anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
-    return x, hid, t_logits, anchors
+    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
+
+
+def block_config(ctx):
+    """The DFlash network, also DSpark's backbone: the same shape, so DSpark can start from it.
+    The mask slots predict (shift 0, as in the DFlash paper): letting the anchor slot predict too
+    (DeepSpec's shift 1) drafted worse here (600 steps, block 8: tau 2.60 at k = 8 vs 2.71 at k = 7)."""
+    from draft_dflash import DFlashConfig
+    a = ctx.args
+    tcfg = ctx.target()[0].config
+    return DFlashConfig(n_embd=tcfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
+                        taps=parse_taps(a.dflash_taps, tcfg.n_layer), block=a.dflash_block)
 
 
 def stage_dflash(ctx):
     """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
-    from draft_dflash import DFlash, DFlashConfig, dflash_loss
+    from draft_dflash import DFlash, dflash_loss
     a = ctx.args
     target, tckpt = ctx.target()
-    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
-                       taps=parse_taps(a.dflash_taps, target.config.n_layer), block=a.dflash_block)
+    cfg = block_config(ctx)
     torch.manual_seed(a.seed + 3)
     net = DFlash(cfg, target).to(ctx.device)
     print(f"dflash: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {cfg}")
-    text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
+    batches = drafter_batches(ctx, a.dflash_text)
 
-    def loss_of(x, step):
-        return dflash_loss(net, *block_batch(ctx, x, step, cfg), a.dflash_gamma)
+    def loss_of(x, t_logits, hid, step):
+        return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
 
     fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
-                   "lr": a.dflash_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs, "anchors": a.dflash_anchors,
+                   "lr": a.dflash_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
                    "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dflash", net, lambda s: loss_of(text(s), s),
-                        lambda: ctx.val_loss(lambda x, y: loss_of(x, -1)),  # val: corpus windows, fixed anchors
+    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),  # val: corpus windows, fixed anchors
+                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
     sd = cpu_state_dict(net)
     save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
@@ -425,42 +549,45 @@ def stage_dflash(ctx):
 
 
 def stage_dspark(ctx):
-    """DSpark (draft_dspark.py): the DFlash backbone, same shape and text as --dflash-*, but the
-    anchor slot predicts too; plus the Markov head and the confidence head, then calibration."""
-    from draft_dflash import DFlashConfig
+    """DSpark (draft_dspark.py): the DFlash network as its backbone (same shape and text as
+    --dflash-*, by default started from out/dflash.pt), plus the Markov head and the confidence
+    head, then calibration."""
     from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
     a = ctx.args
     target, tckpt = ctx.target()
-    bcfg = DFlashConfig(n_embd=target.config.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
-                        taps=parse_taps(a.dflash_taps, target.config.n_layer), block=a.dflash_block, shift=1)
+    bcfg = block_config(ctx)
     cfg = DSparkConfig(rank=a.dspark_rank)
     torch.manual_seed(a.seed + 4)
     net = DSpark(bcfg, cfg, target).to(ctx.device)
     print(f"dspark: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
-    if a.dspark_init == "dflash":  # warm start: the same backbone shape, only the slot -> token offset moves by one
+    init_budget = None
+    if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         dfl = load_checkpoint(ctx.path("dflash"), "dflash")
-        if dfl.get("target_hash") != tckpt["model_hash"] or {**dfl["config"], "shift": 1} != bcfg.to_dict():
+        if dfl.get("target_hash") != tckpt["model_hash"] or dfl["config"] != bcfg.to_dict():
             raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this target with the same "
                              "--dflash-* shape: run `python train.py --only dflash` first, or use --dspark-init scratch")
         net.backbone.load_state_dict(dfl["state_dict"])
+        init_budget = dfl.get("budget")
         print(f"dspark: backbone initialised from {ctx.path('dflash')}")
     elif a.dspark_init != "scratch":
         raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
-    text = drafter_text(ctx, a.dflash_text, a.dflash_gen_seqs, a.seed)
+    batches = drafter_batches(ctx, a.dflash_text)
 
-    def loss_of(x, step):
-        return dspark_loss(net, *block_batch(ctx, x, step, bcfg), a.dflash_gamma)
+    def loss_of(x, t_logits, hid, step):
+        return dspark_loss(net, *block_batch(ctx, x, t_logits, hid, step, bcfg), a.dflash_gamma)
 
     fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
                    "init": a.dspark_init,
-                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen_seqs": a.dflash_gen_seqs,
+                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text),
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dspark", net, lambda s: loss_of(text(s), s), lambda: ctx.val_loss(lambda x, y: loss_of(x, -1)),
+    val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
+                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
-    extra = {"val_loss": val, "text": a.dflash_text}
+    extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
     if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
-        held = drafter_text(ctx, "gen", a.dspark_calib_seqs, a.seed, split="val")
-        before, after = calibrate(net, [block_batch(ctx, held(s), -1 - s, bcfg) for s in range(max(1, a.dspark_calib_seqs // a.batch_size))])
+        held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
+        held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
+        before, after = calibrate(net, [block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)])
         print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
               f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
         extra.update(ece_before=before, ece_after=after)
@@ -490,7 +617,8 @@ def save_mtp(ctx, mtp, mode):
     val = ctx.val_loss(lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
     print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
     sd = cpu_state_dict(mtp)
-    save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd, {"val_loss": val, "mode": mode}), ctx.path("mtp"))
+    steps = ctx.args.target_iters if mode == "joint" else None  # joint: it trained alongside the target
+    save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd, {"val_loss": val, "mode": mode}, steps), ctx.path("mtp"))
     return val
 
 
@@ -506,21 +634,18 @@ def stage_mtp(ctx):
     L = target.config.n_layer
     print(f"mtp: {sum(p.numel() for p in mtp.parameters()) / 1e6:.2f}M trainable parameters, {mtp.config}")
 
-    text = drafter_text(ctx, a.mtp_text, a.mtp_gen_seqs, a.seed)  # (B, block_size) token windows
+    batches = drafter_batches(ctx, a.mtp_text)
 
-    def loss_of(x, y):
-        with torch.no_grad():  # one target forward gives the inputs (h) and the distillation teacher
-            t_logits, _, hid = target(x, hidden_layers=(L,))
-        return mtp_loss(mtp, target, hid[L], x, y, t_logits, a.mtp_distill)
+    def loss_of(w, t_logits, hid):
+        """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give the
+        module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is x's."""
+        return mtp_loss(mtp, target, hid[L][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1], a.mtp_distill)
 
     fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"], "iters": a.mtp_iters,
-                   "lr": a.mtp_lr, "distill": a.mtp_distill, "text": a.mtp_text, "gen_seqs": a.mtp_gen_seqs, "seed": a.seed}
+                   "lr": a.mtp_lr, "distill": a.mtp_distill, "text": a.mtp_text, "gen": distill_key(ctx, a.mtp_text), "seed": a.seed}
 
-    def train_step(step):
-        w = text(step)  # (B, block_size): inputs w[:, :-1], labels w[:, 1:]
-        return loss_of(w[:, :-1], w[:, 1:])
-
-    train_loop("mtp", mtp, train_step, lambda: ctx.val_loss(loss_of),  # val: corpus windows
+    train_loop("mtp", mtp, lambda s: loss_of(*batches(s)),
+               lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x))),  # val: corpus windows
                a.mtp_iters, a.mtp_lr, a, fingerprint, a.batch_size * a.block_size)
     return save_mtp(ctx, mtp, "posthoc")
 
@@ -546,6 +671,8 @@ def build_parser():
     p.add_argument("--eval-interval", type=int, default=250, help="steps between validation losses")
     p.add_argument("--ckpt-interval", type=float, default=60.0, help="seconds between resume checkpoints")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                   help="bfloat16 autocast for training: auto = where this device measurably runs it faster")
     for field, help_text in FIELD_HELP.items():
         kind = type(PRESETS["cpu"][field])
         p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{help_text} (preset)")
@@ -559,6 +686,8 @@ def resolve_args(argv=None):
     for field in FIELD_HELP:
         if getattr(args, field) is None:
             setattr(args, field, preset[field])
+    args.device_resolved = device
+    args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
     if args.only is not None and args.only not in STAGES:
         raise ValueError(f"unknown stage {args.only!r}: choose one of {', '.join(STAGES)}")
     return args
@@ -570,21 +699,22 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     t0 = time.time()
     ctx = Context(args)
-    print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, preset {args.preset or ctx.device}")
+    print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, preset {args.preset or ctx.device}, "
+          f"training in {'bfloat16 autocast' if args.use_bf16 else 'float32'}")
     for stage, fn in STAGES.items():
         if args.only and stage != args.only:
             continue
         if not args.force and is_current(ctx, stage):
             print(f"{stage}: {ctx.path(stage)} exists, skipping (--force to retrain)")
             continue
-        ts = time.time()
+        ts = ctx.stage_t0 = time.time()
         val = fn(ctx)
         resume = os.path.join(args.out_dir, f"{stage}.resume.pt")
         if os.path.exists(resume):
             os.remove(resume)
         print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, wrote {ctx.path(stage)}")
         if stage == "target":
-            ctx._target = None  # drafters must see the freshly trained target
+            ctx._target, ctx.distill, ctx.features = None, None, None  # drafters must see the freshly trained target
     print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
 
 

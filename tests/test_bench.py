@@ -15,7 +15,7 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
                       "--json", str(path), "--markdown", str(md)])
     saved = json.loads(path.read_text())
     assert saved["methods"].keys() == out["methods"].keys()
-    for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep", "goals"):
+    for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep", "references"):
         assert key in saved
     assert {"ar", *DRAFTERS} <= set(saved["methods"])
     for name, r in saved["methods"].items():

@@ -4,6 +4,7 @@ with a message, and the same seed gives the same checkpoints."""
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,3 +119,27 @@ def test_a_killed_train_py_resumes_where_it_stopped(corpus, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "resuming an interrupted run at step" in out.stdout
     assert load_checkpoint(str(tmp_path / "target.pt"), "target")["step"] == 3000
+
+
+def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_path, capsys):
+    """Every drafter stage learns from one set the target wrote (out/distill.pt): retraining a
+    drafter reuses it; other --gen-* settings rewrite it."""
+    trained = shutil.copytree(trained, tmp_path / "out")  # a copy: the shared fixture stays as it is
+    ck = load_checkpoint(str(trained / "distill.pt"), "distill")
+    P = train.PRESETS["tiny"]
+    assert tuple(ck["tokens"].shape) == (P["gen_seqs"], P["block_size"])
+    assert ck["settings"]["target"] == load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
+    before = os.path.getmtime(trained / "distill.pt")
+    capsys.readouterr()
+    train.main(tiny_args(corpus, trained, "--only", "mtp", "--force"))
+    assert "the target wrote" not in capsys.readouterr().out and os.path.getmtime(trained / "distill.pt") == before
+    train.main(tiny_args(corpus, trained, "--only", "mtp", "--force", "--gen-seqs", "12"))
+    assert "the target wrote 12 x" in capsys.readouterr().out
+    assert load_checkpoint(str(trained / "distill.pt"), "distill")["tokens"].shape[0] == 12
+
+
+def test_bf16_autocast_is_measured_and_can_be_forced_off(corpus, tmp_path):
+    assert train.fast_bf16("cpu") in (True, False) and train.fast_bf16("mps") is False
+    args = train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
+    assert args.use_bf16 is False
+    assert train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
