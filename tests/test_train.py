@@ -143,3 +143,15 @@ def test_bf16_autocast_is_measured_and_can_be_forced_off(corpus, tmp_path):
     args = train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
     assert args.use_bf16 is False
     assert train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
+
+
+def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, corpus, tmp_path):
+    """--feature-cache 0 (the target runs every step) and --*-text data (corpus windows) are
+    the other two ways a drafter stage gets its batches: both must train and write a checkpoint."""
+    out = shutil.copytree(trained, tmp_path / "out")
+    train.main(tiny_args(corpus, out, "--only", "dflash", "--force", "--feature-cache", "0"))
+    train.main(tiny_args(corpus, out, "--only", "mtp", "--force", "--mtp-text", "data"))
+    for stage in ("dflash", "mtp"):
+        ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
+        assert ck["budget"]["steps"] == train.PRESETS["tiny"][f"{stage}_iters"]
+        assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
