@@ -9,8 +9,8 @@ so two plausible continuations can get mixed ("the the"). DSpark keeps the paral
 for the expensive part and adds two cheap pieces on top:
 
 1. A Markov head. The backbone (DFlash's network, unchanged) gives base logits U_k for every
-   slot in one pass. Then, left to right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2): a rank-r bias that depends on
-   the token just drafted. One row lookup and one (r x V) product per token: the sequential
+   slot in one pass. Then, left to right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2):
+   a rank-r bias that depends on the token just drafted. One row lookup and one (r x V) product per token: the sequential
    part stays small next to the backbone. Every q is an exact softmax, so rejection sampling
    stays lossless.
 2. A confidence head c_k = sigmoid(w . [h_k; W1[x_{k-1}]]): the chance draft k survives given
