@@ -54,13 +54,13 @@ REFERENCES = [  # (method, what, the paper's figure, its source and setting, our
      lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
     ("dflash", "speedup", "4.86x", "DFlash, same setting (EAGLE-3 there: 1.76-2.02x)",
      lambda m: f"{m['dflash']['speedup']:.2f}x"),
-    ("dspark", "tau over dflash", "+16-18% (block 7)", "DSpark 2026: Qwen3-4B/8B, temperature 0, its DFlash baseline",
+    ("dspark", "tau over dflash", "+16-18% (block 7)", "DSpark 2026: Qwen3 targets, block 7, against its own DFlash baseline",
      lambda m: f"{100 * (m['dspark']['tau'] / m['dflash']['tau'] - 1):+.0f}% (block {m['dspark']['k']})"),
-    ("mtp-k1", "2nd-token acceptance", "85-90%", "DeepSeek-V3 tech report: one MTP module, production traffic",
+    ("mtp-k1", "2nd-token acceptance", "85-90%", "DeepSeek-V3 tech report: one MTP module, across generation topics",
      lambda m: f"{m['mtp-k1']['per_position_acceptance'][0]:.0%}"),
     ("mtp", "speedup", "1.8x tokens/s", "DeepSeek-V3 tech report, same setting",
      lambda m: f"{m['mtp']['speedup']:.2f}x"),
-    ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, T5-small drafter, TPU",
+    ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, small T5 drafters",
      lambda m: f"{m['small']['speedup']:.2f}x"),
 ]
 
