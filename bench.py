@@ -33,7 +33,6 @@ Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark" and
 ablation variants a drafter offers (e.g. "dspark-nomarkov").
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -42,7 +41,7 @@ import time
 import torch
 
 import data
-from gpt import CheckpointError, load_target, pick_device, synchronize
+from gpt import CheckpointError, load_target, number, number_list, pick_device, ArgumentParser, synchronize
 from speculative import DRAFTERS, Sampler, Stats, generate_plain, generate_speculative, load_drafter
 
 # -----------------------------------------------------------------------------
@@ -196,24 +195,24 @@ def markdown(res):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Benchmark plain decoding against every trained drafter.")
+    p = ArgumentParser(description="Benchmark plain decoding against every trained drafter.")
     p.add_argument("--out-dir", default="out", help="where train.py put the checkpoints")
     p.add_argument("--methods", default=None, help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
-    p.add_argument("--k", type=int, default=None, help="tokens drafted per round (default: each drafter's own)")
+    p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: each drafter's own)")
     p.add_argument("--prompts", default=None, help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
-    p.add_argument("--n-prompts", type=int, default=32, help="how many validation prompts")
-    p.add_argument("--prompt-len", type=int, default=None, help="tokens per validation prompt (default: 64, or a quarter of a smaller context)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--n-prompts", type=number(int, 1), default=32, help="how many validation prompts")
+    p.add_argument("--prompt-len", type=number(int, 1), default=None, help="tokens per validation prompt (default: 64, or a quarter of a smaller context)")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per prompt")
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
-    p.add_argument("--temperature", type=float, default=1.0, help="temperature for coupled/rejection sampling")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the top-k tokens only")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="temperature for coupled/rejection sampling")
+    p.add_argument("--top-k", type=number(int, 1), default=None, help="sample among the top-k tokens only")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts per method")
-    p.add_argument("--sweep", default="1,2,3,4,5,7", help="k values for the draft-latency sweep ('' to skip)")
-    p.add_argument("--sweep-prompts", type=int, default=8, help="prompts used by the sweep")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--repeats", type=number(int, 1), default=3, help="timed passes over all prompts per method")
+    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7", help="k values for the draft-latency sweep ('' to skip)")
+    p.add_argument("--sweep-prompts", type=number(int, 1), default=8, help="prompts used by the sweep")
+    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the results as JSON here (schema in the docstring)")
     p.add_argument("--markdown", default=None, help="write a markdown results table here")
     return p
@@ -223,8 +222,6 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.k is not None and args.k <= 0:
-        raise ValueError(f"--k must be at least 1 (got {args.k})")
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
     wanted = args.methods.split(",") if args.methods else ["ar", *DRAFTERS]
     for m in wanted:
@@ -312,7 +309,7 @@ def main(argv=None):
         }
 
     sweep = {}
-    ks = [int(x) for x in args.sweep.split(",") if x.strip()]
+    ks = args.sweep
     sp = prompts[:args.sweep_prompts]
     if ks:
         t_ar = statistics.median(timed(lambda: run_ar(target, sp, args, cache), device)[0] for _ in range(2))

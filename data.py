@@ -13,7 +13,6 @@ the data source, vocab size and tokenizer kind:
 
 Run `python data.py --help` for the CLI.
 """
-import argparse
 import base64
 import hashlib
 import heapq
@@ -348,14 +347,19 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
 
 # -----------------------------------------------------------------------------
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
+def build_parser():
+    from gpt import ArgumentParser, number
+    ap = ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
     ap.add_argument("--data", default=None, help="text file or folder to train on (default: the Python stdlib)")
-    ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="tokenizer vocab size, EOT included")
+    ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB, help="tokenizer vocab size, EOT included")
     ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train a BPE here, or use GPT-2's")
     ap.add_argument("--out-dir", default="out",
                     help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are written")
-    args = ap.parse_args()
+    return ap
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
     try:
         info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
     except DataError as e:

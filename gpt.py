@@ -19,8 +19,9 @@ state_dict maps onto other GPT-2 implementations.
     python gpt.py    # a quick self-check: cached logits == uncached logits, in float64
 """
 
-import math
+import argparse
 import hashlib
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -317,6 +318,48 @@ def synchronize(device):
         torch.cuda.synchronize()
     elif str(device) == "mps":
         torch.mps.synchronize()
+
+
+# -----------------------------------------------------------------------------
+# command-line values: checked where they are parsed, so a bad one fails before anything loads
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line, 'error: argument --flag: ...' (exit code 2), like every
+    other refusal of the project's commands; --help still prints the usage."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def number(kind=int, lo=None, hi=None, above=None):
+    """An argparse type: a `kind` (int or float) with lo <= x <= hi, or x > above. A bad value
+    ends in one line, 'error: argument --flag: ...', naming the allowed range."""
+    what = "an integer" if kind is int else "a number"
+    bounds = [f">= {lo}" if lo is not None else None, f"> {above}" if above is not None else None,
+              f"<= {hi}" if hi is not None else None]
+    rule = " and ".join(b for b in bounds if b)
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}" + (f" ({rule})" if rule else "")) from None
+        if not (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi) and (above is None or x > above)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {what} {rule}")
+        return x
+    parse.__name__ = what  # argparse names the type by it in its own messages
+    return parse
+
+
+def number_list(kind=int, lo=1):
+    """An argparse type: comma-separated numbers, each >= lo ('' for none)."""
+    one = number(kind, lo)
+
+    def parse(text):
+        return [one(t.strip()) for t in text.split(",") if t.strip()]
+    parse.__name__ = "list"
+    return parse
 
 
 # -----------------------------------------------------------------------------

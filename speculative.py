@@ -22,7 +22,6 @@ one it runs.
     python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
 """
 
-import argparse
 import importlib
 import os
 import sys
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, pick_device, synchronize
+from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, pick_device, ArgumentParser, synchronize
 
 # -----------------------------------------------------------------------------
 # sampling: one object decides how tokens are picked, drafted and verified
@@ -382,20 +381,24 @@ def show(enc, prompt_ids, trace, color):
     return "".join(parts)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Generate text with speculative decoding and show what was drafted and kept.")
+def build_parser():
+    p = ArgumentParser(description="Generate text with speculative decoding and show what was drafted and kept.")
     p.add_argument("--prompt", default="def parse(", help="the text to continue")
     p.add_argument("--method", default="small", help=f"drafter: {', '.join(DRAFTERS)}")
-    p.add_argument("--k", type=int, default=None, help="tokens drafted per round (default: the drafter's own)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="how many tokens to generate")
+    p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: the drafter's own)")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=96, help="how many tokens to generate")
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (coupled/rejection)")
-    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature (coupled/rejection)")
+    p.add_argument("--top-k", type=number(int, 1), default=None, help="sample only among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--out-dir", default="out", help="where train.py put the checkpoints")
     p.add_argument("--no-color", action="store_true", help="mark tokens with [correction] and {bonus} instead of colors")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     import data
     device = pick_device(a.device)
     target, tckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)

@@ -20,7 +20,6 @@ The drafters all learn from one distillation set: the target's own continuations
 prompts, written once to out/distill.pt (a quarter of them sampled, the rest greedy).
 """
 
-import argparse
 import math
 import os
 import time
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import data as datamod
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, pick_device, save_checkpoint, state_hash
+from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, pick_device, ArgumentParser, save_checkpoint, state_hash
 from draft_mtp import mtp_loss
 
 # -----------------------------------------------------------------------------
@@ -109,6 +108,22 @@ FIELD_HELP = {
     "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration (0: none)",
     "dspark_init": "dspark: 'dflash' (start the backbone from out/dflash.pt) or 'scratch'",
 }
+
+# the allowed values of every preset field, checked by argparse before anything loads. The rest
+# follow their preset's type: an int is a count (>= 1), a float a rate or scale (> 0).
+FIELD_TYPES = {
+    "warmup": number(int, 0), "dspark_calib_seqs": number(int, 0), "feature_cache": number(int, 0, 1),
+    "dflash_block": number(int, 2), "small_distill": number(float, 0, 1), "mtp_distill": number(float, 0, 1),
+    "gen_sampled": number(float, 0, 1), "mtp_lambda": number(float, 0),
+}
+FIELD_CHOICES = {"mtp_mode": ["joint", "posthoc"], "small_text": ["gen", "data"], "mtp_text": ["gen", "data"],
+                 "dflash_text": ["gen", "data"], "dspark_init": ["dflash", "scratch"]}
+
+
+def field_type(field):
+    kind = type(PRESETS["cpu"][field])
+    return FIELD_TYPES.get(field) or {int: number(int, 1), float: number(float, above=0)}.get(kind, kind)
+
 
 # -----------------------------------------------------------------------------
 # data batches
@@ -657,25 +672,25 @@ STAGES = {"target": stage_target, "small": stage_small, "mtp": stage_mtp, "dflas
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Train the nanospec target and its drafters.")
+    p = ArgumentParser(description="Train the nanospec target and its drafters.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="defaults for all sizes and steps (default: by device)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--only", default=None, help=f"run one stage: {', '.join(STAGES)}")
     p.add_argument("--force", action="store_true", help="retrain stages even if their checkpoint exists")
     p.add_argument("--out-dir", default="out", help="where tokenizer, token files and checkpoints go")
     p.add_argument("--data", default=None, help="a text file or folder to train on (default: the Python stdlib sources)")
-    p.add_argument("--vocab-size", type=int, default=datamod.DEFAULT_VOCAB, help="BPE vocabulary size, end-of-text included")
+    p.add_argument("--vocab-size", type=number(int, 257, 65536), default=datamod.DEFAULT_VOCAB, help="BPE vocabulary size, end-of-text included")
     p.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train our own BPE, or use tiktoken's gpt2 if it loads")
     p.add_argument("--seed", type=int, default=1337, help="seed for initialisation and batch sampling")
-    p.add_argument("--log-interval", type=int, default=25, help="steps between progress lines")
-    p.add_argument("--eval-interval", type=int, default=250, help="steps between validation losses")
-    p.add_argument("--ckpt-interval", type=float, default=60.0, help="seconds between resume checkpoints")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-interval", type=number(int, 1), default=25, help="steps between progress lines")
+    p.add_argument("--eval-interval", type=number(int, 1), default=250, help="steps between validation losses")
+    p.add_argument("--ckpt-interval", type=number(float, 0), default=60.0, help="seconds between resume checkpoints")
+    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
                    help="bfloat16 autocast for training: auto = where this device measurably runs it faster")
     for field, help_text in FIELD_HELP.items():
-        kind = type(PRESETS["cpu"][field])
-        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{help_text} (preset)")
+        p.add_argument("--" + field.replace("_", "-"), type=field_type(field), choices=FIELD_CHOICES.get(field),
+                       default=None, help=f"{help_text} (preset)")
     return p
 
 

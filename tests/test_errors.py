@@ -1,7 +1,6 @@
 """Bad input, interruptions and untrusted files (issue 7): each case ends in one clear
 sentence that says what is wrong and what to do -- no traceback, no silent wrong answer."""
 
-import json
 import os
 import pickle
 import shutil
@@ -126,9 +125,9 @@ def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--k", "0"], "at least 1"),
-    (["--sampling", "coupled", "--temperature", "-1"], "temperature must be > 0"),
-    (["--sampling", "coupled", "--top-k", "0"], "top-k must be a positive"),
+    (["--k", "0"], "argument --k: 0 is out of range: it must be an integer >= 1"),
+    (["--sampling", "coupled", "--temperature", "-1"], "argument --temperature: -1 is out of range: it must be a number > 0"),
+    (["--sampling", "coupled", "--top-k", "0"], "argument --top-k: 0 is out of range: it must be an integer >= 1"),
     (["--method", "nope"], "unknown method 'nope'"),
     (["--device", "tpu"], "device 'tpu' is not available"),
 ])
@@ -139,7 +138,7 @@ def test_bad_flags_of_speculative_py(out, flags, needle):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--methods", "ar,warp"], "unknown method 'warp'"),
-    (["--k", "-2"], "at least 1"),
+    (["--k", "-2"], "argument --k: -2 is out of range: it must be an integer >= 1"),
     (["--device", "cuda:7" if not torch.cuda.is_available() else "tpu"], "is not available"),
 ])
 def test_bad_flags_of_bench_py(out, flags, needle):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
-from gpt import GPT, GPTConfig, CheckpointError, KVCache, load_checkpoint, load_target, save_checkpoint, state_hash
+from gpt import CheckpointError, load_checkpoint, load_target, save_checkpoint, state_hash
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DRAFTER_FACTORIES, tiny_gpt
-from speculative import DraftModel, Sampler, generate_plain, generate_speculative, keyed_gumbel
+from speculative import Sampler, generate_plain, generate_speculative, keyed_gumbel
 
 
 def prompts(n, vocab, seed=0):
