@@ -198,7 +198,6 @@ class DFlash(nn.Module):
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1))
             elif pn.endswith(".bias"):
                 nn.init.zeros_(p)
-
         self._tables = {}  # position tables, built once per device and dtype (see tables())
 
     def tables(self, device, dtype):

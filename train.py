@@ -278,7 +278,7 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
 class Context:
     def __init__(self, args):
         self.args = args
-        self.device = pick_device(args.device)
+        self.device = args.device_resolved  # resolve_args picked it
         self.info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
         self.batches = Batches(self.info, args.block_size, args.batch_size, args.seed)
         self._target = None
@@ -385,20 +385,19 @@ def stage_small(ctx):
     model = GPT(cfg).to(ctx.device)
     print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
 
-    def loss_of(w, p_logits):  # w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
+    def loss_of(w, p_logits, hid=None):  # w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
         logits, ce, _ = model(w[:, :-1], w[:, 1:])
         if a.small_distill == 0:
             return ce
-        p_logits = p_logits[:, :-1]
-        x = w[:, :-1]
-        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(p_logits, -1), log_target=True, reduction="batchmean") / x.size(1)
+        teacher = F.log_softmax(p_logits[:, :-1], -1)  # causal: the target's logits on w[:, :-1]
+        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="batchmean") / logits.size(1)
         return a.small_distill * kl + (1 - a.small_distill) * ce
 
     fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": ctx.target()[1]["model_hash"],
                    "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed,
                    "text": distill_key(ctx, a.small_text)}
     batches = drafter_batches(ctx, a.small_text)
-    val, _ = train_loop("small", model, lambda s: (lambda w, logits, hid: loss_of(w, logits))(*batches(s)),
+    val, _ = train_loop("small", model, lambda s: loss_of(*batches(s)),
                         lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
                         a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
     sd = cpu_state_dict(model)
@@ -438,15 +437,22 @@ def write_text(ctx, n_seqs, n_sampled, seed, split):
     return torch.cat(chunks)
 
 
+def distill_settings(ctx):
+    """Everything the distillation set depends on: what out/distill.pt records, and what the
+    resume fingerprint of every stage that learns from it records."""
+    a = ctx.args
+    return {"target": ctx.target()[1]["model_hash"], "seqs": a.gen_seqs, "sampled": round(a.gen_seqs * a.gen_sampled),
+            "temperature": a.gen_temperature, "block_size": a.block_size, "seed": a.seed}
+
+
 def distill_text(ctx):
     """The one distillation set every drafter learns from: the target's own continuations of
     corpus prompts (the papers regenerate their training text with the target, so a drafter
     learns what the target will say). Written once to out/distill.pt and reused by every stage
     and every later run, for as long as the target and the --gen-* settings are the same."""
     a = ctx.args
-    want = {"target": ctx.target()[1]["model_hash"], "seqs": a.gen_seqs, "sampled": round(a.gen_seqs * a.gen_sampled),
-            "temperature": a.gen_temperature, "block_size": a.block_size, "seed": a.seed}
     if ctx.distill is None:
+        want = distill_settings(ctx)
         path = os.path.join(a.out_dir, "distill.pt")
         try:
             ck = load_checkpoint(path, "distill") if os.path.exists(path) else None
@@ -494,14 +500,15 @@ def drafter_batches(ctx, kind):
     features on them. 'gen': rows of the shared distillation set, features from the cache
     (--feature-cache 1) or computed per step; 'data': corpus windows, features per step."""
     a = ctx.args
-    if kind == "data":
-        return lambda step: (lambda x: (x, *target_features(ctx, x)))(ctx.batches.get("train", step, ctx.device)[0])
-    if kind != "gen":
+    if kind not in ("gen", "data"):
         raise ValueError(f"unknown drafter text {kind!r}: use gen or data")
-    pool = distill_text(ctx)
-    cache = feature_cache(ctx) if a.feature_cache else None
+    pool = distill_text(ctx) if kind == "gen" else None
+    cache = feature_cache(ctx) if pool is not None and a.feature_cache else None
 
     def batch(step):
+        if pool is None:
+            x = ctx.batches.get("train", step, ctx.device)[0]
+            return (x, *target_features(ctx, x))
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
         idx = torch.randint(len(pool), (a.batch_size,), generator=g)
         x = pool[idx.to(ctx.device)]
@@ -513,8 +520,7 @@ def drafter_batches(ctx, kind):
 
 def distill_key(ctx, kind):
     """What a stage's resume fingerprint records of its text."""
-    a = ctx.args
-    return (a.gen_seqs, a.gen_sampled, a.gen_temperature) if kind == "gen" else None
+    return distill_settings(ctx) if kind == "gen" else None
 
 
 def block_batch(ctx, x, t_logits, hid, step, cfg):
