@@ -15,11 +15,13 @@ there, because in float32 a k-token verify can round a near-tie differently than
     python bench.py                                  # everything trained in out/
     python bench.py --methods ar,small --k 4 --json out/bench.json
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
+    python bench.py --plot out/bench.png             # the figures (the default; plot.py draws them)
 
 JSON schema (--json PATH):
-  {"device": str, "dtype": str, "threads": int, "torch": str, "k": int or null (null: each
-   drafter's default), "sampling": str, "temperature": float, "n_prompts": int,
-   "max_new_tokens": int, "repeats": int,
+  {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
+   hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int, "torch": str,
+   "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
+   "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
                       "exact_match": float (share of prompts identical to plain decoding),
                       "per_position_acceptance": [float], "mean_drafted": float,
@@ -35,14 +37,17 @@ ablation variants a drafter offers (e.g. "dspark-nomarkov").
 
 import json
 import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
 
 import data
-from gpt import CheckpointError, load_target, number, number_list, pick_device, ArgumentParser, synchronize
-from speculative import DRAFTERS, Sampler, Stats, generate_plain, generate_speculative, load_drafter
+import plot
+from gpt import CheckpointError, load_target, number, number_list, path_arg, pick_device, ArgumentParser, synchronize
+from speculative import DRAFTERS, Sampler, parse_args, Stats, generate_plain, generate_speculative, load_drafter
 
 # -----------------------------------------------------------------------------
 # what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
@@ -106,14 +111,21 @@ def read_prompts(path, enc):
 
 
 def run_ar(target, prompts, args, cache):
+    """Plain decoding, with the Stats it implies: one target forward per token, nothing drafted
+    (tau 1, no acceptance, no draft time), so every method is summarized alike."""
     outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache) for p in prompts]
-    return outs, None
+    n = sum(len(o) for o in outs)
+    return outs, Stats(tokens=n, target_forwards=n)
 
 
 def run_spec(target, drafter, k, prompts, args, cache):
+    # On a GPU the draft/verify split needs a wait between the two: one more sync a round, a small
+    # handicap for the speculative methods, never in their favour. A CPU runs nothing asynchronously.
+    split = target.lm_head.weight.device.type != "cpu"
     total, outs = Stats(), []
     for p in prompts:
-        out, st = generate_speculative(target, drafter, p, args.max_new_tokens, k, make_sampler(args, target), cache)
+        out, st = generate_speculative(target, drafter, p, args.max_new_tokens, k, make_sampler(args, target), cache,
+                                       split_timing=split)
         outs.append(out)
         total.add(st)
     return outs, total
@@ -137,6 +149,33 @@ def margin_at(target, prompt, ref, j):
         x = torch.tensor([prompt + ref[:j]], device=target.lm_head.weight.device)
         top = target(x, last_only=True)[0][0, -1].float().topk(2).values
     return (top[0] - top[1]).item()
+
+
+# -----------------------------------------------------------------------------
+# the machine and code a run measured (recorded in the JSON, shown in the figure's title)
+
+
+def machine(device):
+    """The GPU's name on CUDA, else the CPU's model name where the OS says it, else the architecture."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown"
+
+
+def commit():
+    """The git short hash of this code (+dirty if tracked files changed), or None outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or it hung
+        return None
 
 
 # -----------------------------------------------------------------------------
@@ -196,10 +235,10 @@ def markdown(res):
 
 def build_parser():
     p = ArgumentParser(description="Benchmark plain decoding against every trained drafter.")
-    p.add_argument("--out-dir", default="out", help="where train.py put the checkpoints")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
     p.add_argument("--methods", default=None, help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
     p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: each drafter's own)")
-    p.add_argument("--prompts", default=None, help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
+    p.add_argument("--prompts", type=path_arg("in"), default=None, help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
     p.add_argument("--n-prompts", type=number(int, 1), default=32, help="how many validation prompts")
     p.add_argument("--prompt-len", type=number(int, 1), default=None, help="tokens per validation prompt (default: 64, or a quarter of a smaller context)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per prompt")
@@ -208,18 +247,20 @@ def build_parser():
     p.add_argument("--top-k", type=number(int, 1), default=None, help="sample among the top-k tokens only")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
     p.add_argument("--repeats", type=number(int, 1), default=3, help="timed passes over all prompts per method")
-    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7", help="k values for the draft-latency sweep ('' to skip)")
+    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10", help="k values for the draft-latency sweep ('' to skip)")
     p.add_argument("--sweep-prompts", type=number(int, 1), default=8, help="prompts used by the sweep")
     p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json", default=None, help="write the results as JSON here (schema in the docstring)")
-    p.add_argument("--markdown", default=None, help="write a markdown results table here")
+    p.add_argument("--json", type=path_arg("out"), default=None, help="write the results as JSON here (schema in the docstring)")
+    p.add_argument("--markdown", type=path_arg("out"), default=None, help="write a markdown results table here")
+    p.add_argument("--plot", default=None, help="draw the figures to this image file, e.g. a .png "
+                   "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def load(args):
+    """The flags -> (device, target, prompts, drafters), every check made before anything runs."""
     if args.threads:
         torch.set_num_threads(args.threads)
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
@@ -238,7 +279,11 @@ def main(argv=None):
     for i, p in enumerate(prompts):
         if len(p) >= target.config.block_size:
             raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is {target.config.block_size}")
+    return device, target, prompts, load_drafters(wanted, args, target, tckpt, device, dtype)
 
+
+def load_drafters(wanted, args, target, tckpt, device, dtype):
+    """{name: (drafter, k)}: every wanted drafter that is trained, its ablation variants, and mtp at k = 1."""
     drafters = {}
     for name in wanted:
         if name == "ar":
@@ -255,27 +300,27 @@ def main(argv=None):
             drafters[vname] = (vd, args.k or vd.default_k)
     if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         drafters["mtp-k1"] = (drafters["mtp"][0], 1)  # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
+    return drafters
 
-    cache = target.new_cache()
-    header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens | sampling {args.sampling}"
-              + (f" T={args.temperature}" if args.sampling != "greedy" else "") + f" | {args.repeats} repeats")
-    print(header)
 
-    def runner(name):
-        if name == "ar":
-            return lambda ps: run_ar(target, ps, args, cache)
-        d, k = drafters[name]
-        return lambda ps: run_spec(target, d, k, ps, args, cache)
+def run_method(name, target, drafters, prompts, args, cache):
+    """(outputs, Stats) of one method ("ar" or a drafter's name) over `prompts`."""
+    if name == "ar":
+        return run_ar(target, prompts, args, cache)
+    d, k = drafters[name]
+    return run_spec(target, d, k, prompts, args, cache)
 
+
+def run(target, prompts, drafters, args, device, cache):
+    """Every method over every prompt, interleaved, `repeats` times -> (res, divergences)."""
     names = ["ar", *drafters]
     for name in names:  # warm-up: first calls allocate and pick kernels
-        runner(name)(prompts[:2])
+        run_method(name, target, drafters, prompts[:2], args, cache)
     times = {n: [] for n in names}
     outs, stats = {}, {}
     for rep in range(args.repeats):
         for name in names:  # interleaved, so drift hits every method alike
-            t, (o, st) = timed(lambda: runner(name)(prompts), device)
+            t, (o, st) = timed(lambda: run_method(name, target, drafters, prompts, args, cache), device)
             times[name].append(t)
             outs[name], stats[name] = o, st
         print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
@@ -284,70 +329,111 @@ def main(argv=None):
     n_tokens = sum(len(o) for o in ref)
     res, divergences = {}, []
     for name in names:
-        med = statistics.median(times[name])
-        speedup = statistics.median(a / b for a, b in zip(times["ar"], times[name]))
         same = [o == r for o, r in zip(outs[name], ref)]
-        for i, ok in enumerate(same):
-            if not ok:
-                j = next((j for j, (a, b) in enumerate(zip(outs[name][i], ref[i])) if a != b), min(len(outs[name][i]), len(ref[i])))
-                divergences.append({"method": name, "prompt": i, "position": j, "margin": margin_at(target, prompts[i], ref[i], j)})
-        st = stats[name]
-        rounds = max(1, st.rounds) if st else 1
-        res[name] = {
-            "k": drafters[name][1] if name != "ar" else 0,
-            "tau": st.tau if st else 1.0,
-            "speedup": speedup,
-            "tokens_per_s": n_tokens / med,
-            "exact_match": sum(same) / len(same),
-            "per_position_acceptance": st.acceptance() if st else [],
-            "mean_drafted": sum(st.drafted_at) / rounds if st else 0.0,
-            "draft_ms_per_round": 1000 * st.draft_time / rounds if st else 0.0,
-            "verify_ms_per_round": 1000 * st.verify_time / rounds if st else 0.0,
-            "draft_share": st.draft_time / max(1e-9, st.draft_time + st.verify_time) if st else 0.0,
-            "seconds": med,
-            "budget": drafters[name][0].budget if name != "ar" else [],
-        }
+        divergences += diverged(name, outs[name], ref, target, prompts)
+        d, k = drafters.get(name, (None, 0))  # plain decoding drafts 0 tokens and trained nothing
+        res[name] = summarize(stats[name], k, d.budget if d else [], times[name], times["ar"], n_tokens, same)
+    return res, divergences
 
-    sweep = {}
-    ks = args.sweep
+
+def summarize(st, k, budget, times, ar_times, n_tokens, same):
+    """One method's entry in the results (the JSON schema's "methods")."""
+    med = statistics.median(times)
+    rounds = max(1, st.rounds)
+    return {
+        "k": k,
+        "tau": st.tau,
+        "speedup": statistics.median(a / b for a, b in zip(ar_times, times)),
+        "tokens_per_s": n_tokens / med,
+        "exact_match": sum(same) / len(same),
+        "per_position_acceptance": st.acceptance(),
+        "mean_drafted": sum(st.drafted_at) / rounds,
+        "draft_ms_per_round": 1000 * st.draft_time / rounds,
+        "verify_ms_per_round": 1000 * st.verify_time / rounds,
+        "draft_share": st.draft_time / max(1e-9, st.draft_time + st.verify_time),
+        "seconds": med,
+        "budget": budget,
+    }
+
+
+def diverged(name, outs, ref, target, prompts):
+    """Where a method's outputs first left plain decoding's, prompt by prompt, and the target's margin there."""
+    rows = []
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        if o != r:
+            j = next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+            rows.append({"method": name, "prompt": i, "position": j, "margin": margin_at(target, prompts[i], r, j)})
+    return rows
+
+
+def sweep_k(target, prompts, drafters, args, device, cache):
+    """Draft and verify latency per round against k, for each drafter (ablations aside)."""
+    if not args.sweep:
+        return {}
     sp = prompts[:args.sweep_prompts]
-    if ks:
-        t_ar = statistics.median(timed(lambda: run_ar(target, sp, args, cache), device)[0] for _ in range(2))
-        for name, (d, _) in drafters.items():
-            if "-" in name and not name.endswith("-full"):  # ablations are not swept, the fixed-block one is
+    t_ar = statistics.median(timed(lambda: run_ar(target, sp, args, cache), device)[0] for _ in range(2))
+    sweep = {}
+    for name, (d, _) in drafters.items():
+        if "-" in name and not name.endswith("-full"):  # ablations are not swept, the fixed-block one is
+            continue
+        rows = []
+        for k in args.sweep:
+            if d.max_k is not None and k > d.max_k:
                 continue
-            rows = []
-            for k in ks:
-                if d.max_k is not None and k > d.max_k:
-                    continue
-                t, (_, st) = timed(lambda: run_spec(target, d, k, sp, args, cache), device)
-                r = max(1, st.rounds)
-                rows.append({"k": k, "block_size": k + 1, "draft_ms": 1000 * st.draft_time / r,
-                             "verify_ms": 1000 * st.verify_time / r, "tau": st.tau, "speedup": t_ar / t})
-            sweep[name] = rows
+            t, (_, st) = timed(lambda: run_spec(target, d, k, sp, args, cache), device)
+            r = max(1, st.rounds)
+            rows.append({"k": k, "block_size": k + 1, "draft_ms": 1000 * st.draft_time / r,
+                         "verify_ms": 1000 * st.verify_time / r, "tau": st.tau, "speedup": t_ar / t})
+        sweep[name] = rows
+    return sweep
 
+
+def print_report(out, header):
+    """Everything printed after the timed runs: the tables, the papers' figures, any divergences."""
     print()
-    print(report(res, sweep, header))
-    refs = references(res)
-    if refs:
-        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter targets; ours: {device}, {args.dtype})")
-        for r in refs:
+    print(report(out["methods"], out["sweep"], header))
+    if out["references"]:
+        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter targets; "
+              f"ours: {out['device']}, {out['dtype']})")
+        for r in out["references"]:
             print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} [{r['source']}]")
-    if divergences:
+    if out["divergences"]:
         print("\ndivergences from plain decoding (first differing token; small margins are float near-ties):")
-        for dv in divergences:
+        for dv in out["divergences"]:
             print(f"  {dv['method']}: prompt {dv['prompt']} at token {dv['position']}, target logit margin {dv['margin']:.2e}")
-    print("\n" + markdown(res))
-    out = {"device": device, "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "k": args.k, "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
-           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "methods": res, "sweep": sweep,
-           "divergences": divergences, "references": refs}
+    print("\n" + markdown(out["methods"]))
+
+
+def write(out, args):
+    """The files asked for: --json, --markdown and the figure (--plot)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(markdown(res) + "\n")
+            f.write(markdown(out["methods"]) + "\n")
+    path = os.path.join(args.out_dir, "bench.png") if args.plot is None else args.plot
+    if path:
+        plot.save(out, path)  # without matplotlib: one line saying how to get it, no crash
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
+    device, target, prompts, drafters = load(args)
+    header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
+              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens | sampling {args.sampling}"
+              + (f" T={args.temperature}" if args.sampling != "greedy" else "") + f" | {args.repeats} repeats")
+    print(header)
+    cache = target.new_cache()
+    res, divergences = run(target, prompts, drafters, args, device, cache)
+    sweep = sweep_k(target, prompts, drafters, args, device, cache)
+    out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k, "sampling": args.sampling,
+           "temperature": args.temperature, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
+           "references": references(res)}
+    print_report(out, header)
+    write(out, args)
     return out
 
 

@@ -9,7 +9,12 @@ the data source, vocab size and tokenizer kind:
 
     tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line)
     train.bin, val.bin   uint16 token ids, every document followed by the EOT id
-    data_meta.json       fingerprint and counts, written last (it marks a complete build)
+    data_meta.json       fingerprint, counts and each file's size and sha256, written last
+                         (it marks a complete build, and vouches for the files)
+
+Every reader checks the files against data_meta.json: prepare_data (train.py, data.py)
+rebuilds a damaged build with a one-line notice; load_build (bench.py, speculative.py) refuses
+it with an error naming the file and the command that remakes it.
 
 Run `python data.py --help` for the CLI.
 """
@@ -20,17 +25,17 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import sysconfig
 import time
 from collections import Counter, defaultdict
 
 import numpy as np
 import tiktoken
-import tiktoken.load
 
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB = 4096
-FORMAT = 1  # bump when anything below changes what gets written, to invalidate old builds
+FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
 # Pre-tokenisation regex, cl100k-style: words keep one leading space or symbol, numbers
 # come in runs of <= 3 digits, symbol runs keep trailing newlines, and whitespace leaves
@@ -73,6 +78,8 @@ def _source(data: str | None) -> tuple[pathlib.Path, list[pathlib.Path]]:
     if path.is_dir():  # hidden files and folders (.git, .venv, ...) are not part of a corpus
         return path, sorted(p for p in path.rglob("*") if p.is_file()
                             and not any(c.startswith(".") for c in p.relative_to(path).parts))
+    if path.exists():  # a device, a socket, a pipe: nothing to rglob or re-read
+        raise DataError(f"Data path {str(path)!r} is neither a file nor a folder; pass a text file or folder with --data.")
     raise DataError(f"Data path {str(path)!r} does not exist; pass an existing text file or folder with --data.")
 
 
@@ -222,16 +229,39 @@ def save_tokenizer(ranks: dict[bytes, int], path):
     _atomic_write(path, "".join(lines).encode())
 
 
+def read_ranks(path) -> dict[bytes, int]:
+    """The rank file at path (tiktoken's format), checked: tiktoken's Rust core *panics* -- a crash,
+    not an exception -- on ranks with gaps or repeats or without all 256 bytes, so those stop here."""
+    try:
+        lines = pathlib.Path(path).read_bytes().splitlines()
+    except OSError as e:
+        raise DataError(f"cannot read the tokenizer {path} ({e.strerror})") from None
+    ranks = {}
+    for i, line in enumerate(lines, 1):
+        try:
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # incl. binascii.Error
+            raise DataError(f"{path} line {i} is not 'base64-token rank': not a tokenizer file") from None
+    if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
+        raise DataError(f"{path} is not a byte-level BPE tokenizer (ranks must be 0..n-1 and cover all 256 bytes)")
+    return ranks
+
+
 def load_tokenizer(path) -> tiktoken.Encoding:
-    # tiktoken caches files by *path* (in /tmp/data-gym-cache); the expected hash makes it
-    # notice when the file at that path was rebuilt, instead of serving the stale copy.
-    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=file_sha256(path))
+    # read here, not with tiktoken.load: that caches files by *path* and would serve a stale copy
+    ranks = read_ranks(path)
     return tiktoken.Encoding(name="nanospec", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
 
 
 def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
+    """'gpt2', or a build's tokenizer.tiktoken: trusted only once its data_meta.json vouches for it."""
+    path = pathlib.Path(tokenizer_path_or_kind)
     if str(tokenizer_path_or_kind) != "gpt2":
-        return load_tokenizer(tokenizer_path_or_kind)
+        if path.name != "tokenizer.tiktoken":
+            return load_tokenizer(path)
+        return encoding_of(load_build(path.parent))  # a build made with gpt2 has no file: GPT-2's ranks
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # offline, tiktoken cannot download the GPT-2 ranks
@@ -264,12 +294,104 @@ def _result(out: pathlib.Path, meta: dict) -> dict:
             **{k: meta[k] for k in ("n_train_tokens", "n_val_tokens", "val_docs_count")}}
 
 
-def _intact(out: pathlib.Path, meta: dict) -> bool:
-    """Cheap check that the files of a build are still the ones its meta describes."""
-    bins = all((out / f"{s}.bin").exists() and (out / f"{s}.bin").stat().st_size == 2 * meta[f"n_{s}_tokens"]
-               for s in ("train", "val"))
-    tok = out / "tokenizer.tiktoken"
-    return bins and (meta["tokenizer"] == "gpt2" or (tok.exists() and file_sha256(tok) == meta["tokenizer_hash"]))
+# -----------------------------------------------------------------------------
+# verifying a build: data_meta.json vouches for each file by its size and sha256
+
+BUILT = ("tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json")  # what a build writes
+_META_INTS = ("vocab_size", "eot_id", "n_train_tokens", "n_val_tokens", "val_docs_count")
+
+
+def _expected(meta: dict) -> dict:
+    """file name -> (bytes, sha256) it must have. Builds before format 2 recorded only the token
+    counts and the tokenizer's hash: those are checked (bench.py can still read such a build)."""
+    if "files" in meta:
+        return {name: (r["bytes"], r["sha256"]) for name, r in meta["files"].items()}
+    files = {f"{s}.bin": (2 * meta[f"n_{s}_tokens"], None) for s in ("train", "val")}
+    if meta["tokenizer"] == "bpe":
+        files["tokenizer.tiktoken"] = (None, meta["tokenizer_hash"])
+    return files
+
+
+def read_meta(out: pathlib.Path) -> dict:
+    """out/data_meta.json, checked for shape; a DataError naming it if it is missing or damaged."""
+    path = out / "data_meta.json"
+    if not path.is_file():
+        raise DataError(f"{path} is {'a folder (move it away)' if path.is_dir() else 'missing'}")
+    try:
+        meta = json.loads(path.read_bytes())
+        files = _expected(meta)
+        need = {"train.bin", "val.bin"} | ({"tokenizer.tiktoken"} if meta["tokenizer"] == "bpe" else set())
+        ok = (all(type(meta[k]) is int for k in _META_INTS) and meta["tokenizer"] in ("bpe", "gpt2")
+              and need <= set(files) and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
+                                             for n, h in files.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, not a dict, fields missing
+        ok = False
+    if not ok:
+        raise DataError(f"{path} is damaged (not the JSON data.py writes)")
+    return meta
+
+
+def _damage(out: pathlib.Path, meta: dict) -> str | None:
+    """What is wrong with the files meta describes, e.g. 'out/val.bin is 2,000 bytes, not 37,134', or None."""
+    for name, (size, sha) in _expected(meta).items():
+        f = out / name
+        if not f.is_file():
+            return f"{f} is {'a folder (move it away)' if f.is_dir() else 'missing'}"
+        if size is not None and f.stat().st_size != size:
+            return f"{f} is {f.stat().st_size:,} bytes, not {size:,} (truncated or damaged)"
+        if sha is not None and file_sha256(f) != sha:
+            return f"{f} does not match its sha256 in data_meta.json (modified or damaged)"
+    return None
+
+
+def remake(out: pathlib.Path, meta: dict | None = None) -> str:
+    """The command that rebuilds out/'s data files, with the settings the build recorded (if known)."""
+    if not meta or "source" not in meta:
+        return (f"rebuild it with `python data.py --out-dir {shlex.quote(str(out))}` (or `python train.py`), "
+                "passing the --data and --vocab-size it was built with")
+    flags = ["--out-dir", str(out)] + (["--data", meta["source"]] if meta["source"] != "stdlib" else [])
+    flags += ["--tokenizer", "gpt2"] if meta["tokenizer"] == "gpt2" else ["--vocab-size", str(meta["requested_vocab_size"])]
+    return f"rebuild it with `python data.py {shlex.join(flags)}` (train.py with the same flags rebuilds it too)"
+
+
+def load_build(out_dir) -> dict:
+    """The build in out_dir for a command that only reads it (bench.py, speculative.py): every file
+    checked against data_meta.json, a damaged one a DataError naming it and the command to remake it."""
+    out = pathlib.Path(out_dir)
+    try:
+        meta = read_meta(out)
+    except DataError as e:
+        raise DataError(f"{e}: {remake(out)}") from None
+    problem = _damage(out, meta)
+    if problem:
+        raise DataError(f"{problem}: {remake(out, meta)}")
+    return _result(out, meta)
+
+
+def encoding_of(info: dict) -> tiktoken.Encoding:
+    """The tokenizer of a build (prepare_data's or load_build's result)."""
+    path = info["tokenizer_path"]
+    return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path)
+
+
+def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
+    """The meta of an earlier build of the same data and settings whose files are intact; else None,
+    after a one-line notice of why it is rebuilt."""
+    if not (out / "data_meta.json").exists():
+        if any((out / n).exists() for n in BUILT):
+            log(f"data: rebuilding {out}/ because {out / 'data_meta.json'} is missing")
+        return None
+    try:
+        meta = read_meta(out)
+    except DataError as e:
+        log(f"data: rebuilding {out}/ because {e}")
+        return None
+    changed = [k for k in want if meta.get(k) != want[k]]
+    why = " and ".join(_WHAT[k] for k in changed) + " changed" if changed else _damage(out, meta)
+    if why is None:
+        return meta
+    log(f"data: rebuilding {out}/ because {why}")
+    return None
 
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe", verbose=True) -> dict:
@@ -277,22 +399,21 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     if tokenizer not in ("bpe", "gpt2"):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     meta_path, tok_path = out / "data_meta.json", out / "tokenizer.tiktoken"
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file, not a folder; pick another --out-dir")
+    blocked = [out / n for n in BUILT if (out / n).is_dir()]
+    if blocked:  # writing over a folder would only fail at the end, half done
+        raise DataError(f"{blocked[0]} is a folder where data.py writes a file; move it away or pick another --out-dir")
     source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
     want = {"format": FORMAT, "pattern": PAT, "source": source, "fingerprint": _fingerprint(data),
             "requested_vocab_size": vocab_size if tokenizer == "bpe" else None, "tokenizer": tokenizer}
 
-    # fast path: a complete previous build of the same data with the same settings
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        changed = [k for k in want if meta.get(k) != want[k]]
-        if not changed and _intact(out, meta):
-            log(f"data: reusing {out}/ ({meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens)")
-            return _result(out, meta)
-        why = " and ".join(_WHAT[k] for k in changed) + " changed" if changed else "its files are missing/modified"
-        log(f"data: rebuilding {out}/ because {why}")
-        meta_path.unlink(missing_ok=True)  # a half-finished rebuild must never look complete
+    # fast path: a complete previous build of the same data with the same settings, files intact
+    meta = _reusable(out, want, log)
+    if meta is not None:
+        log(f"data: reusing {out}/ ({meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens)")
+        return _result(out, meta)
 
     train_docs, val_docs = load_documents(data)
     log(f"data: {len(train_docs)} train / {len(val_docs)} val documents from {source}")
@@ -304,6 +425,14 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         log(f"data: trained a {len(ranks) + 1}-token BPE tokenizer in {time.time() - t0:.1f}s")
         if len(ranks) + 1 < vocab_size:
             log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for {vocab_size}); using that")
+    # only now, with the data read and checked, does out/ change; a half-finished rebuild
+    # never looks complete: data_meta.json goes first and comes back last
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot make the folder {out} ({e.strerror}); pick another --out-dir") from None
+    meta_path.unlink(missing_ok=True)
+    if tokenizer == "bpe":
         save_tokenizer(ranks, tok_path)
         enc, tok_hash = load_tokenizer(tok_path), file_sha256(tok_path)
 
@@ -315,16 +444,17 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         _atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
         meta[f"n_{split}_tokens"] = len(ids)
     log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, vocab {enc.n_vocab}")
+    meta["files"] = {n: {"bytes": (out / n).stat().st_size, "sha256": file_sha256(out / n)}
+                     for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer == "bpe"}
     _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return _result(out, meta)
 
 
 def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread over documents."""
-    out = pathlib.Path(out_dir)
-    res = _result(out, json.loads((out / "data_meta.json").read_text()))
-    enc, eot = get_encoding(res["tokenizer_path"]), res["eot_id"]
-    val = np.fromfile(out / "val.bin", dtype=np.uint16).astype(np.int64)
+    res = load_build(out_dir)  # every file checked against data_meta.json
+    enc, eot = encoding_of(res), res["eot_id"]
+    val = np.fromfile(res["val_bin"], dtype=np.uint16).astype(np.int64)
     ends_nl = np.array([not enc.is_special_token(t) and enc.decode_single_token_bytes(t).endswith(b"\n")
                         for t in range(enc.n_vocab)])
     bounds = np.flatnonzero(val == eot)  # document i spans [previous EOT + 1, bounds[i])
@@ -348,20 +478,25 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
 # -----------------------------------------------------------------------------
 
 def build_parser():
-    from gpt import ArgumentParser, number
+    from gpt import ArgumentParser, number, path_arg
     ap = ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
-    ap.add_argument("--data", default=None, help="text file or folder to train on (default: the Python stdlib)")
+    ap.add_argument("--data", type=path_arg("data"), default=None, help="text file or folder to train on (default: the Python stdlib)")
     ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB, help="tokenizer vocab size, EOT included")
     ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train a BPE here, or use GPT-2's")
-    ap.add_argument("--out-dir", default="out",
+    ap.add_argument("--out-dir", type=path_arg("dir"), default="out",
                     help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are written")
     return ap
 
 
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
+    print(json.dumps(info, indent=2))
+    return info
+
+
 if __name__ == "__main__":
-    args = build_parser().parse_args()
     try:
-        info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
+        main()
     except DataError as e:
         raise SystemExit(f"error: {e}")
-    print(json.dumps(info, indent=2))

@@ -107,7 +107,8 @@ def calibrate(net, batches):
     """Per-position temperature scaling of the confidence logits (Guo et al. 2017): for each
     slot k pick T_k minimising the log loss of sigmoid(z / T_k) against whether the greedy draft
     matched the target (teacher-forced on the target's own text, so 'its prefix survived').
-    batches: list of (x, hidden, t_logits, anchors). Returns the ECE before and after."""
+    batches: an iterable of (x, hidden, t_logits, anchors), read once, so a generator streams them
+    (only the confidences are kept). Returns the ECE before and after."""
     zs, hits = [], []
     for x, hid, t_logits, anchors in batches:
         _, _, z, hit = dspark_terms(net, x, hid, t_logits, anchors)

@@ -256,6 +256,8 @@ def state_hash(state_dict):
 def save_checkpoint(obj, path):
     """torch.save to a temp file in the same folder, then rename: a run killed mid-write
     leaves the previous file intact, never a half-written one."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder where a checkpoint is written; move it away")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
@@ -266,6 +268,8 @@ def load_checkpoint(path, kind, stage=None):
     """Load a checkpoint of the given kind with weights_only=True (a file crafted to run code
     when unpickled is refused, not run). Every failure is one clear CheckpointError."""
     stage = stage or kind
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder, not a checkpoint: move it away and run `python train.py --only {stage}`")
     if not os.path.exists(path):
         raise CheckpointError(f"{path} not found: run `python train.py --only {stage}` (or plain `python train.py`) to make it")
     try:
@@ -283,6 +287,7 @@ def load_checkpoint(path, kind, stage=None):
 
 def load_target(path, device="cpu", dtype=torch.float32):
     """The trained target, in eval mode, plus its checkpoint dict (for the hashes)."""
+    check_dtype(device, dtype)
     ckpt = load_checkpoint(path, "target")
     model = GPT(GPTConfig.from_dict(ckpt["config"]))
     try:
@@ -298,25 +303,42 @@ def load_target(path, device="cpu", dtype=torch.float32):
 
 
 def pick_device(name="auto"):
-    """'auto' -> cuda if present, else mps if it works, else cpu. Anything else must exist."""
+    """'auto' -> cuda if present, else mps if it works, else cpu. Anything else must exist here:
+    cpu, cuda or cuda:N (N below the number of GPUs), mps or mps:0. One clear ValueError if not,
+    rather than a traceback from the first tensor put on it."""
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available()):
-        return name
-    if name == "mps" and torch.backends.mps.is_available():
+        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is not None and dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n and (dev.index is None or dev.index < n):
+            return name
+        have = f"this machine has {n} CUDA device{'s' if n > 1 else ''} (cuda:0..cuda:{n - 1})" if n else "this machine has no CUDA device"
+        raise ValueError(f"device {name!r} is not available here: {have}; use --device cpu, or auto to pick the best one")
+    if dev is not None and ((dev.type == "cpu") or (dev.type == "mps" and mps and dev.index in (None, 0))):
         return name
     raise ValueError(f"device {name!r} is not available here: use --device cpu, or auto to pick the best one")
 
 
+def check_dtype(device, dtype):
+    """A dtype the device cannot hold is one clear ValueError, before any weights load."""
+    if torch.device(device).type == "mps" and dtype == torch.float64:
+        raise ValueError("float64 is not supported on mps (Apple GPUs have no float64): use --dtype float32, "
+                         "or --device cpu for float64")
+
+
 def synchronize(device):
-    """Wait for queued GPU work before reading a clock (a no-op on CPU)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-    elif str(device) == "mps":
+    """Wait for the queued GPU work of `device` (a str like 'cuda:1' or 'mps:0', or a torch.device)
+    before reading a clock; a no-op on CPU. The device type decides, never the exact string:
+    tensors on a Mac report 'mps:0', and torch.cuda.synchronize() alone waits on the current GPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
         torch.mps.synchronize()
 
 
@@ -349,6 +371,39 @@ def number(kind=int, lo=None, hi=None, above=None):
             raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {what} {rule}")
         return x
     parse.__name__ = what  # argparse names the type by it in its own messages
+    return parse
+
+
+def _made_blocked(p):
+    """Can folder p not be made because a file sits where a folder above it must be?"""
+    up = os.path.abspath(p)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    return not os.path.isdir(up)
+
+
+PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in order
+    "in": [(lambda p: not os.path.exists(p), "does not exist"), (os.path.isdir, "is a folder, not a file")],
+    "data": [(lambda p: not os.path.exists(p), "does not exist"),
+             (lambda p: not (os.path.isfile(p) or os.path.isdir(p)), "is neither a file nor a folder")],
+    "dir": [(lambda p: os.path.exists(p) and not os.path.isdir(p), "is a file, not a folder"),
+            (_made_blocked, "cannot be made: a file is in the way")],
+    "out": [(os.path.isdir, "is a folder, not a file"),
+            (lambda p: not os.path.isdir(os.path.dirname(os.path.abspath(p))), "is in a folder that does not exist")],
+}
+
+
+def path_arg(kind):
+    """An argparse type for a path flag: 'in' a file to read, 'data' a file or folder to read,
+    'dir' a folder (made if missing), 'out' a file to write. A value of the wrong kind ends in
+    one line, 'error: argument --flag: ...', before anything runs."""
+    def parse(text):
+        p = os.path.expanduser(text)
+        why = "is empty" if not text else next((why for wrong, why in PATH_RULES[kind] if wrong(p)), None)
+        if why:
+            raise argparse.ArgumentTypeError(f"{text!r} {why}")
+        return text
+    parse.__name__ = "a path"
     return parse
 
 

@@ -31,44 +31,72 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, pick_device, ArgumentParser, synchronize
+from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg, pick_device, ArgumentParser, synchronize
 
 # -----------------------------------------------------------------------------
 # sampling: one object decides how tokens are picked, drafted and verified
 
 
-def keyed_gumbel(seed, positions, vocab_size, device):
+def sampling_dtype(device):
+    """The float type sampling computes in: float64 where the device has it (CPU, CUDA), float32
+    on MPS, which has no float64. Why not float32 everywhere: it would be exact too (below), but
+    float64 is what every CPU result in the README was measured with (same seed, same text), and
+    it costs nothing that shows: V values per token, next to a whole forward pass. What makes
+    coupled sampling token-identical is that plain and speculative decoding compute the same
+    function of (logits, seed, position) -- true in either dtype, as long as both use the same."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
     """Gumbel(0,1) noise of shape (len(positions), V), a pure function of (seed, position,
     token id): a counter-based integer hash, so the baseline and the speculative loop see the
-    same noise at the same absolute position, on any device and in any chunking."""
+    same noise at the same absolute position, in any chunking.
+
+    positions: consecutive absolute positions (a range, or a list like [S + j]). They are made
+    on the device by arange, never copied from the host: a copy per sampled token would be a host
+    sync on a GPU. dtype float64: u from all 32 hash bits; float32 (MPS): u from the top 23, as
+    (m + 0.5) / 2^23, which float32's 24-bit significand holds exactly: u is never rounded to 0
+    or 1, and the noise stays finite."""
     M = 0xFFFFFFFF
-    pos = torch.as_tensor(positions, device=device, dtype=torch.int64).view(-1, 1)
+    start, n = positions[0], len(positions)
+    if list(positions) != list(range(start, start + n)):
+        raise ValueError(f"keyed_gumbel needs consecutive positions (got {list(positions)})")
+    pos = torch.arange(start, start + n, device=device, dtype=torch.int64).view(-1, 1)
     v = torch.arange(vocab_size, device=device, dtype=torch.int64).view(1, -1)
     x = (v + pos * 0x9E3779B1 + (seed & M) * 0x85EBCA77) & M
     for _ in range(3):  # xorshift-multiply rounds; constants < 2^31 keep the int64 products exact
         x = ((x ^ (x >> 16)) * 0x045D9F3B) & M
     x = x ^ (x >> 16)
-    u = (x.to(torch.float64) + 0.5) / 2.0 ** 32  # in (0, 1), never 0 or 1
+    if dtype == torch.float64:
+        u = (x.to(torch.float64) + 0.5) / 2.0 ** 32  # in (0, 1), never 0 or 1
+    else:
+        u = ((x >> 9).to(dtype) + 0.5) / 2.0 ** 23  # exact in float32, in (0, 1)
     return -torch.log(-torch.log(u))
 
 
 class Sampler:
     """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for greedy and for
-    both sampling modes (keyed Gumbel-max is exact sampling from softmax(logits / T))."""
+    both sampling modes (keyed Gumbel-max is exact sampling from softmax(logits / T)).
+    dtype: what sampling computes in (default: sampling_dtype of the logits' device).
 
-    def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu"):
+    No method reads a value back to the host except verify(), once: the loop's one sync a round."""
+
+    def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu", dtype=None):
         if mode not in ("greedy", "coupled", "rejection"):
             raise ValueError(f"unknown sampling mode {mode!r}: use greedy, coupled or rejection")
         if mode != "greedy" and not temperature > 0:
             raise ValueError(f"temperature must be > 0 for {mode} sampling (got {temperature}); use --sampling greedy for temperature 0")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top-k must be a positive number of tokens (got {top_k})")
-        self.mode, self.temperature, self.top_k, self.seed = mode, temperature, top_k, seed
+        self.mode, self.temperature, self.top_k, self.seed, self.dtype = mode, temperature, top_k, seed, dtype
         self.gen = torch.Generator(device=device).manual_seed(seed)  # rejection mode only
+
+    def float_dtype(self, device):
+        return self.dtype or sampling_dtype(device)
 
     def scaled(self, logits):
         """Logits after temperature and top-k: the distribution we sample from is softmax of this."""
-        logits = logits.double() / self.temperature
+        logits = logits.to(self.float_dtype(logits.device)) / self.temperature
         if self.top_k is not None and self.top_k < logits.size(-1):
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -77,11 +105,18 @@ class Sampler:
     def probs(self, logits):
         return F.softmax(self.scaled(logits), dim=-1)
 
+    def sample(self, p):
+        """One token per row of probabilities p (..., V) from this sampler's generator: the
+        exponential race, argmax p / E with E ~ Exp(1). It is exactly what torch.multinomial does
+        for one draw (same generator, same tokens), minus multinomial's two checks of its input,
+        each an .item(): a host sync per sampled token on a GPU."""
+        return (p / torch.empty_like(p).exponential_(generator=self.gen)).argmax(-1)
+
     def pick(self, logits, positions):
         """(T, V) logits for tokens at absolute `positions` -> (T,) tokens. Deterministic."""
         if self.mode == "greedy":
             return logits.argmax(-1)
-        noise = keyed_gumbel(self.seed, positions, logits.size(-1), logits.device)
+        noise = keyed_gumbel(self.seed, positions, logits.size(-1), logits.device, self.float_dtype(logits.device))
         return (self.scaled(logits) + noise).argmax(-1)
 
     def draft(self, logits, positions):
@@ -90,40 +125,47 @@ class Sampler:
         if self.mode != "rejection":
             return self.pick(logits, positions), None
         q = self.probs(logits)
-        return torch.multinomial(q, 1, generator=self.gen).view(-1), q
+        return self.sample(q), q
 
     def first(self, logits, position):
         """The target's token after the prefill (rejection mode draws from p with its own RNG)."""
         if self.mode != "rejection":
             return self.pick(logits, [position])
-        return torch.multinomial(self.probs(logits), 1, generator=self.gen).view(-1)
+        return self.sample(self.probs(logits))
 
     def verify(self, logits, draft, q, positions):
         """logits (k+1, V) of the target over [last, d1..dk]; draft (k,). Returns (n accepted,
-        the target's own next token). Exactly one host sync per call (the .tolist())."""
+        new_ids, new): the n surviving drafts and the target's own token after them, as host
+        ints (a list of n+1) and as a device tensor (n+1,). Exactly one host sync (a .tolist())."""
         k = draft.numel()
-        if self.mode != "rejection":
-            t = self.pick(logits, positions)  # (k+1,) what the target itself would emit
-            both = torch.cat([t, draft]).tolist()  # host sync
-            t, d = both[:k + 1], both[k + 1:]
-            n = 0
-            while n < k and d[n] == t[n]:
-                n += 1
-            return n, t[n]
+        if self.mode == "rejection":
+            return self.verify_rejection(logits, draft, q)
+        t = self.pick(logits, positions)  # (k+1,) what the target itself would emit
+        both = torch.cat([t, draft]).tolist()  # host sync
+        t_ids, d = both[:k + 1], both[k + 1:]
+        n = 0
+        while n < k and d[n] == t_ids[n]:
+            n += 1
+        return n, t_ids[:n + 1], t[:n + 1]  # the surviving drafts equal the target's picks: no upload
+
+    def verify_rejection(self, logits, draft, q):
+        """Accept d_i ~ q with probability min(1, p(d_i)/q(d_i)); at the first rejection n draw
+        the token from norm(max(0, p_n - q_n)), exactly what makes the output distribution p; if
+        all k survive, a free bonus token from p_k. Every step on the device; one read back."""
+        k, dev = draft.numel(), logits.device
         p = self.probs(logits)  # (k+1, V)
-        n = k
+        n, rows = torch.full((1,), k, device=dev), p[k:]
         if k > 0:
-            idx = torch.arange(k, device=logits.device)
+            idx = torch.arange(k, device=dev)
             ratio = p[idx, draft] / q[idx, draft]
-            r = torch.rand(k, generator=self.gen, device=logits.device, dtype=ratio.dtype)
-            rejected = (r >= ratio).tolist()  # host sync
-            n = rejected.index(True) if True in rejected else k
-        if n < k:  # resample from the residual: exactly what makes the output distribution p
-            resid = (p[n] - q[n]).clamp_min(0)
-            tok = torch.multinomial(resid / resid.sum(), 1, generator=self.gen)
-        else:      # every draft survived: a free bonus token from p
-            tok = torch.multinomial(p[k], 1, generator=self.gen)
-        return n, tok.item()  # host sync
+            r = torch.rand(k, generator=self.gen, device=dev, dtype=ratio.dtype)
+            n = (r < ratio).long().cumprod(0).sum().view(1)  # how many survive before the first rejection
+            resid = (p[:k] - q).clamp_min(0)
+            rows = torch.cat([resid / resid.sum(-1, keepdim=True), p[k:]]).index_select(0, n)
+        tok = self.sample(rows)  # (1,)
+        vals = torch.cat([n, tok, draft]).tolist()  # host sync
+        m = vals[0]
+        return m, vals[2:2 + m] + [vals[1]], torch.cat([draft[:m], tok])
 
 
 # -----------------------------------------------------------------------------
@@ -148,8 +190,9 @@ def as_prompt(prompt, device):
 
 @torch.inference_mode()
 def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
-    """Token-by-token decoding with the KV cache. No host sync until the end: the chosen token
-    stays on the device and is fed straight back in."""
+    """Token-by-token decoding with the KV cache. No host sync until the end, in every sampling
+    mode: the chosen token stays on the device and is fed straight back in (only the prompt is
+    uploaded, before any work is queued)."""
     dev = model.lm_head.weight.device
     x = as_prompt(prompt, dev)
     P = x.size(1)
@@ -176,7 +219,8 @@ class Drafter:
 
     begin(tokens, hidden)       a new sequence. tokens (1, n); hidden {layer: (1, n-1, d)}.
     propose(k, sampler)         draft up to k tokens after the confirmed sequence -> (tokens (k',), q (k', V)
-                                or None), 1 <= k' <= k (a scheduler may choose to verify fewer).
+                                or None), 0 <= k' <= k: a scheduler may choose to verify fewer, and a
+                                drafter with nothing to offer drafts none (the round is a plain step).
     commit(n, new, hidden)      n of the k drafts survived; `new` (n+1,) = those n plus the target's
                                 own token; hidden {layer: (1, n+1, d)} = the target's states at the
                                 n+1 positions that just became 'all but the last'.
@@ -272,10 +316,17 @@ class Stats:
 
 
 @torch.inference_mode()
-def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None, trace=None):
+def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None, trace=None,
+                         split_timing=False):
     """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
     Returns (generated tokens, Stats). If `trace` is a list, each round appends
-    (accepted draft tokens, the target's own token, whether that token was a bonus)."""
+    (accepted draft tokens, the target's own token, whether that token was a bonus).
+
+    Host syncs: one after the prefill, then exactly one per round (in verify), plus whatever a
+    drafter takes itself (DSpark's scheduler reads its confidences once a round). split_timing:
+    also wait for the drafter's work before the verify, so Stats' draft/verify split is true on
+    a GPU -- a second wait per round, so leave it off when timing throughput. On a CPU the
+    split is true either way (nothing runs asynchronously)."""
     if k <= 0:
         raise ValueError(f"k (tokens drafted per round) must be at least 1 (got {k})")
     if drafter.max_k is not None and k > drafter.max_k:
@@ -293,7 +344,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     first = sampler.first(logits[0, -1:], P)
     seq = torch.cat([x[0], first])  # confirmed tokens
     drafter.begin(seq.view(1, -1), hid)
-    st.target_forwards, out = 1, [first.item()]  # host sync
+    st.target_forwards, out = 1, [first.item()]  # host sync (once, after the prefill)
 
     while len(out) < n_total:
         L = cache.length  # == len(seq) - 1: the last confirmed token is not in the cache yet
@@ -304,12 +355,14 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
             kk = draft.numel()  # a scheduling drafter may offer fewer than asked
         else:
             draft, q = seq[:0], None
-        synchronize(dev)  # only so that the draft/verify split is honest on a GPU
+        if split_timing:
+            synchronize(dev)  # only so that the draft/verify split is honest on a GPU
         t1 = time.perf_counter()
         logits, _, hid = target(torch.cat([seq[-1:], draft]).view(1, -1), cache=cache, hidden_layers=layers)
-        n, tok = sampler.verify(logits[0], draft, q, list(range(L + 1, L + kk + 2)))  # host sync inside
+        # the round's one host sync is inside verify: n and the new tokens come back as host ints,
+        # and `new` stays on the device, so nothing is uploaded or read back again this round
+        n, new_ids, new = sampler.verify(logits[0], draft, q, range(L + 1, L + kk + 2))
         cache.rollback(L + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
-        new = torch.cat([draft[:n], torch.tensor([tok], device=dev)])
         seq = torch.cat([seq, new])
         drafter.commit(n, new, {l: h[:, :n + 1] for l, h in hid.items()})
         st.verify_time += time.perf_counter() - t1
@@ -319,9 +372,9 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
         for i in range(kk):
             st.drafted_at[i] += 1
             st.accepted_at[i] += i < n
-        out.extend(new.tolist())
+        out.extend(new_ids)
         if trace is not None:
-            trace.append((new[:n].tolist(), tok, kk > 0 and n == kk))
+            trace.append((new_ids[:n], new_ids[n], kk > 0 and n == kk))
     st.tokens = len(out)
     return out, st
 
@@ -334,6 +387,7 @@ DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that ma
     "mtp": ("draft_mtp", "mtp.pt", "mtp"),
     "dflash": ("draft_dflash", "dflash.pt", "dflash"),
     "dspark": ("draft_dspark", "dspark.pt", "dspark"),
+    "lookup": ("draft_lookup", None, None),  # prompt lookup: nothing to train, nothing to load
 }
 
 
@@ -348,6 +402,8 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
     if name not in DRAFTERS:
         raise ValueError(f"unknown method {name!r}: choose from ar, {', '.join(DRAFTERS)}")
     module, fname, stage = DRAFTERS[name]
+    if fname is None:  # a drafter with no weights works for any target as it is
+        return getattr(importlib.import_module(module), f"load_{name}")(None, target, device, dtype)
     path = os.path.join(out_dir, fname)
     ckpt = load_checkpoint(path, name, stage=stage)
     for what, key, want in (("target", "target_hash", target_ckpt["model_hash"]),
@@ -390,15 +446,38 @@ def build_parser():
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
     p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature (coupled/rejection)")
     p.add_argument("--top-k", type=number(int, 1), default=None, help="sample only among the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--out-dir", default="out", help="where train.py put the checkpoints")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
     p.add_argument("--no-color", action="store_true", help="mark tokens with [correction] and {bonus} instead of colors")
     return p
 
 
+def sampling_flag_problems(sampling, temperature_given, top_k_given):
+    """The one-line warning for sampling flags the chosen mode does not use, or None. Greedy
+    decoding takes the argmax, so --temperature and --top-k would be silently ignored. (Values
+    no mode can use, like a temperature <= 0, are refused where they are parsed.)"""
+    unused = [f for f, given in (("--temperature", temperature_given), ("--top-k", top_k_given)) if given]
+    if sampling != "greedy" or not unused:
+        return None
+    return f"warning: {' and '.join(unused)} unused: --sampling greedy takes the argmax (use coupled or rejection to sample)"
+
+
+def parse_args(parser, argv=None):
+    """parser.parse_args, warning (one line, on stderr) about sampling flags the mode ignores.
+    To tell a given --temperature from its default, the default is None while parsing."""
+    temperature = parser.get_default("temperature")
+    parser.set_defaults(temperature=None)
+    a = parser.parse_args(argv)
+    warning = sampling_flag_problems(a.sampling, a.temperature is not None, a.top_k is not None)
+    if warning:
+        print(warning, file=sys.stderr)
+    a.temperature = temperature if a.temperature is None else a.temperature
+    return a
+
+
 def main(argv=None):
-    a = build_parser().parse_args(argv)
+    a = parse_args(build_parser(), argv)
     import data
     device = pick_device(a.device)
     target, tckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
@@ -408,7 +487,7 @@ def main(argv=None):
     ids = data.encode(enc, a.prompt)
     trace = []
     a.k = a.k if a.k is not None else drafter.default_k
-    out, st = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler, trace=trace)
+    out, st = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler, trace=trace, split_timing=True)
     color = sys.stdout.isatty() and not a.no_color
     print(show(enc, ids, [([], out[0], False)] + trace, color))
     print()

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import data as datamod
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, pick_device, ArgumentParser, save_checkpoint, state_hash
+from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg, pick_device, ArgumentParser, save_checkpoint, state_hash
 from draft_mtp import mtp_loss
 
 # -----------------------------------------------------------------------------
@@ -45,7 +45,9 @@ PRESETS = {
                 dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
                 dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
                 dspark_rank=64, dspark_iters=500, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash"),
-    # one consumer GPU: wider, deeper, longer context, bigger batches (never run yet: no GPU was at hand)
+    # one consumer GPU: wider, deeper, longer context, bigger batches, in bfloat16 autocast (--bf16 auto) with
+    # TF32 matmuls. Never run yet: no GPU was at hand, so its run time is unknown (a rough FLOP count says
+    # 20-30 minutes on a 3090-class card; an estimate, not a measurement)
     "cuda": dict(n_layer=8, n_head=8, n_embd=512, block_size=512, batch_size=32,
                  target_iters=4000, target_lr=1e-3, warmup=200,
                  small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0, small_text="gen",
@@ -175,6 +177,17 @@ def fast_bf16(device):
             ts.append(time.perf_counter() - t0)
         return min(ts)
     return best(torch.bfloat16) < 0.7 * best(torch.float32)
+
+
+def allow_tf32(device):
+    """On CUDA, let the float32 matmuls that autocast leaves in float32 use TF32 tensor cores (Ampere
+    and later; 10-bit mantissa products, float32 sums: what every GPU training recipe does). CPU and
+    MPS: untouched, so CPU runs stay bit-identical. Returns whether it was switched on."""
+    if not str(device).startswith("cuda"):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def autocast(args, device):
@@ -319,14 +332,26 @@ def cpu_state_dict(module):
     return {k: v.cpu() for k, v in module.state_dict().items()}
 
 
+def cpu_tree(obj):
+    """obj (e.g. an optimizer's state_dict) with every tensor in it moved to the CPU, so a checkpoint
+    written on a GPU holds nothing that loads back onto that GPU."""
+    if torch.is_tensor(obj):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: cpu_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_tree(v) for v in obj)
+    return obj
+
+
 def is_current(ctx, stage):
     """Does out/<stage>.pt exist and belong to the current target/tokenizer?"""
     path = ctx.path(stage)
     if not os.path.exists(path):
         return False
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
+        ckpt = load_checkpoint(path, stage)
+    except CheckpointError:  # truncated, garbage, or another kind of checkpoint: it is remade
         print(f"{stage}: {path} is unreadable; retraining it")
         return False
     if stage == "target":
@@ -367,7 +392,7 @@ def stage_target(ctx):
                                 a.target_iters, a.target_lr, a, fingerprint, a.batch_size * a.block_size)
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd, "model_hash": state_hash(sd),
-                     "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": opt_state,
+                     "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": cpu_tree(opt_state),
                      "val_loss": val, "tokens_seen": a.target_iters * a.batch_size * a.block_size}, ctx.path("target"))
     if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current and skipped
         ctx._target = None
@@ -456,8 +481,8 @@ def distill_text(ctx):
         path = os.path.join(a.out_dir, "distill.pt")
         try:
             ck = load_checkpoint(path, "distill") if os.path.exists(path) else None
-        except CheckpointError as e:
-            print(f"distill: rewriting an unreadable {path} ({e})")
+        except CheckpointError:  # truncated, garbage, a folder: it is only a cache of the target's text
+            print(f"distill: {path} is unreadable; rewriting it")
             ck = None
         if ck is None or ck.get("settings") != want:
             t0 = time.time()
@@ -608,7 +633,8 @@ def stage_dspark(ctx):
     if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
         held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
         held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
-        before, after = calibrate(net, [block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)])
+        # a generator, not a list: one batch's target logits at a time (8 x 268 MB on the cuda preset)
+        before, after = calibrate(net, (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)))
         print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
               f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
         extra.update(ece_before=before, ece_after=after)
@@ -683,11 +709,11 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--only", default=None, help=f"run one stage: {', '.join(STAGES)}")
     p.add_argument("--force", action="store_true", help="retrain stages even if their checkpoint exists")
-    p.add_argument("--out-dir", default="out", help="where tokenizer, token files and checkpoints go")
-    p.add_argument("--data", default=None, help="a text file or folder to train on (default: the Python stdlib sources)")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where tokenizer, token files and checkpoints go")
+    p.add_argument("--data", type=path_arg("data"), default=None, help="a text file or folder to train on (default: the Python stdlib sources)")
     p.add_argument("--vocab-size", type=number(int, 257, 65536), default=datamod.DEFAULT_VOCAB, help="BPE vocabulary size, end-of-text included")
     p.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train our own BPE, or use tiktoken's gpt2 if it loads")
-    p.add_argument("--seed", type=int, default=1337, help="seed for initialisation and batch sampling")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=1337, help="seed for initialisation and batch sampling")
     p.add_argument("--log-interval", type=number(int, 1), default=25, help="steps between progress lines")
     p.add_argument("--eval-interval", type=number(int, 1), default=250, help="steps between validation losses")
     p.add_argument("--ckpt-interval", type=number(float, 0), default=60.0, help="seconds between resume checkpoints")
@@ -714,14 +740,24 @@ def resolve_args(argv=None):
     return args
 
 
+def check_out_dir(out_dir):
+    """A folder where train.py writes a file would fail only after the training: refuse it now."""
+    names = [*datamod.BUILT, "distill.pt", *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt"))]
+    for p in (os.path.join(out_dir, n) for n in names):
+        if os.path.isdir(p):
+            raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")
+
+
 def main(argv=None):
     args = resolve_args(argv)
+    check_out_dir(args.out_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tf32 = allow_tf32(args.device_resolved)
     t0 = time.time()
     ctx = Context(args)
     print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, preset {args.preset or ctx.device}, "
-          f"training in {'bfloat16 autocast' if args.use_bf16 else 'float32'}")
+          f"training in {'bfloat16 autocast' if args.use_bf16 else 'float32'}" + (", TF32 matmuls" if tf32 else ""))
     for stage, fn in STAGES.items():
         if args.only and stage != args.only:
             continue

@@ -150,7 +150,15 @@ def make_dspark(target):
     return d
 
 
-DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "dflash": make_dflash, "dspark": make_dspark}
+def make_lookup(target):
+    """Prompt lookup: the tiny target's peaked distributions make it repeat itself, so some rounds
+    find an n-gram to copy and others draft nothing at all; the tests see both."""
+    from draft_lookup import LookupDrafter
+    return LookupDrafter(target.config.vocab_size)
+
+
+DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "dflash": make_dflash,
+                     "dspark": make_dspark, "lookup": make_lookup}
 
 
 @pytest.fixture(params=sorted(DRAFTER_FACTORIES))
@@ -172,8 +180,10 @@ def corpus(tmp_path_factory):
 
 
 def tiny_args(corpus, out, *extra):
+    """train.py flags for a tiny run, on the CPU: the tests that use it prove CPU facts (same seed,
+    bit-identical checkpoints). A later --device in `extra` wins (tests/test_device.py's device mode)."""
     return ["--preset", "tiny", "--data", corpus, "--vocab-size", "384", "--out-dir", str(out),
-            "--log-interval", "10", "--eval-interval", "1000", *extra]
+            "--log-interval", "10", "--eval-interval", "1000", "--device", "cpu", *extra]
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import tiktoken
+import tiktoken.load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import data  # noqa: E402

@@ -86,7 +86,8 @@ class AlwaysAccept(Sampler):
 
     def verify(self, logits, draft, q, positions):
         k = draft.numel()
-        return k, torch.multinomial(self.probs(logits[k:k + 1]), 1, generator=self.gen).item()
+        new = torch.cat([draft, self.sample(self.probs(logits[k:k + 1]))])
+        return k, new.tolist(), new
 
 
 @pytest.fixture(scope="module")

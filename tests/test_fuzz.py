@@ -1,0 +1,283 @@
+"""Fuzzing the four command lines (issue 14). Every run ends in success or in one 'error:' line,
+never a traceback, and a failed run leaves out/ exactly as it was:
+
+- damaged files in out/ (truncated, garbage, deleted, a folder in their place): the commands
+  that build them (data.py, train.py) rebuild them with a one-line notice, byte for byte; the
+  ones that only read them (bench.py, speculative.py) refuse, naming the file and the command
+  that remakes it;
+- paths of the wrong kind (a folder for a file, a file for a folder): one error line;
+- a seeded random sweep of values at every numeric and path flag of the four commands.
+
+Commands run in this process through their real `if __name__ == "__main__"` block (runpy), so
+exactly the errors a user would see as one line are one line here, and anything else escapes
+as the traceback it would be. Runs on copies of conftest.py's tiny trained out/, one thread
+each: about 15 s beyond that shared training."""
+
+import contextlib
+import hashlib
+import io
+import os
+import random
+import runpy
+import shutil
+import sys
+
+import pytest
+import torch
+
+import bench
+import data
+import speculative
+import train
+from conftest import tiny_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
+           "speculative.py": speculative.build_parser, "data.py": data.build_parser}
+DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
+CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "dflash.pt", "dspark.pt"]
+
+
+def run(script, *argv):
+    """`python script argv`, in this process: (exit code, stdout, stderr). A SystemExit with a
+    message is what Python would print to stderr; any other exception is a traceback: it fails
+    the test, naming the command line."""
+    out, err, argv0, threads = io.StringIO(), io.StringIO(), sys.argv, torch.get_num_threads()
+    sys.argv, code = [script, *map(str, argv)], 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+        if isinstance(e.code, str):
+            err.write(e.code + "\n")
+    except Exception as e:  # noqa: BLE001 -- exactly what would have been a traceback
+        pytest.fail(f"`python {script} {' '.join(map(str, argv))}` ended in a traceback: {type(e).__name__}: {e}")
+    finally:
+        sys.argv = argv0
+        torch.set_num_threads(threads)  # --threads must not leak into the other tests
+    return code or 0, out.getvalue(), err.getvalue()
+
+
+def refused(res, *needles):
+    """One 'error:' line on stderr, naming each needle, and a non-zero exit code."""
+    code, out, err = res
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("error: "), res
+    assert "Traceback" not in out + err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def succeeded(res):
+    code, out, err = res
+    assert code == 0 and "Traceback" not in out + err and "error" not in err, res
+    return out
+
+
+def snapshot(folder):
+    """{relative path: sha256} of every file, and a marker for every folder, under folder."""
+    snap = {}
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            snap[os.path.relpath(os.path.join(root, d), folder)] = "folder"
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                snap[os.path.relpath(os.path.join(root, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return snap
+
+
+def damage(path, how):
+    """Damage one file in place: truncate it, overwrite it with garbage, delete it, or put a folder there."""
+    size = os.path.getsize(path)
+    if how == "truncate":
+        os.truncate(path, size // 2)
+    elif how == "garbage":
+        with open(path, "wb") as f:
+            f.write(random.Random(size).randbytes(size))  # same size: only the hash can tell
+    else:
+        os.remove(path)
+        if how == "folder":
+            os.mkdir(path)
+
+
+DAMAGES = ["truncate", "garbage", "delete", "folder"]
+
+
+@pytest.fixture
+def out(trained, tmp_path):
+    """A private copy of the tiny trained out/ folder, free to damage."""
+    shutil.copytree(trained, tmp_path / "out")
+    return tmp_path / "out"
+
+
+def fast(script, out, corpus):
+    """The cheapest full run of each command on the tiny out/ (every train.py stage is current;
+    one thread: the tiny models gain nothing from more, and a busy machine loses a lot)."""
+    return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1"),
+            "data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
+            "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1", "--max-new-tokens", "3",
+                         "--repeats", "1", "--sweep", "", "--sweep-prompts", "1", "--threads", "1",
+                         *(["--plot", ""] if "--plot" in flags("bench.py") else [])],
+            "speculative.py": ["--out-dir", out, "--max-new-tokens", "3", "--no-color"]}[script]
+
+
+def flags(script):
+    return {o for a in PARSERS[script]()._actions for o in a.option_strings}
+
+
+def with_flag(argv, flag, value):
+    """argv with flag set to value (replaced if it is there, else added)."""
+    if flag not in argv:
+        return [*argv, flag, value]
+    i = argv.index(flag)
+    return [*argv[:i + 1], value, *argv[i + 2:]]
+
+
+# -----------------------------------------------------------------------------
+# damaged files in out/
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("name", DATA_FILES)
+def test_damaged_data_file_readers_refuse_and_data_py_rebuilds(out, corpus, name, how):
+    good = snapshot(out)
+    damage(out / name, how)
+    damaged = snapshot(out)
+    for script in ("bench.py", "speculative.py"):
+        refused(run(script, *fast(script, out, corpus)), name, "python data.py")
+        assert snapshot(out) == damaged  # a refusal changes nothing
+    res = run("data.py", *fast("data.py", out, corpus))
+    if how == "folder":  # never deleted: it may be the user's
+        refused(res, name, "is a folder")
+        assert snapshot(out) == damaged
+    else:
+        assert "data: rebuilding" in succeeded(res)
+        assert snapshot(out) == good  # rebuilt byte for byte: every checkpoint still belongs to it
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, how):
+    stage = name[:-3]
+    damage(out / name, how)
+    damaged = snapshot(out)
+    bench_argv = with_flag(fast("bench.py", out, corpus), "--methods", "ar" if stage == "target" else f"ar,{stage}")
+    refused(run("bench.py", *bench_argv), name, f"python train.py --only {stage}")
+    spec_argv = with_flag(fast("speculative.py", out, corpus), "--method", "small" if stage == "target" else stage)
+    refused(run("speculative.py", *spec_argv), name, f"python train.py --only {stage}")
+    if how == "folder":
+        refused(run("train.py", *fast("train.py", out, corpus)), name, "is a folder")
+    assert snapshot(out) == damaged
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage", "delete"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
+    damage(out / name, how)
+    args = train.resolve_args(fast("train.py", out, corpus))
+    assert not train.is_current(train.Context(args), name[:-3])
+    assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
+
+
+def test_train_py_retrains_damaged_files_and_a_later_run_works(out, corpus):
+    """Garbage in distill.pt, small.pt cut short: one train.py run remakes both, with a notice
+    each, and speculative.py then runs on them, with no cleanup by hand."""
+    damage(out / "distill.pt", "garbage")
+    damage(out / "small.pt", "truncate")
+    log = succeeded(run("train.py", *fast("train.py", out, corpus), "--only", "small"))
+    assert "small.pt is unreadable; retraining it" in log and "distill.pt is unreadable; rewriting it" in log
+    succeeded(run("speculative.py", *fast("speculative.py", out, corpus)))
+
+
+# -----------------------------------------------------------------------------
+# paths of the wrong kind
+
+
+@pytest.fixture
+def things(tmp_path):
+    """One path of every kind a user might give by mistake."""
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "notes.txt").write_text("some notes\n")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    return {"missing": tmp_path / "nope", "folder": tmp_path / "empty_folder", "file": tmp_path / "notes.txt",
+            "binary": tmp_path / "blob.bin", "under_a_file": tmp_path / "notes.txt" / "x", "device": os.devnull,
+            "empty": ""}
+
+
+@pytest.mark.parametrize("script, flag, kind, needle", [
+    ("bench.py", "--prompts", "folder", "is a folder, not a file"),
+    ("bench.py", "--prompts", "missing", "does not exist"),
+    ("bench.py", "--json", "folder", "is a folder, not a file"),
+    ("bench.py", "--markdown", "folder", "is a folder, not a file"),
+    ("bench.py", "--json", "under_a_file", "folder that does not exist"),
+    ("bench.py", "--out-dir", "file", "is a file, not a folder"),
+    ("speculative.py", "--out-dir", "file", "is a file, not a folder"),
+    ("train.py", "--out-dir", "file", "is a file, not a folder"),
+    ("train.py", "--out-dir", "under_a_file", "cannot be made"),
+    ("data.py", "--out-dir", "file", "is a file, not a folder"),
+    ("train.py", "--data", "missing", "does not exist"),
+    ("data.py", "--data", "device", "neither a file nor a folder"),
+    ("data.py", "--data", "empty", "is empty"),
+    ("train.py", "--data", "folder", "is empty"),   # a folder is fine, but this one holds no text
+    ("data.py", "--data", "binary", "binary"),
+])
+def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script, flag, kind, needle):
+    before = snapshot(out)
+    refused(run(script, *with_flag(fast(script, out, corpus), flag, things[kind])), needle)
+    assert snapshot(out) == before
+
+
+# -----------------------------------------------------------------------------
+# a seeded random sweep over every numeric and path flag
+
+JUNK = ["", " ", "-1", "0", "nan", "inf", "-inf", "1e999", "abc", "0x10", "+3", "3.0", "1,2", "٣", "--", "-0.5"]
+# In-range values stay small (test_cli.py parses the huge ones): a huge count would make a run
+# that succeeds slow. These would (re)train every stage from scratch, so they get no good value:
+COSTLY = {("train.py", "--vocab-size"), ("data.py", "--vocab-size"),     # a new tokenizer
+          ("train.py", "--out-dir", "missing"), ("train.py", "--out-dir", "folder"),  # an empty out/
+          ("train.py", "--data", "file"), ("data.py", "--data", "file")}  # a text file is another corpus
+GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "speculative.py": 5}  # runs that succeed cost time
+
+
+def sweep_flags(script):
+    """[(flag, kind)] for every numeric and path flag of a command; kind is its type's name."""
+    return [(a.option_strings[0], a.type.__name__) for a in PARSERS[script]()._actions if a.option_strings
+            and getattr(a.type, "__name__", "") in ("an integer", "a number", "list", "a path")]
+
+
+def random_value(rng, script, flag, kind, things, goods, good_ok):
+    """(value, meant to be good): a path of a random kind, or a number, mostly junk or out of range."""
+    if kind == "a path":
+        pool = [k for k in things if (script, flag, k) not in COSTLY]
+        good = good_ok and rng.random() < 0.3
+        return str(goods[flag] if good else things[rng.choice(pool)]), good
+    if not good_ok or rng.random() < 0.6 or (script, flag) in COSTLY:
+        return rng.choice(JUNK + [str(rng.randint(-10**6, 0)), repr(rng.uniform(-5, 0))]), False
+    if kind == "list":
+        return ",".join(str(rng.randint(1, 4)) for _ in range(rng.randint(1, 3))), True
+    return (str(rng.randint(1, 4)) if kind == "an integer" else repr(round(rng.uniform(0.01, 1.0), 3))), True
+
+
+@pytest.mark.parametrize("script", sorted(PARSERS))
+def test_random_sweep_of_every_numeric_and_path_flag(out, corpus, things, tmp_path, script):
+    """Random values at every numeric and path flag, three each: exit 0, or one error line and
+    out/ unchanged; never a traceback."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
+    goods = {"--out-dir": out, "--data": corpus, "--prompts": tmp_path / "p.jsonl",
+             "--json": tmp_path / "r.json", "--markdown": tmp_path / "r.md"}
+    rng = random.Random(f"issue 14 {script}")
+    before, good_left, runs = snapshot(out), GOOD_RUNS[script], 0
+    for flag, kind in sweep_flags(script):
+        for _ in range(3):
+            value, good = random_value(rng, script, flag, kind, things, goods, good_left > 0)
+            good_left -= good
+            code, so, se = res = run(script, *with_flag(fast(script, out, corpus), flag, value))
+            assert "Traceback" not in so + se, (flag, value, res)
+            if code != 0:
+                refused(res)
+                assert snapshot(out) == before, (flag, value)  # a failed command changes nothing in out/
+            else:
+                runs, before = runs + 1, snapshot(out)
+    assert runs >= 2  # the sweep reached real runs, not only refusals

@@ -1,0 +1,110 @@
+"""Prompt lookup's own promises (the loop's shared ones -- exactness in every mode -- are in
+test_speculative.py, which runs over every drafter, this one included): it copies what
+followed the longest, most recent matching n-gram, keeps copying a repeat whose period is
+shorter than k, drafts nothing when nothing matches, and its index, kept up to date one
+commit at a time, is the one a fresh scan of the text would build."""
+
+import random
+
+import pytest
+
+import torch
+
+from conftest import tiny_gpt
+from draft_lookup import LookupDrafter
+from speculative import Sampler, generate_plain, generate_speculative
+
+
+def drafter_on(seq, **kw):
+    d = LookupDrafter(vocab_size=16, **kw)
+    d.begin(torch.tensor([seq]), {})
+    return d
+
+
+def proposal(seq, k, **kw):
+    return drafter_on(seq, **kw).propose(k, Sampler("greedy"))[0].tolist()
+
+
+def test_copies_what_followed_the_longest_most_recent_match():
+    # "3 4" is followed by 5 early on and by 9 later: the most recent wins
+    assert proposal([3, 4, 5, 0, 3, 4, 9, 1, 2, 3, 4], 2) == [9, 1]
+    # the 2-gram "0 4" matches where the 1-gram "4" alone would pick the later "4 9"
+    assert proposal([0, 4, 7, 7, 4, 9, 0, 4], 2) == [7, 7]
+    assert proposal([0, 4, 7, 7, 4, 9, 0, 4], 2, max_ngram=1) == [9, 0]
+
+
+def test_a_short_repeat_is_continued_past_the_present():
+    assert proposal([1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # period 2, k 5
+    assert proposal([8, 7, 7, 7], 3) == [7, 7, 7]
+
+
+def test_no_match_drafts_nothing():
+    assert proposal([1, 2, 3, 4, 5], 4) == []
+    assert proposal([1, 2, 3, 1, 2], 4, min_ngram=3) == []
+
+
+def test_rejection_q_is_one_hot_on_each_draft():
+    d = drafter_on([1, 2, 1, 2])
+    tokens, q = d.propose(3, Sampler("rejection", 1.0))
+    assert q.shape == (3, 16) and torch.equal(q.argmax(-1), tokens) and torch.all(q.sum(-1) == 1)
+
+
+def test_index_kept_up_to_date_equals_a_fresh_scan():
+    rng = random.Random(0)
+    for _ in range(20):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        d = drafter_on(seq)
+        for _ in range(10):
+            new = [rng.randrange(4) for _ in range(rng.randrange(1, 5))]
+            d.commit(len(new) - 1, torch.tensor(new), {})
+            seq += new
+            assert d.follower == drafter_on(seq).follower
+            assert d.propose(4, Sampler("greedy"))[0].tolist() == drafter_on(seq).propose(4, Sampler("greedy"))[0].tolist()
+
+
+def test_rounds_with_and_without_drafts_stay_exact():
+    """On the tiny target some rounds copy an n-gram and some draft nothing; greedy output is
+    still plain decoding's, and the empty rounds cost one target forward each, like a plain step."""
+    target = tiny_gpt(0)
+    empty = full = 0
+    for seed in range(6):
+        p = torch.randint(0, target.config.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        out, st = generate_speculative(target, LookupDrafter(target.config.vocab_size), p, 40, 4, Sampler("greedy"))
+        assert out == generate_plain(target, p, 40, Sampler("greedy"))
+        empty += st.rounds - st.drafted_at[0]
+        full += st.drafted_at[0]
+        assert st.target_forwards == st.rounds + 1  # the prefill, then one forward a round, drafts or not
+    assert empty > 0 and full > 0
+
+
+# -----------------------------------------------------------------------------
+# the head-to-head script: the same weights in transformers' GPT-2 (runs only where transformers is)
+
+
+def test_transformers_gpt2_holds_the_same_model():
+    """vs_transformers.py compares decoding speed on 'the same weights': its GPT2LMHeadModel must
+    compute the target's logits, or the comparison is between two different models."""
+    pytest.importorskip("transformers")
+    from vs_transformers import hf_generate, to_transformers
+    target = tiny_gpt(0, scale=1.0)
+    hf = to_transformers(target.float()).double()
+    x = torch.randint(0, target.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, target.double()(x)[0], atol=1e-10, rtol=0)
+    p = x[0, :8].tolist()
+    assert hf_generate(hf, p, 20) == generate_plain(target, p, 20, Sampler("greedy"))
+    assert hf_generate(hf, p, 20, lookup=5) == generate_plain(target, p, 20, Sampler("greedy"))
+
+
+def test_head_to_head_without_transformers_is_one_error_line(monkeypatch, trained):
+    import builtins
+    import vs_transformers
+    real_import = builtins.__import__
+
+    def no_transformers(name, *a, **kw):
+        if name == "transformers":
+            raise ImportError(name)
+        return real_import(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(SystemExit, match="^error: .*pip install transformers"):
+        vs_transformers.main(["--out-dir", str(trained)])
