@@ -35,6 +35,7 @@ Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark" and
 ablation variants a drafter offers (e.g. "dspark-nomarkov").
 """
 
+import argparse
 import json
 import os
 import platform
@@ -88,19 +89,23 @@ def read_prompts(path, enc):
     """JSONL, one {"prompt": "..."} per line; blank lines are skipped."""
     if not os.path.exists(path):
         raise ValueError(f"--prompts file {path} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 JSONL") from None
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                text = obj["prompt"]
-                if not isinstance(text, str) or not text:
-                    raise ValueError
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f'{path} line {i} is not a JSON object like {{"prompt": "some text"}}') from None
-            prompts.append(data.encode(enc, text))
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            text = obj["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'{path} line {i} is not a JSON object like {{"prompt": "some text"}}') from None
+        prompts.append(data.encode(enc, text))
     if not prompts:
         raise ValueError(f"--prompts file {path} holds no prompts")
     return prompts
@@ -233,6 +238,13 @@ def markdown(res):
 # main
 
 
+def plot_path(text):
+    """--plot: '' (no figure) or an image file to write, checked before the run, not after it."""
+    if text and os.path.splitext(text)[1].lower() not in (".png", ".svg", ".pdf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .png, .svg or .pdf file name")
+    return text and path_arg("out")(text)
+
+
 def build_parser():
     p = ArgumentParser(description="Benchmark plain decoding against every trained drafter.")
     p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
@@ -254,7 +266,7 @@ def build_parser():
     p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=path_arg("out"), default=None, help="write the results as JSON here (schema in the docstring)")
     p.add_argument("--markdown", type=path_arg("out"), default=None, help="write a markdown results table here")
-    p.add_argument("--plot", default=None, help="draw the figures to this image file, e.g. a .png "
+    p.add_argument("--plot", type=plot_path, default=None, help="draw the figures to this image file, e.g. a .png "
                    "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
     return p
 

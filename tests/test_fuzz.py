@@ -209,6 +209,9 @@ def things(tmp_path):
 @pytest.mark.parametrize("script, flag, kind, needle", [
     ("bench.py", "--prompts", "folder", "is a folder, not a file"),
     ("bench.py", "--prompts", "missing", "does not exist"),
+    ("bench.py", "--prompts", "binary", "is not UTF-8 text"),
+    ("bench.py", "--plot", "folder", "not a .png, .svg or .pdf"),
+    ("bench.py", "--plot", "file", "not a .png, .svg or .pdf"),
     ("bench.py", "--json", "folder", "is a folder, not a file"),
     ("bench.py", "--markdown", "folder", "is a folder, not a file"),
     ("bench.py", "--json", "under_a_file", "folder that does not exist"),
