@@ -47,7 +47,7 @@ from speculative import Drafter
 @dataclass
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
-    n_head: int = 8          # head size n_embd / n_head (32, as the target's)
+    n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
     n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale, 2 fit the CPU budget
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])  # target layers read as context (see default_taps)
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size (the paper: 16;

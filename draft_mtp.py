@@ -17,7 +17,7 @@ t_{i+k}, predicts t_{i+k+1}); drafts deeper than D reuse the last module recursi
 feeding back its own output and its own drafted token (as vLLM/SGLang do).
 
 Position: no position embedding is added. h_i already carries position (the target added
-wpe at its input and six causal layers have mixed it in), and the block's causal attention
+wpe at its input and every causal layer has mixed it in), and the block's causal attention
 sees the module's own history. The module is thereby free of absolute positions.
 
 It trains two ways (train.py --mtp-mode). `joint` adds λ·L_mtp to the target's own loss while

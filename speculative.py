@@ -400,7 +400,7 @@ def load_small(ckpt, target, device, dtype):
 def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32):
     """Load a trained drafter and check it belongs to this very target and tokenizer."""
     if name not in DRAFTERS:
-        raise ValueError(f"unknown method {name!r}: choose from ar, {', '.join(DRAFTERS)}")
+        raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
     module, fname, stage = DRAFTERS[name]
     if fname is None:  # a drafter with no weights works for any target as it is
         return getattr(importlib.import_module(module), f"load_{name}")(None, target, device, dtype)

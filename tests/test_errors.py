@@ -128,7 +128,7 @@ def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
     (["--k", "0"], "argument --k: 0 is out of range: it must be an integer >= 1"),
     (["--sampling", "coupled", "--temperature", "-1"], "argument --temperature: -1 is out of range: it must be a number > 0"),
     (["--sampling", "coupled", "--top-k", "0"], "argument --top-k: 0 is out of range: it must be an integer >= 1"),
-    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "nope"], "unknown drafter 'nope'"),
     (["--device", "tpu"], "device 'tpu' is not available"),
 ])
 def test_bad_flags_of_speculative_py(out, flags, needle):
