@@ -1,5 +1,5 @@
 """
-bench.py -- proves equivalence and measures the speedup of every trained drafter.
+bench.py -- proves equivalence and measures the speedup of every drafter.
 
 speculative.py made the loop; this file runs it honestly. The baseline is plain decoding
 with the same model, KV cache, dtype, device and process; methods are interleaved
@@ -31,7 +31,7 @@ JSON schema (--json PATH):
    "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]},
    "divergences": [{"method", "prompt", "position", "margin"}],
    "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see REFERENCES)
-Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark" and any
+Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark", "lookup" and any
 ablation variants a drafter offers (e.g. "dspark-nomarkov").
 """
 
@@ -246,7 +246,7 @@ def plot_path(text):
 
 
 def build_parser():
-    p = ArgumentParser(description="Benchmark plain decoding against every trained drafter.")
+    p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained ones and prompt lookup).")
     p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
     p.add_argument("--methods", default=None, help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
     p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: each drafter's own)")

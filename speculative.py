@@ -15,8 +15,8 @@ Three ways to accept a draft (the `Sampler`):
   rejection  accept d ~ q with prob min(1, p(d)/q(d)), else resample from norm(max(0, p - q)).
              Same *distribution* as plain sampling, not the same tokens.
 
-Every drafter (here: the classic independent small GPT; draft_mtp.py, draft_dflash.py and
-draft_dspark.py add more) implements one interface, `Drafter`, and the loop never asks which
+Every drafter (here: the classic independent small GPT; draft_mtp.py, draft_dflash.py,
+draft_dspark.py and draft_lookup.py add more) implements one interface, `Drafter`, and the loop never asks which
 one it runs.
 
     python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
@@ -63,8 +63,8 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
         raise ValueError(f"keyed_gumbel needs consecutive positions (got {list(positions)})")
     pos = torch.arange(start, start + n, device=device, dtype=torch.int64).view(-1, 1)
     v = torch.arange(vocab_size, device=device, dtype=torch.int64).view(1, -1)
-    x = (v + pos * 0x9E3779B1 + (seed & M) * 0x85EBCA77) & M
-    for _ in range(3):  # xorshift-multiply rounds; constants < 2^31 keep the int64 products exact
+    x = (v + pos * 0x9E3779B1 + (((seed & M) * 0x85EBCA77) & M)) & M  # every term < 2^63: exact in int64
+    for _ in range(3):  # xorshift-multiply rounds: 32-bit x times a constant < 2^31 stays exact in int64
         x = ((x ^ (x >> 16)) * 0x045D9F3B) & M
     x = x ^ (x >> 16)
     if dtype == torch.float64:
@@ -75,8 +75,9 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
 
 
 class Sampler:
-    """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for greedy and for
-    both sampling modes (keyed Gumbel-max is exact sampling from softmax(logits / T)).
+    """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for every token but
+    the first in all three modes (keyed Gumbel-max is exact sampling from softmax(logits / T));
+    first() draws the token after the prefill, from the sampler's own generator in rejection mode.
     dtype: what sampling computes in (default: sampling_dtype of the logits' device).
 
     No method reads a value back to the host except verify(), once: the loop's one sync a round."""
@@ -159,9 +160,11 @@ class Sampler:
             idx = torch.arange(k, device=dev)
             ratio = p[idx, draft] / q[idx, draft]
             r = torch.rand(k, generator=self.gen, device=dev, dtype=ratio.dtype)
-            n = (r < ratio).long().cumprod(0).sum().view(1)  # how many survive before the first rejection
+            rejected = r >= ratio
+            n = torch.where(rejected.any(), rejected.int().argmax(), k).view(1)  # survivors before the first rejection
             resid = (p[:k] - q).clamp_min(0)
-            rows = torch.cat([resid / resid.sum(-1, keepdim=True), p[k:]]).index_select(0, n)
+            mass = resid.sum(-1, keepdim=True)  # 0 only if rounding made p <= q everywhere: then take p itself
+            rows = torch.cat([torch.where(mass > 0, resid / mass, p[:k]), p[k:]]).index_select(0, n)
         tok = self.sample(rows)  # (1,)
         vals = torch.cat([n, tok, draft]).tolist()  # host sync
         m = vals[0]
@@ -320,7 +323,8 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
                          split_timing=False):
     """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
     Returns (generated tokens, Stats). If `trace` is a list, each round appends
-    (accepted draft tokens, the target's own token, whether that token was a bonus).
+    (accepted draft tokens, the target's own token, whether that token was a bonus; None when
+    the round drafted nothing).
 
     Host syncs: one after the prefill, then exactly one per round (in verify), plus whatever a
     drafter takes itself (DSpark's scheduler reads its confidences once a round). split_timing:
@@ -374,7 +378,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
             st.accepted_at[i] += i < n
         out.extend(new_ids)
         if trace is not None:
-            trace.append((new_ids[:n], new_ids[n], kk > 0 and n == kk))
+            trace.append((new_ids[:n], new_ids[n], None if kk == 0 else n == kk))
     st.tokens = len(out)
     return out, st
 
@@ -398,7 +402,8 @@ def load_small(ckpt, target, device, dtype):
 
 
 def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32):
-    """Load a trained drafter and check it belongs to this very target and tokenizer."""
+    """Load a drafter: a trained one is checked to belong to this very target and tokenizer;
+    one without weights (prompt lookup) is simply built for this target."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
     module, fname, stage = DRAFTERS[name]
@@ -426,12 +431,16 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
 
 def show(enc, prompt_ids, trace, color):
     """Prompt, then each round: accepted drafts (green), the target's own token (red if it
-    corrected a draft, blue if it was a free bonus after full acceptance)."""
+    corrected a draft, blue if it was a free bonus after full acceptance, plain if nothing was
+    drafted that round: `full` is None)."""
     G, R, B, Z = ("\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m") if color else ("", "[", "{", "")
     parts = [enc.decode(prompt_ids)]
     for acc, tok, full in trace:
         if acc:
             parts.append(G + enc.decode(acc) + Z)
+        if full is None:  # a round with no draft (prompt lookup found no match): a plain step
+            parts.append(enc.decode([tok]))
+            continue
         close = (Z if color else ("}" if full else "]"))
         parts.append((B if full else R) + enc.decode([tok]) + close)
     return "".join(parts)

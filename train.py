@@ -753,11 +753,21 @@ def main(argv=None):
     check_out_dir(args.out_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     tf32 = allow_tf32(args.device_resolved)
     t0 = time.time()
     ctx = Context(args)
     print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, preset {args.preset or ctx.device}, "
           f"training in {'bfloat16 autocast' if args.use_bf16 else 'float32'}" + (", TF32 matmuls" if tf32 else ""))
+    try:
+        run_stages(ctx, args)
+    finally:  # TF32 is for training only: float32 inference in the same process (tests, notebooks) stays float32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
+
+
+def run_stages(ctx, args):
+    """Every stage in order (or just --only), skipping those whose checkpoint is current."""
     for stage, fn in STAGES.items():
         if args.only and stage != args.only:
             continue
@@ -772,7 +782,6 @@ def main(argv=None):
         print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, wrote {ctx.path(stage)}")
         if stage == "target":
             ctx._target, ctx.distill, ctx.features = None, None, None  # drafters must see the freshly trained target
-    print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 
 import data
 from bench import read_prompts
-from gpt import load_target, number, ArgumentParser
+from gpt import CheckpointError, load_target, number, path_arg, ArgumentParser
 from draft_lookup import LookupDrafter
 from speculative import Sampler, generate_plain, generate_speculative
 
@@ -66,8 +66,8 @@ def hf_generate(hf, prompt, n, lookup=None, ngram=2):
 
 def build_parser():
     p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, same weights.")
-    p.add_argument("--out-dir", default="out", help="where train.py put target.pt and the tokenizer")
-    p.add_argument("--prompts", default="prompts/outside.jsonl", help='JSONL file of {"prompt": "..."} lines')
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put target.pt and the tokenizer")
+    p.add_argument("--prompts", type=path_arg("in"), default="prompts/outside.jsonl", help='JSONL file of {"prompt": "..."} lines')
     p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per prompt")
     p.add_argument("--lookup-tokens", type=number(int, 1), default=10, help="transformers' prompt_lookup_num_tokens (its documented example uses 10)")
     p.add_argument("--ngram", type=number(int, 1), default=2, help="transformers' max_matching_ngram_size (its default: 2)")
@@ -87,7 +87,10 @@ def main(argv=None):
     target, _ = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
     enc = data.get_encoding(os.path.join(args.out_dir, "tokenizer.tiktoken"))
     prompts = read_prompts(args.prompts, enc)
-    n = min(args.max_new_tokens, target.config.block_size - max(len(p) for p in prompts))
+    longest = max(len(p) for p in prompts)
+    if longest >= target.config.block_size:
+        raise ValueError(f"a prompt has {longest} tokens but the context window is {target.config.block_size}")
+    n = min(args.max_new_tokens, target.config.block_size - longest)
     hf = to_transformers(target)
     ours = LookupDrafter(target.config.vocab_size)
     same_as_hf = LookupDrafter(target.config.vocab_size, max_ngram=args.ngram)
@@ -124,5 +127,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, data.DataError) as e:
+    except (CheckpointError, ValueError, data.DataError) as e:
         raise SystemExit(f"error: {e}")

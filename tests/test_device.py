@@ -229,7 +229,8 @@ def test_device_token_identity():
     dev, dt = pick_device(TEST_DEVICE), device_dtype()
     target = tiny_gpt(0).to(dev, dt)
     small = DraftModel(tiny_gpt(1, n_layer=1, n_embd=16).to(dev, dt))
-    for drafter in (small, DraftModel(target)):
+    from draft_lookup import LookupDrafter
+    for drafter in (small, DraftModel(target), LookupDrafter(target.config.vocab_size)):
         for mode in ("greedy", "coupled"):
             for seed, p in enumerate([[1, 2, 3], [5], [9, 8, 7, 6, 5, 4]]):
                 ref = generate_plain(target, p, 40, Sampler(mode, 0.8, None, seed, dev))
