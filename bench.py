@@ -27,10 +27,12 @@ JSON schema (--json PATH):
                       "per_position_acceptance": [float], "mean_drafted": float,
                       "draft_ms_per_round": float, "verify_ms_per_round": float,
                       "draft_share": float, "seconds": float (median per pass),
-                      "budget": [{"steps": int, "seconds": int}] (its training; a warm start's first)}},
+                      "budget": [{"steps": int, "seconds": int}] (its training; a warm
+                                 start's first)}},
    "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]},
    "divergences": [{"method", "prompt", "position", "margin"}],
-   "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see REFERENCES)
+   "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see
+                                                                   REFERENCES)
 Method names: "ar" (plain decoding), then "small", "mtp", "dflash", "dspark", "lookup" and any
 ablation variants a drafter offers (e.g. "dspark-nomarkov").
 """
@@ -47,21 +49,27 @@ import torch
 
 import data
 import plot
-from gpt import CheckpointError, load_target, number, number_list, path_arg, pick_device, ArgumentParser, synchronize
-from speculative import DRAFTERS, Sampler, parse_args, Stats, generate_plain, generate_speculative, load_drafter
+from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
+                 ArgumentParser, synchronize)
+from speculative import (DRAFTERS, Sampler, add_sampling_flags, parse_args, Stats, generate_plain, generate_speculative,
+                         load_drafter)
 
 # -----------------------------------------------------------------------------
 # what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
 # target 1,000x larger, where a 16-token verify costs about what a 1-token step does)
 
 REFERENCES = [  # (method, what, the paper's figure, its source and setting, our figure from res)
-    ("dflash", "tau", "6.49 (block 16)", "DFlash, Chen et al. 2026: Qwen3-8B, H200, temperature 0, average of its benchmarks",
+    ("dflash", "tau", "6.49 (block 16)",
+     "DFlash, Chen et al. 2026: Qwen3-8B, H200, temperature 0, average of its benchmarks",
      lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
     ("dflash", "speedup", "4.86x", "DFlash, same setting (EAGLE-3 there: 1.76-2.02x)",
      lambda m: f"{m['dflash']['speedup']:.2f}x"),
-    ("dspark", "tau over dflash", "+16-18% (block 7)", "DSpark 2026: Qwen3 targets, block 7, against its own DFlash baseline",
-     lambda m: f"{100 * (m['dspark']['tau'] / m['dflash']['tau'] - 1):+.0f}% (block {m['dspark']['k']})"),
-    ("mtp-k1", "2nd-token acceptance", "85-90%", "DeepSeek-V3 tech report: one MTP module, across generation topics",
+    ("dspark", "tau over dflash", "+16-18% (block 7)",
+     "DSpark 2026: Qwen3 targets, block 7, against its own DFlash baseline",
+     lambda m: (f"{100 * (m['dspark']['tau'] / m['dflash']['tau'] - 1):+.0f}% "
+                f"(block {m['dspark']['k']})")),
+    ("mtp-k1", "2nd-token acceptance", "85-90%",
+     "DeepSeek-V3 tech report: one MTP module, across generation topics",
      lambda m: f"{m['mtp-k1']['per_position_acceptance'][0]:.0%}"),
     ("mtp", "speedup", "1.8x tokens/s", "DeepSeek-V3 tech report, same setting",
      lambda m: f"{m['mtp']['speedup']:.2f}x"),
@@ -75,8 +83,9 @@ def references(res):
     rows = []
     for method, what, paper, source, ours in REFERENCES:
         try:
-            rows.append({"method": method, "what": what, "paper": paper, "source": source, "ours": ours(res)})
-        except (KeyError, IndexError, ZeroDivisionError):  # that method (or its comparison) did not run
+            rows.append({"method": method, "what": what, "paper": paper, "source": source,
+                         "ours": ours(res)})
+        except (KeyError, IndexError, ZeroDivisionError):  # that method (or its pair) did not run
             pass
     return rows
 
@@ -93,7 +102,8 @@ def read_prompts(path, enc):
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 JSONL") from None
+        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
+                         "save it as UTF-8 JSONL") from None
     prompts = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -104,7 +114,8 @@ def read_prompts(path, enc):
             if not isinstance(text, str) or not text:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f'{path} line {i} is not a JSON object like {{"prompt": "some text"}}') from None
+            raise ValueError(f'{path} line {i} is not a JSON object like '
+                             '{"prompt": "some text"}') from None
         prompts.append(data.encode(enc, text))
     if not prompts:
         raise ValueError(f"--prompts file {path} holds no prompts")
@@ -118,26 +129,29 @@ def read_prompts(path, enc):
 def run_ar(target, prompts, args, cache):
     """Plain decoding, with the Stats it implies: one target forward per token, nothing drafted
     (tau 1, no acceptance, no draft time), so every method is summarized alike."""
-    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache) for p in prompts]
+    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache)
+            for p in prompts]
     n = sum(len(o) for o in outs)
     return outs, Stats(tokens=n, target_forwards=n)
 
 
 def run_spec(target, drafter, k, prompts, args, cache):
-    # On a GPU the draft/verify split needs a wait between the two: one more sync a round, a small
-    # handicap for the speculative methods, never in their favour. A CPU runs nothing asynchronously.
+    # On a GPU the draft/verify split needs a wait between the two: one more sync a round, a
+    # small handicap for the speculative methods, never in their favour. A CPU runs nothing
+    # asynchronously.
     split = target.lm_head.weight.device.type != "cpu"
     total, outs = Stats(), []
     for p in prompts:
-        out, st = generate_speculative(target, drafter, p, args.max_new_tokens, k, make_sampler(args, target), cache,
-                                       split_timing=split)
+        out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
+                                          make_sampler(args, target), cache, split_timing=split)
         outs.append(out)
-        total.add(st)
+        total.add(stats)
     return outs, total
 
 
 def make_sampler(args, target):
-    return Sampler(args.sampling, args.temperature, args.top_k, args.seed, target.lm_head.weight.device)
+    device = target.lm_head.weight.device
+    return Sampler(args.sampling, args.temperature, args.top_k, args.seed, device)
 
 
 def timed(fn, device):
@@ -161,24 +175,29 @@ def margin_at(target, prompt, ref, j):
 
 
 def machine(device):
-    """The GPU's name on CUDA, else the CPU's model name where the OS says it, else the architecture."""
+    """The GPU's name on CUDA, else the CPU's model name where the OS says it, else the
+    architecture."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine() or "unknown"
 
 
 def commit():
-    """The git short hash of this code (+dirty if tracked files changed), or None outside a git checkout."""
+    """The git short hash of this code (+dirty if tracked files changed), or None outside a git
+    checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
 
     def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
     try:
-        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+        dirty = "+dirty" if git("status", "--porcelain", "-uno") else ""
+        return git("rev-parse", "--short", "HEAD") + dirty
     except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or it hung
         return None
 
@@ -193,26 +212,32 @@ def bar(x, scale, width=40):
 
 def report(res, sweep, header):
     lines = [header, ""]
-    lines.append(f"{'method':<18}{'k':>3}{'drafted':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}{'draft/verify ms':>17}"
-                 f"{'exact':>7}  acceptance by position")
+    lines.append(f"{'method':<18}{'k':>3}{'drafted':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}"
+                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position")
     for name, r in res.items():
         acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8])
-        dv = f"{r['draft_ms_per_round']:.2f}/{r['verify_ms_per_round']:.2f}" if name != "ar" else "-"
-        lines.append(f"{name:<18}{r['k']:>3}{r['mean_drafted']:>8.2f}{r['tau']:>7.2f}{r['tokens_per_s']:>8.0f}"
-                     f"{r['speedup']:>8.2f}x{dv:>17}{r['exact_match']:>7.0%}  {acc}")
+        dv = "-" if name == "ar" else (f"{r['draft_ms_per_round']:.2f}/"
+                                       f"{r['verify_ms_per_round']:.2f}")
+        lines.append(f"{name:<18}{r['k']:>3}{r['mean_drafted']:>8.2f}{r['tau']:>7.2f}"
+                     f"{r['tokens_per_s']:>8.0f}{r['speedup']:>8.2f}x{dv:>17}"
+                     f"{r['exact_match']:>7.0%}  {acc}")
     top = max(r["speedup"] for r in res.values())
     lines += ["", "speedup over plain decoding (median of repeats, same run)"]
-    lines += [f"  {name:<18}{bar(r['speedup'], top)} {r['speedup']:.2f}x" for name, r in res.items()]
-    lines += ["", "training budget (optimizer steps and seconds of its train.py stage; a warm start's first)"]
+    lines += [f"  {name:<18}{bar(r['speedup'], top)} {r['speedup']:.2f}x"
+              for name, r in res.items()]
+    lines += ["", "training budget (optimizer steps and seconds of its train.py stage; "
+                  "a warm start's first)"]
     lines += [f"  {name:<18}{budget_text(r['budget'])}" for name, r in res.items() if r["budget"]]
     if sweep:
         lines += ["", "draft latency per round against k (block size = k + 1)"]
-        lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}{'speedup':>9}")
+        lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}"
+                     f"{'speedup':>9}")
         top = max(s["draft_ms"] for rows in sweep.values() for s in rows)
         for name, rows in sweep.items():
             for s in rows:
-                lines.append(f"  {name:<10}{s['k']:>4}{s['draft_ms']:>10.2f}{s['verify_ms']:>11.2f}{s['tau']:>7.2f}"
-                             f"{s['speedup']:>8.2f}x  {bar(s['draft_ms'], top, 30)}")
+                lines.append(f"  {name:<10}{s['k']:>4}{s['draft_ms']:>10.2f}{s['verify_ms']:>11.2f}"
+                             f"{s['tau']:>7.2f}{s['speedup']:>8.2f}x  "
+                             f"{bar(s['draft_ms'], top, 30)}")
     return "\n".join(lines)
 
 
@@ -225,12 +250,15 @@ def budget_text(budget):
 
 
 def markdown(res):
-    rows = ["| method | k | drafted / round | τ | tokens/s | speedup | draft / verify ms per round | exact match | trained |",
+    rows = ["| method | k | drafted / round | τ | tokens/s | speedup | draft / verify ms per round "
+            "| exact match | trained |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in res.items():
-        dv = f"{r['draft_ms_per_round']:.2f} / {r['verify_ms_per_round']:.2f}" if name != "ar" else "–"
-        rows.append(f"| {name} | {r['k']} | {r['mean_drafted']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | "
-                    f"{r['speedup']:.2f}× | {dv} | {r['exact_match']:.0%} | {budget_text(r['budget'])} |")
+        dv = "–" if name == "ar" else (f"{r['draft_ms_per_round']:.2f} / "
+                                       f"{r['verify_ms_per_round']:.2f}")
+        rows.append(f"| {name} | {r['k']} | {r['mean_drafted']:.2f} | {r['tau']:.2f} "
+                    f"| {r['tokens_per_s']:.0f} | {r['speedup']:.2f}× | {dv} "
+                    f"| {r['exact_match']:.0%} | {budget_text(r['budget'])} |")
     return "\n".join(rows)
 
 
@@ -246,27 +274,41 @@ def plot_path(text):
 
 
 def build_parser():
-    p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained ones and prompt lookup).")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
-    p.add_argument("--methods", default=None, help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
-    p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: each drafter's own)")
-    p.add_argument("--prompts", type=path_arg("in"), default=None, help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
-    p.add_argument("--n-prompts", type=number(int, 1), default=32, help="how many validation prompts")
-    p.add_argument("--prompt-len", type=number(int, 1), default=None, help="tokens per validation prompt (default: 64, or a quarter of a smaller context)")
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per prompt")
-    p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
-    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="temperature for coupled/rejection sampling")
-    p.add_argument("--top-k", type=number(int, 1), default=None, help="sample among the top-k tokens only")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"], help="model dtype")
+    p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained "
+                                   "ones and prompt lookup).")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where train.py put the checkpoints")
+    p.add_argument("--methods", default=None,
+                   help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
+    p.add_argument("--k", type=number(int, 1), default=None,
+                   help="tokens drafted per round (default: each drafter's own)")
+    p.add_argument("--prompts", type=path_arg("in"), default=None,
+                   help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
+    p.add_argument("--n-prompts", type=number(int, 1), default=32,
+                   help="how many validation prompts")
+    p.add_argument("--prompt-len", type=number(int, 1), default=None,
+                   help="tokens per validation prompt "
+                   "(default: 64, or a quarter of a smaller context)")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=128,
+                   help="tokens generated per prompt")
+    add_sampling_flags(p)  # --sampling, --temperature, --top-k, --seed
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
-    p.add_argument("--repeats", type=number(int, 1), default=3, help="timed passes over all prompts per method")
-    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10", help="k values for the draft-latency sweep ('' to skip)")
-    p.add_argument("--sweep-prompts", type=number(int, 1), default=8, help="prompts used by the sweep")
-    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json", type=path_arg("out"), default=None, help="write the results as JSON here (schema in the docstring)")
-    p.add_argument("--markdown", type=path_arg("out"), default=None, help="write a markdown results table here")
-    p.add_argument("--plot", type=plot_path, default=None, help="draw the figures to this image file, e.g. a .png "
+    p.add_argument("--repeats", type=number(int, 1), default=3,
+                   help="timed passes over all prompts per method")
+    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10",
+                   help="k values for the draft-latency sweep ('' to skip)")
+    p.add_argument("--sweep-prompts", type=number(int, 1), default=8,
+                   help="prompts used by the sweep")
+    p.add_argument("--threads", type=number(int, 1), default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", type=path_arg("out"), default=None,
+                   help="write the results as JSON here (schema in the docstring)")
+    p.add_argument("--markdown", type=path_arg("out"), default=None,
+                   help="write a markdown results table here")
+    p.add_argument("--plot", type=plot_path, default=None,
+                   help="draw the figures to this image file, e.g. a .png "
                    "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
     return p
 
@@ -282,26 +324,29 @@ def load(args):
             raise ValueError(f"unknown method {m!r}: choose from ar, {', '.join(DRAFTERS)}")
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
-    target, tckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
+    target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     enc = data.get_encoding(os.path.join(args.out_dir, "tokenizer.tiktoken"))
     if args.prompts:
         prompts = read_prompts(args.prompts, enc)
     else:
-        prompts = data.val_prompts(args.out_dir, args.n_prompts, args.prompt_len or min(64, target.config.block_size // 4))
+        prompt_len = args.prompt_len or min(64, target.config.block_size // 4)
+        prompts = data.val_prompts(args.out_dir, args.n_prompts, prompt_len)
     for i, p in enumerate(prompts):
         if len(p) >= target.config.block_size:
-            raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is {target.config.block_size}")
-    return device, target, prompts, load_drafters(wanted, args, target, tckpt, device, dtype)
+            raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
+                             f"{target.config.block_size}")
+    return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
 
 
-def load_drafters(wanted, args, target, tckpt, device, dtype):
-    """{name: (drafter, k)}: every wanted drafter that is trained, its ablation variants, and mtp at k = 1."""
+def load_drafters(wanted, args, target, target_ckpt, device, dtype):
+    """{name: (drafter, k)}: every wanted drafter that is trained, its ablation variants, and mtp
+    at k = 1."""
     drafters = {}
     for name in wanted:
         if name == "ar":
             continue
         try:
-            d = load_drafter(name, args.out_dir, target, tckpt, device, dtype)
+            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype)
         except CheckpointError as e:
             if args.methods:  # asked for by name: that's an error
                 raise
@@ -311,7 +356,8 @@ def load_drafters(wanted, args, target, tckpt, device, dtype):
         for vname, vd in (d.variants() if hasattr(d, "variants") else {}).items():
             drafters[vname] = (vd, args.k or vd.default_k)
     if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
-        drafters["mtp-k1"] = (drafters["mtp"][0], 1)  # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
+        # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
+        drafters["mtp-k1"] = (drafters["mtp"][0], 1)
     return drafters
 
 
@@ -332,10 +378,11 @@ def run(target, prompts, drafters, args, device, cache):
     outs, stats = {}, {}
     for rep in range(args.repeats):
         for name in names:  # interleaved, so drift hits every method alike
-            t, (o, st) = timed(lambda: run_method(name, target, drafters, prompts, args, cache), device)
+            t, (outs[name], stats[name]) = timed(
+                lambda: run_method(name, target, drafters, prompts, args, cache), device)
             times[name].append(t)
-            outs[name], stats[name] = o, st
-        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
+        print(f"repeat {rep + 1}/{args.repeats}: "
+              + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
 
     ref = outs["ar"]
     n_tokens = sum(len(o) for o in ref)
@@ -344,37 +391,40 @@ def run(target, prompts, drafters, args, device, cache):
         same = [o == r for o, r in zip(outs[name], ref)]
         divergences += diverged(name, outs[name], ref, target, prompts)
         d, k = drafters.get(name, (None, 0))  # plain decoding drafts 0 tokens and trained nothing
-        res[name] = summarize(stats[name], k, d.budget if d else [], times[name], times["ar"], n_tokens, same)
+        res[name] = summarize(stats[name], k, d.budget if d else [], times[name], times["ar"],
+                              n_tokens, same)
     return res, divergences
 
 
-def summarize(st, k, budget, times, ar_times, n_tokens, same):
+def summarize(stats, k, budget, times, ar_times, n_tokens, same):
     """One method's entry in the results (the JSON schema's "methods")."""
     med = statistics.median(times)
-    rounds = max(1, st.rounds)
+    rounds = max(1, stats.rounds)
     return {
         "k": k,
-        "tau": st.tau,
+        "tau": stats.tau,
         "speedup": statistics.median(a / b for a, b in zip(ar_times, times)),
         "tokens_per_s": n_tokens / med,
         "exact_match": sum(same) / len(same),
-        "per_position_acceptance": st.acceptance(),
-        "mean_drafted": sum(st.drafted_at) / rounds,
-        "draft_ms_per_round": 1000 * st.draft_time / rounds,
-        "verify_ms_per_round": 1000 * st.verify_time / rounds,
-        "draft_share": st.draft_time / max(1e-9, st.draft_time + st.verify_time),
+        "per_position_acceptance": stats.acceptance(),
+        "mean_drafted": sum(stats.drafted_at) / rounds,
+        "draft_ms_per_round": 1000 * stats.draft_time / rounds,
+        "verify_ms_per_round": 1000 * stats.verify_time / rounds,
+        "draft_share": stats.draft_time / max(1e-9, stats.draft_time + stats.verify_time),
         "seconds": med,
         "budget": budget,
     }
 
 
 def diverged(name, outs, ref, target, prompts):
-    """Where a method's outputs first left plain decoding's, prompt by prompt, and the target's margin there."""
+    """Where a method's outputs first left plain decoding's, prompt by prompt, and the target's
+    margin there."""
     rows = []
     for i, (o, r) in enumerate(zip(outs, ref)):
         if o != r:
             j = next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
-            rows.append({"method": name, "prompt": i, "position": j, "margin": margin_at(target, prompts[i], r, j)})
+            rows.append({"method": name, "prompt": i, "position": j,
+                         "margin": margin_at(target, prompts[i], r, j)})
     return rows
 
 
@@ -383,19 +433,21 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     if not args.sweep:
         return {}
     sp = prompts[:args.sweep_prompts]
-    t_ar = statistics.median(timed(lambda: run_ar(target, sp, args, cache), device)[0] for _ in range(2))
+    t_ar = statistics.median(timed(lambda: run_ar(target, sp, args, cache), device)[0]
+                             for _ in range(2))
     sweep = {}
     for name, (d, _) in drafters.items():
-        if "-" in name and not name.endswith("-full"):  # ablations are not swept, the fixed-block one is
+        if "-" in name and not name.endswith("-full"):  # no ablation is swept but the fixed block
             continue
         rows = []
         for k in args.sweep:
             if d.max_k is not None and k > d.max_k:
                 continue
-            t, (_, st) = timed(lambda: run_spec(target, d, k, sp, args, cache), device)
-            r = max(1, st.rounds)
-            rows.append({"k": k, "block_size": k + 1, "draft_ms": 1000 * st.draft_time / r,
-                         "verify_ms": 1000 * st.verify_time / r, "tau": st.tau, "speedup": t_ar / t})
+            t, (_, stats) = timed(lambda: run_spec(target, d, k, sp, args, cache), device)
+            r = max(1, stats.rounds)
+            rows.append({"k": k, "block_size": k + 1, "draft_ms": 1000 * stats.draft_time / r,
+                         "verify_ms": 1000 * stats.verify_time / r, "tau": stats.tau,
+                         "speedup": t_ar / t})
         sweep[name] = rows
     return sweep
 
@@ -405,14 +457,17 @@ def print_report(out, header):
     print()
     print(report(out["methods"], out["sweep"], header))
     if out["references"]:
-        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter targets; "
-              f"ours: {out['device']}, {out['dtype']})")
+        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter "
+              f"targets; ours: {out['device']}, {out['dtype']})")
         for r in out["references"]:
-            print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} [{r['source']}]")
+            print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} "
+                  f"[{r['source']}]")
     if out["divergences"]:
-        print("\ndivergences from plain decoding (first differing token; small margins are float near-ties):")
+        print("\ndivergences from plain decoding (first differing token; small margins are float "
+              "near-ties):")
         for dv in out["divergences"]:
-            print(f"  {dv['method']}: prompt {dv['prompt']} at token {dv['position']}, target logit margin {dv['margin']:.2e}")
+            print(f"  {dv['method']}: prompt {dv['prompt']} at token {dv['position']}, "
+                  f"target logit margin {dv['margin']:.2e}")
     print("\n" + markdown(out["methods"]))
 
 
@@ -432,16 +487,18 @@ def write(out, args):
 def main(argv=None):
     args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
     device, target, prompts, drafters = load(args)
-    header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens | sampling {args.sampling}"
-              + (f" T={args.temperature}" if args.sampling != "greedy" else "") + f" | {args.repeats} repeats")
+    temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
+    header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
+              f"torch {torch.__version__} | {len(prompts)} prompts x {args.max_new_tokens} "
+              f"new tokens | sampling {args.sampling}{temperature} | {args.repeats} repeats")
     print(header)
     cache = target.new_cache()
     res, divergences = run(target, prompts, drafters, args, device, cache)
     sweep = sweep_k(target, prompts, drafters, args, device, cache)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
-           "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k, "sampling": args.sampling,
-           "temperature": args.temperature, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k,
+           "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
+           "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
            "references": references(res)}
     print_report(out, header)

@@ -1,6 +1,9 @@
 """
-Data for nanospec: a corpus, a byte-level BPE tokenizer trained on it, and the
-token streams train.py reads.
+data.py -- the corpus and tokenizer every other file uses: the first link of the chain
+(data.py, gpt.py, speculative.py, the draft_*.py files, train.py, bench.py).
+
+Data for nanospec: a corpus, a byte-level BPE (byte-pair encoding) tokenizer trained on it,
+and the token streams train.py reads.
 
 By default the corpus is the Python standard library that ships with the running
 interpreter (no download needed); --data PATH swaps in a text file or a folder.
@@ -8,7 +11,7 @@ prepare_data() writes four files to out_dir and reuses them while they still mat
 the data source, vocab size and tokenizer kind:
 
     tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line)
-    train.bin, val.bin   uint16 token ids, every document followed by the EOT id
+    train.bin, val.bin   uint16 token ids, every document followed by the EOT (end-of-text) id
     data_meta.json       fingerprint, counts and each file's size and sha256, written last
                          (it marks a complete build, and vouches for the files)
 

@@ -1,17 +1,20 @@
 """
-draft_dflash.py -- DFlash: a block-diffusion drafter that fills a whole block in ONE forward pass.
+draft_dflash.py -- DFlash: a block-diffusion drafter that fills a whole block in ONE forward
+pass.
 
 Paper: Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative Decoding", ICML 2026,
 arXiv 2602.06036.
 
 speculative.py's small drafter pays one forward per drafted token, so drafting k tokens costs
-k forwards. DFlash drafts a block at once: the anchor (the last confirmed token) plus B-1
-learned mask embeddings go through a few bidirectional layers, and every mask slot comes out
-as a draft token, all from one denoising step. What makes such a shallow drafter accurate is
-that it reads the target's own hidden states: several target layers ("taps") are concatenated,
-projected d*n -> d and normalised into a context, and in EVERY draft layer that context is
-injected as extra keys/values in front of the block ("KV injection"). Queries come only from
-the block. Embedding, ln_f and LM head are the target's, frozen.
+k forwards. draft_mtp.py's MTP head reads the target's last hidden state but is still chained:
+one forward of its block per drafted token, each fed the token drafted before it. DFlash drafts
+a whole block in one forward and reads several target layers: the anchor (the last confirmed
+token) plus B-1 learned mask embeddings go through a few bidirectional layers, and every mask
+slot comes out as a draft token, all from one denoising step. What makes such a shallow drafter
+accurate is that it reads the target's own hidden states: several target layers ("taps") are
+concatenated, projected d*n -> d and normalised into a context, and in EVERY draft layer that
+context is injected as extra keys/values in front of the block ("KV injection"). Queries come
+only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
 Two departures from the paper, both because we train for minutes, not GPU-days (see
 DFlash.__init__ and alibi_bias): one mask embedding per block offset instead of one shared
@@ -24,8 +27,9 @@ never recomputed (the target's states of a position never change).
 
 Cost. On a small CPU target a drafter pays per ATen call, not per FLOP, so a round does only
 what changes: RoPE angles and ALiBi biases are tables built once and sliced; the block's K/V go
-into the cache after the context (no concatenation), and the LM head runs on the draft slots only.
-A block-8 round (anchor + 7 masks) costs about 60% of a one-token target step here.
+into the cache after the context (no concatenation), and the LM head runs on the draft slots
+only. With the CPU preset on the README's 2-core CPU, a block-8 round (anchor + 7 masks) costs
+about 60% of a one-token target step.
 
     python train.py --only dflash && python speculative.py --method dflash
 """
@@ -48,14 +52,17 @@ from speculative import Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale, 2 fit the CPU budget
-    taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])  # target layers read as context (see default_taps)
-    block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size (the paper: 16;
-    #                          train.py's CPU preset: 8, measured faster there, see README)
-    shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts itself);
-    #                          1: slot j predicts anchor+j+1, so the anchor slot drafts too (DSpark's backbone)
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (train.py: 2 on CPU, 3 on
+    #                          CUDA, to fit their budgets)
+    # target layers read as context (train.py picks them with default_taps)
+    taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
+    #                          (the paper: 16; train.py's CPU preset: 8, measured faster there, see
+    #                          README)
+    shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
+    #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
-    alibi: bool = True       # plus a per-head distance penalty on the attention scores (see alibi_bias())
+    alibi: bool = True       # plus a per-head distance penalty on the scores (see alibi_bias())
     bias: bool = True        # like the target's Linears and LayerNorms
     dropout: float = 0.0     # gpt.MLP wants it; 0 for runs this short
 
@@ -66,16 +73,18 @@ class DFlashConfig:
     def from_dict(cls, d):
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown DFlash config fields {sorted(unknown)}: the checkpoint is not a nanospec DFlash drafter")
+            raise ValueError(f"unknown DFlash config fields {sorted(unknown)}: "
+                             "the checkpoint is not a nanospec DFlash drafter")
         return cls(**d)
 
 
 def default_taps(n_layer):
     """Which target layers feed the context. The paper spreads 5 taps from the 2nd layer to the
-    third-to-last of 36. Our target has only 6, so we take every block output but the last
-    (1..n_layer-1): the last block is specialised on predicting the *next* token, which at the
-    anchor we already know; the shallower ones still carry what the sequence is about. With a
-    tiny 2-layer target that leaves [1], so we keep both there."""
+    third-to-last of 36. Our targets have far fewer (6 on the CPU preset, 8 on CUDA), so we
+    take every block output but the last (1..n_layer-1): the last block is specialised on
+    predicting the *next* token, which at the anchor we already know; the shallower ones still
+    carry what the sequence is about. With a tiny 2-layer target that leaves [1], so we keep both
+    there."""
     return list(range(1, n_layer)) if n_layer > 2 else list(range(1, n_layer + 1))
 
 
@@ -135,7 +144,7 @@ class InjectedAttention(nn.Module):
         return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
 
     def kv(self, x, cs):
-        """(B, T, C) -> keys (rotated to their absolute positions) and values, (B, nh, T, hs) each."""
+        """(B, T, C) -> keys (rotated to their absolute positions) and values, (B, nh, T, hs)."""
         k, v = self.c_kv(x).split(x.size(-1), dim=2)
         return rope(self.heads(k), *cs), self.heads(v)
 
@@ -152,7 +161,8 @@ class InjectedAttention(nn.Module):
         else:
             kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
             k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask: the ALiBi bias and/or visibility
+        # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -182,7 +192,8 @@ class DFlash(nn.Module):
     def __init__(self, cfg, target):
         super().__init__()
         if cfg.n_embd != target.config.n_embd:
-            raise ValueError(f"the drafter width ({cfg.n_embd}) must equal the target's ({target.config.n_embd})")
+            raise ValueError(f"the drafter width ({cfg.n_embd}) must equal the target's "
+                             f"({target.config.n_embd})")
         if not cfg.taps or not all(1 <= t <= target.config.n_layer for t in cfg.taps):
             raise ValueError(f"taps {cfg.taps} must be target layers in 1..{target.config.n_layer}")
         self.config = cfg
@@ -198,7 +209,8 @@ class DFlash(nn.Module):
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
         for pn, p in self.named_parameters():
             if p.dim() == 2 and pn != "mask_emb":
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1))
+                scale = math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1
+                nn.init.normal_(p, std=0.02 / scale)
             elif pn.endswith(".bias"):
                 nn.init.zeros_(p)
         self._tables = {}  # position tables, built once per device and dtype (see tables())
@@ -218,7 +230,8 @@ class DFlash(nn.Module):
         return self._tables[key]
 
     def cs(self, pos, dtype):
-        """RoPE rows for positions pos ((T,) or (B, T)) -> (cos, sin), (T, hs/2) or (B, 1, T, hs/2)."""
+        """RoPE rows for positions pos ((T,) or (B, T)) -> (cos, sin), each (T, hs/2) or
+        (B, 1, T, hs/2)."""
         cos, sin, _ = self.tables(pos.device, dtype)
         return (cos[pos], sin[pos]) if pos.dim() == 1 else (cos[pos][:, None], sin[pos][:, None])
 
@@ -232,10 +245,12 @@ class DFlash(nn.Module):
         return [layer.attn.kv(ctx, cs) for layer in self.layers]
 
     def block_input(self, anchors, n_slots):
-        """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the masks."""
+        """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the
+        masks."""
         B, A = anchors.shape
         masks = self.mask_emb[:n_slots - 1].expand(B, A, -1, -1)  # (B, A, n_slots-1, d)
-        x = torch.cat([self.target.transformer.wte(anchors)[:, :, None], masks], dim=2)  # (B, A, n_slots, d)
+        anchor_emb = self.target.transformer.wte(anchors)[:, :, None]  # (B, A, 1, d)
+        x = torch.cat([anchor_emb, masks], dim=2)  # (B, A, n_slots, d)
         return x.view(B, A * n_slots, -1)
 
     def run(self, x, pos, ctx_kvs, visible):
@@ -243,7 +258,8 @@ class DFlash(nn.Module):
         seeing only the keys `visible` (B, 1, Tq, Tc + Tq) allows, ALiBi on top."""
         mask = visible
         if self.config.alibi:
-            k_pos = torch.cat([torch.arange(ctx_kvs[0][0].size(2), device=pos.device).expand(pos.size(0), -1), pos], 1)
+            ctx_pos = torch.arange(ctx_kvs[0][0].size(2), device=pos.device).expand(pos.size(0), -1)
+            k_pos = torch.cat([ctx_pos, pos], 1)
             mask = alibi_bias(pos, k_pos, self.config.n_head, x.dtype)
             mask.masked_fill_(~visible, float("-inf"))  # in place: no second (B, nh, Tq, Tk) copy
         cs = self.cs(pos, x.dtype)
@@ -253,11 +269,13 @@ class DFlash(nn.Module):
 
     def run_cached(self, x, start, kv_caches):
         """Inference: one block of T slots at positions start.. over a context of `start` cached
-        positions; every slot sees every key (bidirectional block, whole context)."""
+        positions; every slot sees every key (bidirectional block, whole context), with the
+        ALiBi bias, when on, down-weighting the distant ones."""
         T = x.size(1)
         cos, sin, bias = self.tables(x.device, x.dtype)
         cs = (cos[start:start + T], sin[start:start + T])
-        mask = bias[:, start:start + T, :start + T] if bias is not None else None  # (nh, T, start + T)
+        # (nh, T, start + T) ALiBi slice; None (no ALiBi): every key visible, unweighted
+        mask = bias[:, start:start + T, :start + T] if bias is not None else None
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cs, kv, start, mask)
         return x
@@ -273,10 +291,12 @@ class DFlash(nn.Module):
 
 def sample_anchors(B, T, A, block, shift, gen=None, device="cpu"):
     """(B, A) distinct anchor positions per row. An anchor a needs >= 1 context position (a >= 1;
-    at inference the prompt always gives one) and its last target a+block-1+shift inside the window."""
+    at inference the prompt always gives one) and its last target a+block-1+shift inside the
+    window."""
     hi = T - block - shift  # largest valid anchor
     if hi < 1 or A > hi:
-        raise ValueError(f"a window of {T} tokens holds at most {max(0, hi)} anchors for block {block}; asked for {A}")
+        raise ValueError(f"a window of {T} tokens holds at most {max(0, hi)} anchors for block "
+                         f"{block}; asked for {A}")
     return (torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :A] + 1).to(device)
 
 
@@ -287,8 +307,8 @@ def training_mask(anchors, T, block):
     first input of the next verify). It sees every slot of its own block (bidirectional) and
     no slot of any other block."""
     B, A = anchors.shape
-    a = anchors.repeat_interleave(block, dim=1)  # (B, A*block): the anchor of each query
-    ctx_ok = torch.arange(T, device=anchors.device) < a[..., None]  # (B, A*block, T)
+    anchor_of = anchors.repeat_interleave(block, dim=1)  # (B, A*block): the anchor of each query
+    ctx_ok = torch.arange(T, device=anchors.device) < anchor_of[..., None]  # (B, A*block, T)
     blk = torch.arange(A, device=anchors.device).repeat_interleave(block)
     blk_ok = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # (B, A*block, A*block)
     return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
@@ -304,7 +324,8 @@ def block_states(net, x, hidden, anchors):
     A, blk = anchors.size(1), cfg.block
     ctx_kvs = net.context_kv(net.context(hidden), torch.arange(T, device=x.device))
     pos = (anchors[..., None] + torch.arange(blk, device=x.device)).view(B, A * blk)
-    h = net.run(net.block_input(x.gather(1, anchors), blk), pos, ctx_kvs, training_mask(anchors, T, blk))
+    x_blocks = net.block_input(x.gather(1, anchors), blk)  # (B, A * blk, d)
+    h = net.run(x_blocks, pos, ctx_kvs, training_mask(anchors, T, blk))
     P = blk - 1 + cfg.shift
     h = h.view(B, A, blk, -1)[:, :, 1 - cfg.shift:]
     return h, anchors[..., None] + 1 + torch.arange(P, device=x.device)
@@ -345,7 +366,8 @@ def target_continuations(target, prompts, T, temperature=0.0, gen=None):
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            nxt = torch.multinomial(F.softmax(logits.float() / temperature, -1), 1, generator=gen).view(-1)
+            probs = F.softmax(logits.float() / temperature, -1)
+            nxt = torch.multinomial(probs, 1, generator=gen).view(-1)
         out[:, t] = nxt
         if t + 1 < T:
             logits = target(nxt.view(N, 1), cache=cache)[0][:, -1]
@@ -371,15 +393,16 @@ class DFlashDrafter(Drafter):
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
         p = net.fc.weight
-        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size + cfg.block, cfg.n_embd // cfg.n_head)  # (L, 1, nh, Tmax, hs)
+        # (n_layer, 1, nh, Tmax, hs): Tmax = the target's context window plus one block
+        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size + cfg.block, cfg.n_embd // cfg.n_head)
         self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
         self.n_ctx = 0
-        # every layer's c_kv, stacked: (n_layer * 2d, d). A copy, so a drafter is made after training
-        attn = [layer.attn.c_kv for layer in net.layers]
-        self.ctx_kv = (torch.cat([a.weight for a in attn]).detach(),
-                       torch.cat([a.bias for a in attn]).detach() if cfg.bias else None)
+        # every layer's c_kv, stacked: (n_layer * 2d, d). A copy: make a drafter after training
+        c_kvs = [layer.attn.c_kv for layer in net.layers]
+        self.ctx_kv = (torch.cat([c.weight for c in c_kvs]).detach(),
+                       torch.cat([c.bias for c in c_kvs]).detach() if cfg.bias else None)
 
     def _extend(self, hidden):
         """Append the context K/V of the positions whose target states just arrived: every draft
@@ -387,8 +410,9 @@ class DFlashDrafter(Drafter):
         is a few dozen tiny ops on a CPU, so it pays to do it in one pass, not one per layer)."""
         ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})[0]  # (m, d)
         n, m = self.n_ctx, ctx.size(0)
-        L, _, nh, _, hs = self.k_cache.shape
-        kv = F.linear(ctx, *self.ctx_kv).view(m, L, 2, nh, hs).permute(1, 2, 3, 0, 4)  # (L, 2, nh, m, hs)
+        n_layer, _, nh, _, hs = self.k_cache.shape
+        kv = F.linear(ctx, *self.ctx_kv).view(m, n_layer, 2, nh, hs)
+        kv = kv.permute(1, 2, 3, 0, 4)  # (n_layer, 2, nh, m, hs)
         cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
         self.k_cache[:, 0, :, n:n + m] = rope(kv[:, 0], cos[n:n + m], sin[n:n + m])
         self.v_cache[:, 0, :, n:n + m] = kv[:, 1]
@@ -400,7 +424,7 @@ class DFlashDrafter(Drafter):
         self.n_ctx = 0
         self._extend(hidden)
 
-    def block_states(self, n_slots):
+    def cached_block_states(self, n_slots):
         """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d). The anchor
         sits at position n_ctx (== S - 1: the context is every confirmed token before it)."""
         x = self.net.block_input(self.seq[-1:].view(1, 1), n_slots)
@@ -408,14 +432,15 @@ class DFlashDrafter(Drafter):
 
     def check_k(self, k):
         if not 1 <= k <= self.max_k:
-            raise ValueError(f"this {self.name} drafter was trained with block {self.net.config.block} and drafts "
-                             f"1..{self.max_k} tokens per round, not k={k}")
+            raise ValueError(f"this {self.name} drafter was trained with block "
+                             f"{self.net.config.block} and drafts 1..{self.max_k} tokens per "
+                             f"round, not k={k}")
 
     def draft_states(self, k):
         """The k block states that draft the next k tokens: slots 1..k (shift 0), or the anchor
         slot and slots 1..k-1 (shift 1) -> (k, d)."""
         shift = self.net.config.shift
-        return self.block_states(k + 1 - shift)[1 - shift:]
+        return self.cached_block_states(k + 1 - shift)[1 - shift:]
 
     @torch.inference_mode()
     def propose(self, k, sampler):

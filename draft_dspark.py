@@ -10,13 +10,14 @@ for the expensive part and adds two cheap pieces on top:
 
 1. A Markov head. The backbone (DFlash's network, unchanged) gives base logits U_k for every
    slot in one pass. Then, left to right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2):
-   a rank-r bias that depends on the token just drafted. One row lookup and one (r x V) product per token: the sequential
-   part stays small next to the backbone. Every q is an exact softmax, so rejection sampling
-   stays lossless.
+   a rank-r bias that depends on the token just drafted. One row lookup and one (r x V) product
+   per token: the sequential part stays small next to the backbone. Every q is an exact
+   softmax, so rejection sampling stays lossless.
 2. A confidence head c_k = sigmoid(w . [h_k; W1[x_{k-1}]]): the chance draft k survives given
-   that its prefix did. Prefix survival a_j = prod_{i<=j} c_i. A scheduler, with the target's
-   verify latency profiled once at load, verifies only the prefix that maximises expected
-   tokens per second, (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)).
+   that its prefix did. Prefix survival a_j = prod_{i<=j} c_i (the code calls the list of them
+   `survival`). A scheduler, with the target's verify latency profiled once at load, verifies
+   only the prefix that maximises expected tokens per second,
+   (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)).
 
 The paper lets the anchor slot predict too (anchor + B-1 masks -> B drafts); here the backbone
 is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from the trained DFlash
@@ -34,7 +35,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt import synchronize
-from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights, soft_labels
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights,
+                          soft_labels)
 
 # -----------------------------------------------------------------------------
 # the network: a DFlash backbone + Markov head + confidence head
@@ -42,7 +44,7 @@ from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, block_states, posi
 
 @dataclass
 class DSparkConfig:
-    rank: int = 64           # Markov head rank r (paper: 256 with a 100k+ vocabulary; our V is 4096)
+    rank: int = 64  # Markov head rank r (paper: 256 with a 100k+ vocabulary; ours: 4096 by default)
 
     def to_dict(self):
         return asdict(self)
@@ -50,20 +52,22 @@ class DSparkConfig:
 
 class DSpark(nn.Module):
 
-    def __init__(self, bcfg, cfg, target):
+    def __init__(self, backbone_cfg, cfg, target):
         super().__init__()
-        V, d = target.config.vocab_size, bcfg.n_embd
+        V, d = target.config.vocab_size, backbone_cfg.n_embd
         self.config = cfg
-        self.backbone = DFlash(bcfg, target)
+        self.backbone = DFlash(backbone_cfg, target)
         self.w1 = nn.Embedding(V, cfg.rank)              # W1[x]: the previous token's low-rank code
         self.w2 = nn.Linear(cfg.rank, V, bias=False)     # W2: code -> a bias over the vocabulary
         self.conf = nn.Linear(d + cfg.rank, 1)           # w of the confidence head
         nn.init.normal_(self.w1.weight, std=0.02)
-        nn.init.zeros_(self.w2.weight)                   # start as plain DFlash: the bias grows from 0
+        nn.init.zeros_(self.w2.weight)                   # start as plain DFlash: bias grows from 0
         nn.init.zeros_(self.conf.weight)
         nn.init.zeros_(self.conf.bias)
-        # per-position temperature for the confidence logits, fitted on held-out text (calibrate())
-        self.register_buffer("conf_temp", torch.ones(bcfg.block - 1 + bcfg.shift))  # one per draft position
+        # per-position temperature for the confidence logits, fitted on held-out text
+        # (calibrate()): one per draft position
+        n_positions = backbone_cfg.block - 1 + backbone_cfg.shift
+        self.register_buffer("conf_temp", torch.ones(n_positions))
 
     def markov(self, prev):
         """B(x_{k-1}, .) = W1[x_{k-1}] W2: prev (...) token ids -> (..., V)."""
@@ -75,7 +79,9 @@ class DSpark(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# training: 0.1 CE + 0.9 TV + 1.0 BCE, all position-weighted
+# training: 0.1 CE + 0.9 TV + 1.0 BCE, all position-weighted: CE the cross-entropy against the
+# text's token, TV the total variation distance to the target's distribution, BCE the binary
+# cross-entropy of the confidence head
 
 
 def dspark_terms(net, x, hidden, t_logits, anchors):
@@ -97,7 +103,9 @@ def dspark_terms(net, x, hidden, t_logits, anchors):
 
 def dspark_loss(net, x, hidden, t_logits, anchors, gamma):
     ce, tv, z, _ = dspark_terms(net, x, hidden, t_logits, anchors)
-    bce = F.binary_cross_entropy_with_logits(z.float(), (1 - tv).detach(), reduction="none")  # soft label 1 - TV
+    # soft label 1 - TV: the chance that a draft sampled from p_draft survives rejection
+    # sampling against p_target
+    bce = F.binary_cross_entropy_with_logits(z.float(), (1 - tv).detach(), reduction="none")
     w = position_weights(ce.size(-1), gamma, ce.device)
     return (((0.1 * ce + 0.9 * tv + bce) * w).sum(-1).mean() / w.sum())
 
@@ -108,7 +116,8 @@ def calibrate(net, batches):
     slot k pick T_k minimising the log loss of sigmoid(z / T_k) against whether the greedy draft
     matched the target (teacher-forced on the target's own text, so 'its prefix survived').
     batches: an iterable of (x, hidden, t_logits, anchors), read once, so a generator streams them
-    (only the confidences are kept). Returns the ECE before and after."""
+    (only the confidences are kept). Returns the ECE (expected calibration error, see ece())
+    before and after."""
     zs, hits = [], []
     for x, hid, t_logits, anchors in batches:
         _, _, z, hit = dspark_terms(net, x, hid, t_logits, anchors)
@@ -131,7 +140,8 @@ def ece(prob, outcome, bins=10):
     for i in range(bins):
         m = idx == i
         if m.any():
-            err += m.float().mean().item() * abs(prob[m].mean().item() - outcome[m].float().mean().item())
+            gap = abs(prob[m].mean().item() - outcome[m].float().mean().item())
+            err += m.float().mean().item() * gap
     return err
 
 
@@ -140,21 +150,23 @@ def ece(prob, outcome, bins=10):
 
 
 class Throughput:
-    """The scheduler's rule, fed a_1, a_2, ... in order: admit position l while the expected
-    throughput (1 + sum_{j<=l} a_j) / (t_draft + t_verify[l+1]) does not drop; refuse (and stay
-    refused) at the first drop. t_verify[m]: seconds for an m-token target forward. The first
-    position is always admitted: a round verifies at least one draft."""
+    """The scheduler's rule, fed the prefix survivals a_1, a_2, ... in order: admit position l
+    while the expected throughput (1 + sum_{j<=l} a_j) / (t_draft + t_verify[l+1]) does not drop;
+    refuse (and stay refused) at the first drop. t_verify[m]: seconds for an m-token target
+    forward. The first position is always admitted: a round verifies at least one draft.
+    l: positions admitted so far; expected: 1 + their summed survival (expected tokens per
+    round); theta: the throughput at l."""
 
     def __init__(self, t_draft, t_verify):
         self.t_draft, self.t_verify = t_draft, t_verify
         self.l, self.expected, self.theta = 0, 1.0, 0.0
 
-    def admit(self, a):
-        e = self.expected + a
-        th = e / (self.t_draft + self.t_verify[self.l + 2])
-        if self.l >= 1 and th < self.theta:
+    def admit(self, survival):
+        expected = self.expected + survival
+        theta = expected / (self.t_draft + self.t_verify[self.l + 2])
+        if self.l >= 1 and theta < self.theta:
             return False
-        self.l, self.expected, self.theta = self.l + 1, e, th
+        self.l, self.expected, self.theta = self.l + 1, expected, theta
         return True
 
 
@@ -164,18 +176,18 @@ class Threshold:
     def __init__(self, threshold):
         self.threshold, self.l = threshold, 0
 
-    def admit(self, a):
-        if self.l >= 1 and a < self.threshold:
+    def admit(self, survival):
+        if self.l >= 1 and survival < self.threshold:
             return False
         self.l += 1
         return True
 
 
-def schedule_length(a, t_draft, t_verify):
-    """How many of the drafts with prefix survival a (a_1..a_K) the throughput rule verifies."""
+def schedule_length(survival, t_draft, t_verify):
+    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
     rule = Throughput(t_draft, t_verify)
-    for x in a:
-        if not rule.admit(x):
+    for s in survival:
+        if not rule.admit(s):
             break
     return rule.l
 
@@ -186,20 +198,20 @@ def profile_verify(target, m_max, context=None, reps=9):
     `reps` tries: interference from other processes only ever adds time (a median was thrown
     off by a busy shared CPU). Made non-decreasing in m. Returns a list indexed by m (0 unused)."""
     dev = target.lm_head.weight.device
-    L = context if context is not None else target.config.block_size // 2
-    L = min(L, target.config.block_size - m_max)
+    n_ctx = context if context is not None else target.config.block_size // 2
+    n_ctx = min(n_ctx, target.config.block_size - m_max)
     cache = target.new_cache()
-    x = torch.zeros(1, L + m_max, dtype=torch.long, device=dev)
+    x = torch.zeros(1, n_ctx + m_max, dtype=torch.long, device=dev)
     with torch.inference_mode():
-        target(x[:, :L], cache=cache)
+        target(x[:, :n_ctx], cache=cache)
         t = [0.0]
         for m in range(1, m_max + 1):
             ts = []
             for _ in range(reps):
-                cache.rollback(L)
+                cache.rollback(n_ctx)
                 synchronize(dev)
                 t0 = time.perf_counter()
-                target(x[:, L:L + m], cache=cache)
+                target(x[:, n_ctx:n_ctx + m], cache=cache)
                 synchronize(dev)
                 ts.append(time.perf_counter() - t0)
             t.append(max(min(ts), t[-1]))
@@ -221,7 +233,8 @@ class DSparkDrafter(DFlashDrafter):
         if schedule not in ("auto", "threshold", "full"):
             raise ValueError(f"unknown schedule {schedule!r}: use auto, threshold or full")
         self.spark, self.schedule, self.threshold, self.markov = net, schedule, threshold, markov
-        self.log = None  # set to a list to record (a_1..a_l, n survived) per round (calibration checks)
+        # set to a list to record (a_1..a_l, n survived) per round (calibration checks)
+        self.log = None
         self.verified, self.rounds, self.t_draft = 0, 0, 0.0
         self.t_verify = profile_verify(net.backbone.target, self.max_k + 1) if profile else None
         if profile:
@@ -230,9 +243,9 @@ class DSparkDrafter(DFlashDrafter):
     def variants(self):
         """Ablation rows for bench.py: the same network with one part switched off. They share
         this drafter's buffers, which is fine because every generation starts with begin()."""
-        rows = {"dspark-full": dict(schedule="full"),            # no scheduler: verify the whole block
-                "dspark-threshold": dict(threshold=0.5, schedule="threshold"),  # static rule instead
-                "dspark-nomarkov": dict(markov=False)}          # no Markov head: DFlash-style parallel picks
+        rows = {"dspark-full": dict(schedule="full"),  # no scheduler: verify the whole block
+                "dspark-threshold": dict(threshold=0.5, schedule="threshold"),  # static rule
+                "dspark-nomarkov": dict(markov=False)}  # no Markov head: DFlash's parallel picks
         out = {}
         for name, changes in rows.items():
             v = copy.copy(self)
@@ -246,15 +259,18 @@ class DSparkDrafter(DFlashDrafter):
         return self.verified / max(1, self.rounds)
 
     def profile_draft(self, reps=9):
-        """Seconds for one full-block propose() on a dummy context (a greedy pick); the fastest try."""
+        """Seconds for one full-block propose() on a dummy context (a greedy pick); the fastest
+        try."""
         from speculative import Sampler
         tcfg = self.net.target.config
-        L = tcfg.block_size // 2
-        hid = {t: torch.zeros(1, L, tcfg.n_embd, device=self.k_cache.device, dtype=self.k_cache.dtype)
+        n_ctx = tcfg.block_size // 2
+        dev, dtype = self.k_cache.device, self.k_cache.dtype
+        hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=dev, dtype=dtype)
                for t in self.hidden_layers}
-        self.begin(torch.zeros(1, L + 1, dtype=torch.long, device=self.k_cache.device), hid)
+        self.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=dev), hid)
         saved = self.schedule, self.threshold
-        self.schedule, self.threshold = "threshold", 0.0  # every position scored and admitted: the full cost
+        # every position scored and admitted: the full cost
+        self.schedule, self.threshold = "threshold", 0.0
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -269,11 +285,14 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, k, sampler):
         self.check_k(k)
         h = self.draft_states(k)  # (k, d): the states that draft the next k tokens
-        U = self.net.head(h)  # (k, V) base logits, all slots in one product (row by row was slower)
+        # (k, V) base logits, all slots in one product (row by row was slower)
+        base_logits = self.net.head(h)
         S = self.seq.numel()
         prev, toks, qs = self.seq[-1:], [], []
         for j in range(k):  # the sequential part: one row lookup and one (r x V) product per token
-            logits = (U[j:j + 1] + self.spark.markov(prev)) if self.markov else U[j:j + 1]
+            logits = base_logits[j:j + 1]
+            if self.markov:
+                logits = logits + self.spark.markov(prev)
             prev, q = sampler.draft(logits, [S + j])
             toks.append(prev)
             qs.append(q)
@@ -288,29 +307,31 @@ class DSparkDrafter(DFlashDrafter):
         a_j = prod c_i, then the rule on the host (one sync per round, not one per draft).
         Drafting all k first costs only the cheap Markov steps past the cut."""
         rule = {"auto": lambda: Throughput(self.t_draft, self.t_verify),
-                "threshold": lambda: Threshold(self.threshold), "full": lambda: None}[self.schedule]()
+                "threshold": lambda: Threshold(self.threshold),
+                "full": lambda: None}[self.schedule]()
         if rule is None and self.log is None:
             return h.size(0)
-        c = torch.sigmoid(self.spark.confidence_logit(h, prev) / self.spark.conf_temp[:h.size(0)])  # (k,)
-        a = torch.cumprod(c, 0).tolist()  # host sync
+        z = self.spark.confidence_logit(h, prev) / self.spark.conf_temp[:h.size(0)]
+        confidence = torch.sigmoid(z)  # (k,)
+        survival = torch.cumprod(confidence, 0).tolist()  # host sync
         length = h.size(0)
         if rule is not None:
-            for x in a:
-                if not rule.admit(x):
+            for s in survival:
+                if not rule.admit(s):
                     break  # the first drop: verify nothing past it
             length = rule.l
-        self._a = a[:length]
+        self._survival = survival[:length]
         return length
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):
         if self.log is not None:
-            self.log.append((self._a, n))
+            self.log.append((self._survival, n))
         super().commit(n, new, hidden)
 
 
 def load_dspark(ckpt, target, device, dtype):
-    bcfg = DFlashConfig.from_dict(ckpt["config"]["backbone"])
-    net = DSpark(bcfg, DSparkConfig(**ckpt["config"]["dspark"]), target)
+    backbone_cfg = DFlashConfig.from_dict(ckpt["config"]["backbone"])
+    net = DSpark(backbone_cfg, DSparkConfig(**ckpt["config"]["dspark"]), target)
     net.load_state_dict(ckpt["state_dict"])
     return DSparkDrafter(net.to(device=device, dtype=dtype).eval())

@@ -34,18 +34,22 @@ from speculative import Drafter
 
 class LookupDrafter(Drafter):
     name = "lookup"
-    default_k = 10  # bench sweep on the CPU preset: 2.6x at k = 7, 2.7x at 10 and 15 (one pass each);
-                    # 10 is also transformers' documented example
+    # bench sweep on the CPU preset: 2.6x at k = 7, 2.7x at 10 and 15 (one pass each);
+    # 10 is also transformers' documented example
+    default_k = 10
 
     def __init__(self, vocab_size, max_ngram=3, min_ngram=1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min ({min_ngram}) "
+                             f"<= max ({max_ngram})")
         self.vocab_size = vocab_size
-        self.ngram_sizes = range(max_ngram, min_ngram - 1, -1)  # longest first: the most specific match wins
+        # longest first: the most specific match wins
+        self.ngram_sizes = range(max_ngram, min_ngram - 1, -1)
 
     def begin(self, tokens, hidden):
         self.device = tokens.device
-        self.seq = tokens.view(-1).tolist()  # the confirmed sequence, on the host: it is only ever indexed
+        # the confirmed sequence, on the host: it is only ever indexed
+        self.seq = tokens.view(-1).tolist()
         self.follower = {n: {} for n in self.ngram_sizes}  # n -> {n-gram: where its next token is}
         self._index(0)
 
@@ -55,11 +59,13 @@ class LookupDrafter(Drafter):
         for j in range(max(start, 1), len(seq)):
             for n in self.ngram_sizes:
                 if j >= n:
-                    self.follower[n][tuple(seq[j - n:j])] = j  # later occurrences overwrite: the most recent wins
+                    # later occurrences overwrite: the most recent wins
+                    self.follower[n][tuple(seq[j - n:j])] = j
 
     def match(self):
-        """Where the text continued after the longest n-gram that ends the sequence (None: no match).
-        The sequence's own last n-gram is never in the index: its next token is not known yet."""
+        """Where the text continued after the longest n-gram that ends the sequence (None: no
+        match). The sequence's own last n-gram is never in the index: its next token is not
+        known yet."""
         for n in self.ngram_sizes:
             if len(self.seq) >= n:
                 j = self.follower[n].get(tuple(self.seq[-n:]))

@@ -1,5 +1,6 @@
 """
-draft_mtp.py -- multi-token prediction (MTP) as a built-in drafter (DeepSeek-V3, arXiv 2412.19437, §2.2).
+draft_mtp.py -- multi-token prediction (MTP) as a built-in drafter
+(DeepSeek-V3, arXiv 2412.19437, §2.2).
 
 speculative.py drafted with an independent small GPT that reads only tokens. An MTP module
 instead reads the target's own last hidden state: to predict the token after next it takes
@@ -23,10 +24,8 @@ sees the module's own history. The module is thereby free of absolute positions.
 It trains two ways (train.py --mtp-mode). `joint` adds λ·L_mtp to the target's own loss while
 the target trains (DeepSeek-V3, λ = 0.3) and writes out/mtp.pt with the target. `posthoc` (the
 default) trains the module alone on the frozen target, distilling the target's own distribution
-of the token after next on text the target wrote itself. At a matched budget joint training made
-the TARGET slightly better, but its head drafted clearly worse (see the README): a drafter is
-judged by agreeing with the target, and a head trained with CE on the corpus while the target
-moves under it learns the data, not the target.
+of the token after next on text the target wrote itself: a drafter is judged by agreeing with
+the target, not the data. The README has the measured comparison of the two modes.
 
     python train.py --only mtp && python speculative.py --method mtp --k 2
 """
@@ -49,7 +48,7 @@ from speculative import Drafter
 class MTPConfig:
     n_embd: int = 256     # must equal the target's width: h_i and its embedding go in as they are
     n_head: int = 8       # the block's heads (the target's, so the block is one more target layer)
-    n_modules: int = 1    # D: chained modules (DeepSeek-V3 uses 1); deeper drafts reuse the last one
+    n_modules: int = 1    # D: chained modules (DeepSeek-V3: 1); deeper drafts reuse the last one
     block_size: int = 256  # the target's context window: size of the module's KV cache
     bias: bool = True     # like the target's Linears and LayerNorms (M itself never has a bias)
 
@@ -63,10 +62,12 @@ class MTPConfig:
     @classmethod
     def for_target(cls, gpt_config, n_modules=1):
         c = gpt_config
-        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=n_modules, block_size=c.block_size, bias=c.bias)
+        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=n_modules, block_size=c.block_size,
+                   bias=c.bias)
 
     def block_config(self):
-        return GPTConfig(block_size=self.block_size, n_layer=1, n_head=self.n_head, n_embd=self.n_embd, bias=self.bias)
+        return GPTConfig(block_size=self.block_size, n_layer=1, n_head=self.n_head,
+                         n_embd=self.n_embd, bias=self.bias)
 
 
 # -----------------------------------------------------------------------------
@@ -79,8 +80,10 @@ class MTPModule(nn.Module):
     def __init__(self, config):
         super().__init__()
         d = config.n_embd
-        self.norm_h = nn.RMSNorm(d)  # h comes off the residual stream un-normalised; Emb is ~N(0, 0.02)
-        self.norm_e = nn.RMSNorm(d)  # normalising both puts them on one scale before M mixes them
+        # h comes off the residual stream un-normalised, Emb is ~N(0, 0.02): normalising both
+        # puts them on one scale before M mixes them
+        self.norm_h = nn.RMSNorm(d)
+        self.norm_e = nn.RMSNorm(d)
         self.proj = nn.Linear(2 * d, d, bias=False)  # M
         self.block = Block(config.block_config())
 
@@ -102,9 +105,11 @@ class MTP(nn.Module):
         super().__init__()
         self.config = config
         self.mods = nn.ModuleList([MTPModule(config) for _ in range(config.n_modules)])
-        for pn, p in self.named_parameters():  # GPT-2 init: N(0, 0.02), residual projections scaled down
+        # GPT-2 init: N(0, 0.02), residual projections scaled down
+        for pn, p in self.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02)
+                std = 0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
             elif pn.endswith("bias"):
                 nn.init.zeros_(p)
 
@@ -127,7 +132,8 @@ class MTP(nn.Module):
 
 
 def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
-    """Mean over the D modules of (1 - distill)·CE(data) + distill·KL(target || module).
+    """Mean over the D modules of (1 - distill)·CE(data) + distill·KL(target || module), with CE
+    the cross-entropy against the text's own next tokens and KL the Kullback-Leibler divergence.
     The distillation teacher for module k at index i is the target's own distribution at
     position i+k (given the true prefix), which is exactly what greedy acceptance compares to."""
     logits, targets = mtp(target, hidden, x, y[:, -1:])
@@ -166,8 +172,9 @@ class MTPDrafter(Drafter):
         just became 'all but the last' go into H[0], to be eaten by the next propose.
     H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it."""
     name = "mtp"
-    default_k = 5  # the best of the bench sweep on the CPU preset: trained on the target's own text,
-    #                the head's acceptance decays slowly (0.87, 0.75, ...), so deeper drafts pay
+    # the best of the bench sweep on the CPU preset: trained on the target's own text, the
+    # head's acceptance decays slowly by position (README: 0.83, 0.72, ...), so deeper drafts pay
+    default_k = 5
     max_k = None
 
     def __init__(self, mtp, target):
@@ -188,11 +195,13 @@ class MTPDrafter(Drafter):
         self.H[0, :S - 1] = hidden[self.hidden_layers[0]][0]
 
     def _run(self, k, h, toks, cache):
-        """Feed module k the entries (h, toks) at indices cache.length.. and return its outputs (T, d)."""
+        """Feed module k the entries (h, toks) at indices cache.length.. -> its outputs (T, d)."""
         start, T = cache.length, h.size(0)
-        mask = chunk_mask(start, T, h.device) if (start > 0 and T > 1) else None  # as in GPT.forward
-        out = self.mtp.mods[k - 1](h.view(1, T, -1), self.target.transformer.wte(toks).view(1, T, -1),
-                                   (cache.k[0], cache.v[0]), start, mask)
+        # as in GPT.forward: a chunk after a cached prefix needs the rectangular causal mask; a
+        # chunk from index 0 (is_causal) or a single row (sees every key so far) needs none
+        mask = chunk_mask(start, T, h.device) if (start > 0 and T > 1) else None
+        emb = self.target.transformer.wte(toks).view(1, T, -1)
+        out = self.mtp.mods[k - 1](h.view(1, T, -1), emb, (cache.k[0], cache.v[0]), start, mask)
         cache.length = start + T
         return out[0]
 
@@ -210,15 +219,16 @@ class MTPDrafter(Drafter):
 
         # chained modules: module j over indices [cache length, S-2]; output at S-2 drafts S+j-1
         for j in range(1, min(k, D) + 1):
-            a = self.caches[j - 1].length
-            out = self._run(j, self.H[j - 1, a:S - 1], toks[a + j:S - 1 + j], self.caches[j - 1])  # (S-1-a, d)
-            self.H[j, a:S - 1] = out
+            first = self.caches[j - 1].length  # the first index module j has not seen yet
+            out = self._run(j, self.H[j - 1, first:S - 1], toks[first + j:S - 1 + j],
+                            self.caches[j - 1])  # (S-1-first, d)
+            self.H[j, first:S - 1] = out
             toks = torch.cat([toks, draft(out[-1:], S + j - 1)])
-        # recursion: module D again at index i = S-2+m, fed its own last output and last draft
-        g = out[-1:]
+        # recursion: module D again at index S-2+(j-D), fed its own last output and last draft
+        h_last = out[-1:]
         for j in range(D + 1, k + 1):
-            g = self._run(D, g, drafts[-1], self.caches[D - 1])
-            draft(g, S + j - 1)
+            h_last = self._run(D, h_last, drafts[-1], self.caches[D - 1])
+            draft(h_last, S + j - 1)
         return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
 
     def commit(self, n, new, hidden):

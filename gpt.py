@@ -1,10 +1,14 @@
 """
 gpt.py -- the target model: a GPT-2 (nanoGPT-style) with a static KV cache that can roll back.
 
+data.py gave us the corpus and tokenizer; this file adds the model trained on them, which
+speculative.py and every draft_*.py file build on.
+
 This is the model every drafter in nanospec drafts *for*. It is nanoGPT's model.py with
 three things added, all of which speculative decoding needs:
 
-1. A static, preallocated KV cache (as in gpt-fast). One forward call takes T new tokens at
+1. A static, preallocated KV cache (the attention keys and values of every position so far,
+   as in gpt-fast). One forward call takes T new tokens at
    an explicit start position, so prefill (T = prompt length), a one-token decode step
    (T = 1) and a k-token verify (T = k + 1) are literally the same call.
 2. Explicit rollback: `cache.rollback(n)` forgets everything at positions >= n. After a
@@ -51,7 +55,8 @@ class GPTConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown GPT config fields {sorted(unknown)}: the checkpoint is not a nanospec GPT")
+            raise ValueError(f"unknown GPT config fields {sorted(unknown)}: "
+                             "the checkpoint is not a nanospec GPT")
         return cls(**d)
 
 
@@ -69,7 +74,8 @@ class KVCache:
     def __init__(self, config, batch_size=1, device="cpu", dtype=torch.float32, max_len=None):
         hs = config.n_embd // config.n_head
         self.max_len = max_len or config.block_size
-        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)  # (L, B, nh, Tmax, hs)
+        # (n_layer, B, nh, Tmax, hs)
+        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
@@ -93,7 +99,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        # q, k, v in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
@@ -102,7 +109,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, kv=None, start=0, attn_mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # each (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
             # write the new keys/values at their absolute positions, then attend over the
             # whole valid prefix [0, start + T). Nothing past that is ever read.
@@ -206,16 +214,19 @@ class GPT(nn.Module):
             if start is None:
                 start = cache.length
             if start != cache.length:
-                raise ValueError(f"forward at position {start} but the cache holds {cache.length}: roll back first")
+                raise ValueError(f"forward at position {start} but the cache holds "
+                                 f"{cache.length}: roll back first")
         start = start or 0
         if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the context window of {self.config.block_size}")
+            raise ValueError(f"sequence of {start + T} tokens exceeds the context window of "
+                             f"{self.config.block_size}")
 
         pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
         # one-token steps need no mask; prefill from 0 uses is_causal; a chunk after a
         # prefix (the verify pass) needs the explicit rectangular causal mask.
-        mask = chunk_mask(start, T, idx.device) if (cache is not None and start > 0 and T > 1) else None
+        chunk_after_prefix = cache is not None and start > 0 and T > 1
+        mask = chunk_mask(start, T, idx.device) if chunk_after_prefix else None
         hiddens = {0: x} if 0 in hidden_layers else {}
         for i, block in enumerate(self.transformer.h):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
@@ -230,7 +241,8 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
         return logits, loss, hiddens
 
 
@@ -269,12 +281,14 @@ def load_checkpoint(path, kind, stage=None):
     when unpickled is refused, not run). Every failure is one clear CheckpointError."""
     stage = stage or kind
     if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a folder, not a checkpoint: move it away and run `python train.py --only {stage}`")
+        raise CheckpointError(f"{path} is a folder, not a checkpoint: move it away and run "
+                              f"`python train.py --only {stage}`")
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} not found: run `python train.py --only {stage}` (or plain `python train.py`) to make it")
+        raise CheckpointError(f"{path} not found: run `python train.py --only {stage}` "
+                              "(or plain `python train.py`) to make it")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupted, or not a checkpoint at all (incl. pickles with code)
+    except Exception as e:  # truncated, corrupted, or no checkpoint at all (a pickle with code)
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a readable nanospec checkpoint ({first}); "
                               f"delete it and run `python train.py --only {stage}`") from None
@@ -317,18 +331,24 @@ def pick_device(name="auto"):
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n and (dev.index is None or dev.index < n):
             return name
-        have = f"this machine has {n} CUDA device{'s' if n > 1 else ''} (cuda:0..cuda:{n - 1})" if n else "this machine has no CUDA device"
-        raise ValueError(f"device {name!r} is not available here: {have}; use --device cpu, or auto to pick the best one")
-    if dev is not None and ((dev.type == "cpu") or (dev.type == "mps" and mps and dev.index in (None, 0))):
+        if n:
+            have = f"this machine has {n} CUDA device{'s' if n > 1 else ''} (cuda:0..cuda:{n - 1})"
+        else:
+            have = "this machine has no CUDA device"
+        raise ValueError(f"device {name!r} is not available here: {have}; use --device cpu, "
+                         "or auto to pick the best one")
+    if dev is not None and (dev.type == "cpu" or (dev.type == "mps" and mps
+                                                  and dev.index in (None, 0))):
         return name
-    raise ValueError(f"device {name!r} is not available here: use --device cpu, or auto to pick the best one")
+    raise ValueError(f"device {name!r} is not available here: use --device cpu, "
+                     "or auto to pick the best one")
 
 
 def check_dtype(device, dtype):
     """A dtype the device cannot hold is one clear ValueError, before any weights load."""
     if torch.device(device).type == "mps" and dtype == torch.float64:
-        raise ValueError("float64 is not supported on mps (Apple GPUs have no float64): use --dtype float32, "
-                         "or --device cpu for float64")
+        raise ValueError("float64 is not supported on mps (Apple GPUs have no float64): "
+                         "use --dtype float32, or --device cpu for float64")
 
 
 def synchronize(device):
@@ -366,8 +386,10 @@ def number(kind=int, lo=None, hi=None, above=None):
         try:
             x = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}" + (f" ({rule})" if rule else "")) from None
-        if not (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi) and (above is None or x > above)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}"
+                                             + (f" ({rule})" if rule else "")) from None
+        if not (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi)
+                and (above is None or x > above)):
             raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {what} {rule}")
         return x
     parse.__name__ = what  # argparse names the type by it in its own messages
@@ -383,13 +405,16 @@ def _made_blocked(p):
 
 
 PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in order
-    "in": [(lambda p: not os.path.exists(p), "does not exist"), (os.path.isdir, "is a folder, not a file")],
+    "in": [(lambda p: not os.path.exists(p), "does not exist"),
+           (os.path.isdir, "is a folder, not a file")],
     "data": [(lambda p: not os.path.exists(p), "does not exist"),
-             (lambda p: not (os.path.isfile(p) or os.path.isdir(p)), "is neither a file nor a folder")],
+             (lambda p: not (os.path.isfile(p) or os.path.isdir(p)),
+              "is neither a file nor a folder")],
     "dir": [(lambda p: os.path.exists(p) and not os.path.isdir(p), "is a file, not a folder"),
             (_made_blocked, "cannot be made: a file is in the way")],
     "out": [(os.path.isdir, "is a folder, not a file"),
-            (lambda p: not os.path.isdir(os.path.dirname(os.path.abspath(p))), "is in a folder that does not exist")],
+            (lambda p: not os.path.isdir(os.path.dirname(os.path.abspath(p))),
+             "is in a folder that does not exist")],
 }
 
 
@@ -399,7 +424,10 @@ def path_arg(kind):
     one line, 'error: argument --flag: ...', before anything runs."""
     def parse(text):
         p = os.path.expanduser(text)
-        why = "is empty" if not text else next((why for wrong, why in PATH_RULES[kind] if wrong(p)), None)
+        if not text:
+            why = "is empty"
+        else:
+            why = next((why for wrong, why in PATH_RULES[kind] if wrong(p)), None)
         if why:
             raise argparse.ArgumentTypeError(f"{text!r} {why}")
         return text
@@ -428,6 +456,7 @@ if __name__ == "__main__":
     with torch.no_grad():
         full, _, _ = model(idx)
         cache = model.new_cache()
-        parts = [model(idx[:, :20], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
+        parts = [model(idx[:, :20], cache=cache)[0]]  # a 20-token prefill, then 20 one-token steps
+        parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
     err = (torch.cat(parts, 1) - full).abs().max().item()
     print(f"max |cached - uncached| logit difference in float64: {err:.2e}")

@@ -24,7 +24,8 @@ MISSING = "no figure drawn: matplotlib is not installed (pip install matplotlib)
 
 
 def save(results, path):
-    """Draw `results` to `path`; without matplotlib, say how to get it. True if a figure was written."""
+    """Draw `results` to `path`; without matplotlib, say how to get it. True if a figure was
+    written."""
     try:
         draw(results, path)
     except ImportError:
@@ -49,16 +50,20 @@ def colors(names):
 
 def title(r):
     """What ran where: machine, dtype, commit (when known), and the workload."""
-    where = [r.get("device", "?"), r.get("machine"), f"{r['threads']} threads" if r.get("threads") else None,
+    where = [r.get("device", "?"), r.get("machine"),
+             f"{r['threads']} threads" if r.get("threads") else None,
              r.get("dtype"), f"torch {r['torch']}" if r.get("torch") else None,
              f"commit {r['commit']}" if r.get("commit") else None]
     sampling = r.get("sampling", "greedy")
     if sampling != "greedy" and r.get("temperature") is not None:
         sampling += f" T={r['temperature']}"
-    what = [f"{r['n_prompts']} prompts × {r['max_new_tokens']} new tokens" if "n_prompts" in r else None,
-            sampling, f"median of {r['repeats']} repeat{'s' * (r['repeats'] != 1)}" if r.get("repeats") else None]
-    return ("nanospec: speculative decoding against plain decoding\n" + " · ".join(w for w in where if w)
-            + "\n" + " · ".join(w for w in what if w))
+    what = [f"{r['n_prompts']} prompts × {r['max_new_tokens']} new tokens"
+            if "n_prompts" in r else None,
+            sampling,
+            f"median of {r['repeats']} repeat{'s' * (r['repeats'] != 1)}"
+            if r.get("repeats") else None]
+    return ("nanospec: speculative decoding against plain decoding\n"
+            + " · ".join(w for w in where if w) + "\n" + " · ".join(w for w in what if w))
 
 
 def draw(results, path):
@@ -83,12 +88,15 @@ def draw(results, path):
         bars(fig.add_subplot(grid[0, 0]), methods, color, "speedup", "{:.2f}×",
              "speedup over plain decoding", "× plain decoding's tokens/s (median)", at_one=True)
         bars(fig.add_subplot(grid[0, 1]), methods, color, "tau", "{:.2f}",
-             "τ: tokens per target forward", "tokens per target forward (bonus included)", labelled=False)
+             "τ: tokens per target forward", "tokens per target forward (bonus included)",
+             labelled=False)
         if accepted:
             acceptance(fig.add_subplot(grid[1, :]), methods, color)
         if sweep:
-            top = max(s[key] for rows in sweep.values() for s in rows for key in ("draft_ms", "verify_ms"))
-            latency(fig.add_subplot(grid[-1, 0]), sweep, color, "draft_ms", "draft latency against k", top, legend=True)
+            top = max(s[key] for rows in sweep.values() for s in rows
+                      for key in ("draft_ms", "verify_ms"))
+            latency(fig.add_subplot(grid[-1, 0]), sweep, color, "draft_ms",
+                    "draft latency against k", top, legend=True)
             latency(fig.add_subplot(grid[-1, 1]), sweep, color, "verify_ms",
                     "verify latency against k (one target forward)", top)
         fig.suptitle(title(results), fontsize=10)
@@ -96,7 +104,8 @@ def draw(results, path):
 
 
 def bars(ax, methods, color, key, fmt, heading, xlabel, labelled=True, at_one=False):
-    """A horizontal bar per method, its value written at the bar's end (names on the left panel only)."""
+    """A horizontal bar per method, its value written at the bar's end (names on the left panel
+    only)."""
     names = list(methods)
     values = [methods[n][key] for n in names]
     y = range(len(names))
@@ -105,7 +114,7 @@ def bars(ax, methods, color, key, fmt, heading, xlabel, labelled=True, at_one=Fa
     ax.invert_yaxis()  # first method on top, as in the printed table
     for yi, v in zip(y, values):
         ax.text(v, yi, " " + fmt.format(v), va="center", fontsize=9, zorder=3,
-                bbox=dict(facecolor="white", edgecolor="none", pad=0.5))  # readable over the 1x line
+                bbox=dict(facecolor="white", edgecolor="none", pad=0.5))  # readable over 1x line
     ax.set_xlim(0, max(values + [1]) * 1.2)  # room for the value labels
     if at_one:
         ax.axvline(1, color="0.3", lw=1, ls="--")
@@ -114,12 +123,14 @@ def bars(ax, methods, color, key, fmt, heading, xlabel, labelled=True, at_one=Fa
 
 
 def acceptance(ax, methods, color):
-    """Share of rounds in which draft position i survived, per drafter (plain decoding drafts nothing)."""
+    """Share of rounds in which draft position i survived, per drafter (plain decoding drafts
+    nothing)."""
     for name, r in methods.items():
         acc = r.get("per_position_acceptance") or []
         if acc:
-            ax.plot(range(1, len(acc) + 1), [100 * a for a in acc], marker="o", ms=4, color=color[name],
-                    label=f"{name} (k = {r['k']})", clip_on=False)  # 0% and 100% stay visible
+            # clip_on=False: 0% and 100% stay visible
+            ax.plot(range(1, len(acc) + 1), [100 * a for a in acc], marker="o", ms=4,
+                    color=color[name], label=f"{name} (k = {r['k']})", clip_on=False)
     ax.set_title("acceptance by draft position", loc="left")
     ax.set_xlabel("draft position i (1 = the first drafted token)")
     ax.set_ylabel("rounds in which position i\nwas accepted (%)")
@@ -131,8 +142,9 @@ def acceptance(ax, methods, color):
 def latency(ax, sweep, color, key, heading, top, legend=False):
     """Milliseconds per round against k, one line per swept drafter; both panels share 0..top."""
     for name, rows in sweep.items():
-        ax.plot([s["k"] for s in rows], [s[key] for s in rows], marker="o", ms=4, color=color[name], label=name,
-                clip_on=False)  # a drafter that costs nothing (lookup) lies on the axis, still visible
+        # clip_on=False: a drafter that costs nothing (lookup) lies on the axis, still visible
+        ax.plot([s["k"] for s in rows], [s[key] for s in rows], marker="o", ms=4,
+                color=color[name], label=name, clip_on=False)
     ax.set_title(heading, loc="left")
     ax.set_xlabel("k: tokens drafted per round (block size k + 1)")
     ax.set_ylabel("ms per round")
@@ -143,9 +155,11 @@ def latency(ax, sweep, color, key, heading, top, legend=False):
 
 
 def main(argv=None):
-    p = ArgumentParser(description="Draw bench.py's figures from the JSON it wrote (bench.py --json).")
+    p = ArgumentParser(description="Draw bench.py's figures from the JSON it wrote "
+                                   "(bench.py --json).")
     p.add_argument("json", help="a results file written by bench.py --json")
-    p.add_argument("image", nargs="?", default=None, help="where to draw (default: the JSON's path with .png)")
+    p.add_argument("image", nargs="?", default=None,
+                   help="where to draw (default: the JSON's path with .png)")
     args = p.parse_args(argv)
     try:
         with open(args.json) as f:

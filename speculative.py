@@ -16,8 +16,9 @@ Three ways to accept a draft (the `Sampler`):
              Same *distribution* as plain sampling, not the same tokens.
 
 Every drafter (here: the classic independent small GPT; draft_mtp.py, draft_dflash.py,
-draft_dspark.py and draft_lookup.py add more) implements one interface, `Drafter`, and the loop never asks which
-one it runs.
+draft_dspark.py and draft_lookup.py add more) implements one interface, `Drafter`, and the
+loop never asks which one it runs. How well a drafter does is measured by τ (tau): tokens per
+target forward, the target's own token included -- plain decoding has τ = 1.
 
     python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
 """
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg, pick_device, ArgumentParser, synchronize
+from gpt import (GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg,
+                 pick_device, ArgumentParser, synchronize)
 
 # -----------------------------------------------------------------------------
 # sampling: one object decides how tokens are picked, drafted and verified
@@ -63,8 +65,10 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
         raise ValueError(f"keyed_gumbel needs consecutive positions (got {list(positions)})")
     pos = torch.arange(start, start + n, device=device, dtype=torch.int64).view(-1, 1)
     v = torch.arange(vocab_size, device=device, dtype=torch.int64).view(1, -1)
-    x = (v + pos * 0x9E3779B1 + (((seed & M) * 0x85EBCA77) & M)) & M  # every term < 2^63: exact in int64
-    for _ in range(3):  # xorshift-multiply rounds: 32-bit x times a constant < 2^31 stays exact in int64
+    # every term < 2^63: exact in int64
+    x = (v + pos * 0x9E3779B1 + (((seed & M) * 0x85EBCA77) & M)) & M
+    # xorshift-multiply rounds: a 32-bit x times a constant < 2^31 stays exact in int64
+    for _ in range(3):
         x = ((x ^ (x >> 16)) * 0x045D9F3B) & M
     x = x ^ (x >> 16)
     if dtype == torch.float64:
@@ -77,26 +81,30 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
 class Sampler:
     """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for every token but
     the first in all three modes (keyed Gumbel-max is exact sampling from softmax(logits / T));
-    first() draws the token after the prefill, from the sampler's own generator in rejection mode.
+    first_token() draws the token after the prefill, from the sampler's own generator in
+    rejection mode.
     dtype: what sampling computes in (default: sampling_dtype of the logits' device).
 
     No method reads a value back to the host except verify(), once: the loop's one sync a round."""
 
-    def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu", dtype=None):
+    def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu",
+                 dtype=None):
         if mode not in ("greedy", "coupled", "rejection"):
             raise ValueError(f"unknown sampling mode {mode!r}: use greedy, coupled or rejection")
         if mode != "greedy" and not temperature > 0:
-            raise ValueError(f"temperature must be > 0 for {mode} sampling (got {temperature}); use --sampling greedy for temperature 0")
+            raise ValueError(f"temperature must be > 0 for {mode} sampling (got {temperature}); "
+                             "use --sampling greedy for temperature 0")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top-k must be a positive number of tokens (got {top_k})")
-        self.mode, self.temperature, self.top_k, self.seed, self.dtype = mode, temperature, top_k, seed, dtype
+        self.mode, self.temperature, self.top_k = mode, temperature, top_k
+        self.seed, self.dtype = seed, dtype
         self.gen = torch.Generator(device=device).manual_seed(seed)  # rejection mode only
 
     def float_dtype(self, device):
         return self.dtype or sampling_dtype(device)
 
     def scaled(self, logits):
-        """Logits after temperature and top-k: the distribution we sample from is softmax of this."""
+        """Logits after temperature and top-k: we sample from the softmax of these."""
         logits = logits.to(self.float_dtype(logits.device)) / self.temperature
         if self.top_k is not None and self.top_k < logits.size(-1):
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
@@ -117,7 +125,8 @@ class Sampler:
         """(T, V) logits for tokens at absolute `positions` -> (T,) tokens. Deterministic."""
         if self.mode == "greedy":
             return logits.argmax(-1)
-        noise = keyed_gumbel(self.seed, positions, logits.size(-1), logits.device, self.float_dtype(logits.device))
+        noise = keyed_gumbel(self.seed, positions, logits.size(-1), logits.device,
+                             self.float_dtype(logits.device))
         return (self.scaled(logits) + noise).argmax(-1)
 
     def draft(self, logits, positions):
@@ -128,7 +137,7 @@ class Sampler:
         q = self.probs(logits)
         return self.sample(q), q
 
-    def first(self, logits, position):
+    def first_token(self, logits, position):
         """The target's token after the prefill (rejection mode draws from p with its own RNG)."""
         if self.mode != "rejection":
             return self.pick(logits, [position])
@@ -147,7 +156,8 @@ class Sampler:
         n = 0
         while n < k and d[n] == t_ids[n]:
             n += 1
-        return n, t_ids[:n + 1], t[:n + 1]  # the surviving drafts equal the target's picks: no upload
+        # the surviving drafts equal the target's picks, so `t` serves as both: no upload
+        return n, t_ids[:n + 1], t[:n + 1]
 
     def verify_rejection(self, logits, draft, q):
         """Accept d_i ~ q with probability min(1, p(d_i)/q(d_i)); at the first rejection n draw
@@ -161,9 +171,11 @@ class Sampler:
             ratio = p[idx, draft] / q[idx, draft]
             r = torch.rand(k, generator=self.gen, device=dev, dtype=ratio.dtype)
             rejected = r >= ratio
-            n = torch.where(rejected.any(), rejected.int().argmax(), k).view(1)  # survivors before the first rejection
+            # n: the survivors before the first rejection
+            n = torch.where(rejected.any(), rejected.int().argmax(), k).view(1)
             resid = (p[:k] - q).clamp_min(0)
-            mass = resid.sum(-1, keepdim=True)  # 0 only if rounding made p <= q everywhere: then take p itself
+            # mass is 0 only if rounding made p <= q everywhere: then take p itself
+            mass = resid.sum(-1, keepdim=True)
             rows = torch.cat([torch.where(mass > 0, resid / mass, p[:k]), p[k:]]).index_select(0, n)
         tok = self.sample(rows)  # (1,)
         vals = torch.cat([n, tok, draft]).tolist()  # host sync
@@ -175,13 +187,14 @@ class Sampler:
 # plain decoding: the baseline every speedup is measured against
 
 
-def room(model, prompt_len, max_new_tokens):
+def tokens_allowed(model, prompt_len, max_new_tokens):
     """How many tokens we may generate: the sequence never outgrows the context window."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if prompt_len >= model.config.block_size:
         raise ValueError(f"the prompt has {prompt_len} tokens but the context window is "
-                         f"{model.config.block_size}: shorten it to at most {model.config.block_size - 1}")
+                         f"{model.config.block_size}: shorten it to at most "
+                         f"{model.config.block_size - 1}")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive (got {max_new_tokens})")
     return min(max_new_tokens, model.config.block_size - prompt_len)
@@ -199,12 +212,12 @@ def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
     dev = model.lm_head.weight.device
     x = as_prompt(prompt, dev)
     P = x.size(1)
-    n = room(model, P, max_new_tokens)
+    n = tokens_allowed(model, P, max_new_tokens)
     cache = cache or model.new_cache()
     cache.reset()
     out = torch.empty(n, dtype=torch.long, device=dev)
     logits = model(x, cache=cache, last_only=True)[0][0]  # (1, V)
-    out[0:1] = sampler.first(logits, P)
+    out[0:1] = sampler.first_token(logits, P)
     for i in range(1, n):
         logits = model(out[i - 1:i].view(1, 1), cache=cache)[0][0]
         out[i:i + 1] = sampler.pick(logits, [P + i])
@@ -221,9 +234,10 @@ class Drafter:
     last (that one is the first input of the next verify pass).
 
     begin(tokens, hidden)       a new sequence. tokens (1, n); hidden {layer: (1, n-1, d)}.
-    propose(k, sampler)         draft up to k tokens after the confirmed sequence -> (tokens (k',), q (k', V)
-                                or None), 0 <= k' <= k: a scheduler may choose to verify fewer, and a
-                                drafter with nothing to offer drafts none (the round is a plain step).
+    propose(k, sampler)         draft up to k tokens after the confirmed sequence ->
+                                (tokens (k',), q (k', V) or None), 0 <= k' <= k: a scheduler
+                                may choose to verify fewer, and a drafter with nothing to offer
+                                drafts none (the round is a plain step).
     commit(n, new, hidden)      n of the k drafts survived; `new` (n+1,) = those n plus the target's
                                 own token; hidden {layer: (1, n+1, d)} = the target's states at the
                                 n+1 positions that just became 'all but the last'.
@@ -232,7 +246,7 @@ class Drafter:
     hidden_layers = ()  # which target hidden states this drafter reads
     max_k = None        # most tokens it can draft in one round (None: no limit)
     default_k = 4       # what bench.py and speculative.py use unless told otherwise
-    budget = []         # its training: [{steps, seconds}], a warm start's first (set by load_drafter)
+    budget = []         # its training: [{steps, seconds}], a warm start's first (load_drafter)
 
     def begin(self, tokens, hidden):
         raise NotImplementedError
@@ -252,7 +266,8 @@ class DraftModel(Drafter):
     confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
     with the target's token, at the start of the next propose."""
     name = "small"
-    default_k = 5  # the best of the bench sweep on the CPU preset (k = 4 and 5 within noise, 7 slower)
+    # the best of the bench sweep on the CPU preset (k = 4 and 5 within noise, 7 slower)
+    default_k = 5
 
     def __init__(self, model):
         self.model = model
@@ -265,7 +280,8 @@ class DraftModel(Drafter):
     @torch.inference_mode()
     def propose(self, k, sampler):
         S = self.seq.numel()
-        pending = self.seq[self.cache.length:].view(1, -1)  # confirmed tokens not yet in the cache (>= 1)
+        # the confirmed tokens not yet in the cache (at least one)
+        pending = self.seq[self.cache.length:].view(1, -1)
         drafts, qs = [], []
         for j in range(k):
             logits = self.model(pending, cache=self.cache, last_only=True)[0][0]  # (1, V)
@@ -289,7 +305,7 @@ class DraftModel(Drafter):
 
 @dataclass
 class Stats:
-    """What a run of the loop measured. tau counts tokens per target forward, bonus included."""
+    """What a run of the loop measured. tau (τ) counts tokens per target forward, bonus included."""
     tokens: int = 0
     target_forwards: int = 0
     rounds: int = 0
@@ -305,6 +321,15 @@ class Stats:
     def acceptance(self):
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    def record(self, n_drafted, n_accepted):
+        """One round: one target forward; positions 1..n_drafted were drafted, the first
+        n_accepted of them survived."""
+        self.target_forwards += 1
+        self.rounds += 1
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < n_accepted
+
     def add(self, other):
         self.tokens += other.tokens
         self.target_forwards += other.target_forwards
@@ -318,9 +343,18 @@ class Stats:
         self.verify_time += other.verify_time
 
 
+def check_k(drafter, k):
+    """k, the tokens drafted per round, must be one this drafter can draft."""
+    if k <= 0:
+        raise ValueError(f"k (tokens drafted per round) must be at least 1 (got {k})")
+    if drafter.max_k is not None and k > drafter.max_k:
+        raise ValueError(f"the {drafter.name} drafter can draft at most {drafter.max_k} tokens "
+                         f"per round (asked for k={k})")
+
+
 @torch.inference_mode()
-def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None, trace=None,
-                         split_timing=False):
+def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None,
+                         trace=None, split_timing=False):
     """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
     Returns (generated tokens, Stats). If `trace` is a list, each round appends
     (accepted draft tokens, the target's own token, whether that token was a bonus; None when
@@ -331,56 +365,51 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     also wait for the drafter's work before the verify, so Stats' draft/verify split is true on
     a GPU -- a second wait per round, so leave it off when timing throughput. On a CPU the
     split is true either way (nothing runs asynchronously)."""
-    if k <= 0:
-        raise ValueError(f"k (tokens drafted per round) must be at least 1 (got {k})")
-    if drafter.max_k is not None and k > drafter.max_k:
-        raise ValueError(f"the {drafter.name} drafter can draft at most {drafter.max_k} tokens per round (asked for k={k})")
+    check_k(drafter, k)
     dev = target.lm_head.weight.device
     x = as_prompt(prompt, dev)
     P = x.size(1)
-    n_total = room(target, P, max_new_tokens)
+    n_total = tokens_allowed(target, P, max_new_tokens)
     layers = drafter.hidden_layers
     cache = cache or target.new_cache()
     cache.reset()
-    st = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
+    stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
 
     logits, _, hid = target(x, cache=cache, hidden_layers=layers)
-    first = sampler.first(logits[0, -1:], P)
+    first = sampler.first_token(logits[0, -1:], P)
     seq = torch.cat([x[0], first])  # confirmed tokens
     drafter.begin(seq.view(1, -1), hid)
-    st.target_forwards, out = 1, [first.item()]  # host sync (once, after the prefill)
+    stats.target_forwards, out = 1, [first.item()]  # host sync (once, after the prefill)
 
     while len(out) < n_total:
-        L = cache.length  # == len(seq) - 1: the last confirmed token is not in the cache yet
-        kk = min(k, n_total - len(out) - 1)  # never draft past max_new_tokens or the context window
+        cache_len = cache.length  # == len(seq) - 1: the last confirmed token is not cached yet
+        k_round = min(k, n_total - len(out) - 1)  # never past max_new_tokens or the context window
         t0 = time.perf_counter()
-        if kk > 0:
-            draft, q = drafter.propose(kk, sampler)
-            kk = draft.numel()  # a scheduling drafter may offer fewer than asked
+        if k_round > 0:
+            draft, q = drafter.propose(k_round, sampler)
         else:
             draft, q = seq[:0], None
+        n_drafted = draft.numel()  # a scheduling drafter may offer fewer than asked
         if split_timing:
             synchronize(dev)  # only so that the draft/verify split is honest on a GPU
         t1 = time.perf_counter()
-        logits, _, hid = target(torch.cat([seq[-1:], draft]).view(1, -1), cache=cache, hidden_layers=layers)
+        logits, _, hid = target(torch.cat([seq[-1:], draft]).view(1, -1), cache=cache,
+                                hidden_layers=layers)
         # the round's one host sync is inside verify: n and the new tokens come back as host ints,
         # and `new` stays on the device, so nothing is uploaded or read back again this round
-        n, new_ids, new = sampler.verify(logits[0], draft, q, range(L + 1, L + kk + 2))
-        cache.rollback(L + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
+        positions = range(cache_len + 1, cache_len + n_drafted + 2)
+        n, new_ids, new = sampler.verify(logits[0], draft, q, positions)
+        cache.rollback(cache_len + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
         seq = torch.cat([seq, new])
-        drafter.commit(n, new, {l: h[:, :n + 1] for l, h in hid.items()})
-        st.verify_time += time.perf_counter() - t1
-        st.draft_time += t1 - t0
-        st.target_forwards += 1
-        st.rounds += 1
-        for i in range(kk):
-            st.drafted_at[i] += 1
-            st.accepted_at[i] += i < n
+        drafter.commit(n, new, {layer: h[:, :n + 1] for layer, h in hid.items()})
+        stats.verify_time += time.perf_counter() - t1
+        stats.draft_time += t1 - t0
+        stats.record(n_drafted, n)
         out.extend(new_ids)
         if trace is not None:
-            trace.append((new_ids[:n], new_ids[n], None if kk == 0 else n == kk))
-    st.tokens = len(out)
-    return out, st
+            trace.append((new_ids[:n], new_ids[n], None if n_drafted == 0 else n == n_drafted))
+    stats.tokens = len(out)
+    return out, stats
 
 
 # -----------------------------------------------------------------------------
@@ -414,14 +443,17 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
     for what, key, want in (("target", "target_hash", target_ckpt["model_hash"]),
                             ("tokenizer", "tokenizer_hash", target_ckpt["tokenizer_hash"])):
         if ckpt.get(key) != want:
-            raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} but the current {what} is "
-                                  f"{str(want)[:16]}: run `python train.py --only {stage} --force` to retrain it")
+            raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} "
+                                  f"but the current {what} is {str(want)[:16]}: "
+                                  f"run `python train.py --only {stage} --force` to retrain it")
     try:
-        drafter = getattr(importlib.import_module(module), f"load_{name}")(ckpt, target, device, dtype)
+        load = getattr(importlib.import_module(module), f"load_{name}")
+        drafter = load(ckpt, target, device, dtype)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
                               f"run `python train.py --only {stage} --force`") from None
-    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget")) if b]  # what its training cost
+    # what its training cost
+    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget")) if b]
     return drafter
 
 
@@ -433,7 +465,10 @@ def show(enc, prompt_ids, trace, color):
     """Prompt, then each round: accepted drafts (green), the target's own token (red if it
     corrected a draft, blue if it was a free bonus after full acceptance, plain if nothing was
     drafted that round: `full` is None)."""
-    G, R, B, Z = ("\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m") if color else ("", "[", "{", "")
+    if color:
+        G, R, B, Z = "\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m"
+    else:
+        G, R, B, Z = "", "[", "{", ""
     parts = [enc.decode(prompt_ids)]
     for acc, tok, full in trace:
         if acc:
@@ -446,19 +481,32 @@ def show(enc, prompt_ids, trace, color):
     return "".join(parts)
 
 
+def add_sampling_flags(p):
+    """--sampling, --temperature, --top-k, --seed: the same four flags here and in bench.py."""
+    p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"],
+                   help="acceptance rule")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0,
+                   help="sampling temperature (coupled/rejection)")
+    p.add_argument("--top-k", type=number(int, 1), default=None,
+                   help="sample only among the k most likely tokens")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
+
+
 def build_parser():
-    p = ArgumentParser(description="Generate text with speculative decoding and show what was drafted and kept.")
+    p = ArgumentParser(description="Generate text with speculative decoding and show what was "
+                                   "drafted and kept.")
     p.add_argument("--prompt", default="def parse(", help="the text to continue")
     p.add_argument("--method", default="small", help=f"drafter: {', '.join(DRAFTERS)}")
-    p.add_argument("--k", type=number(int, 1), default=None, help="tokens drafted per round (default: the drafter's own)")
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=96, help="how many tokens to generate")
-    p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"], help="acceptance rule")
-    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature (coupled/rejection)")
-    p.add_argument("--top-k", type=number(int, 1), default=None, help="sample only among the k most likely tokens")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
+    p.add_argument("--k", type=number(int, 1), default=None,
+                   help="tokens drafted per round (default: the drafter's own)")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
+                   help="how many tokens to generate")
+    add_sampling_flags(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put the checkpoints")
-    p.add_argument("--no-color", action="store_true", help="mark tokens with [correction] and {bonus} instead of colors")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where train.py put the checkpoints")
+    p.add_argument("--no-color", action="store_true",
+                   help="mark tokens with [correction] and {bonus} instead of colors")
     return p
 
 
@@ -466,10 +514,12 @@ def sampling_flag_problems(sampling, temperature_given, top_k_given):
     """The one-line warning for sampling flags the chosen mode does not use, or None. Greedy
     decoding takes the argmax, so --temperature and --top-k would be silently ignored. (Values
     no mode can use, like a temperature <= 0, are refused where they are parsed.)"""
-    unused = [f for f, given in (("--temperature", temperature_given), ("--top-k", top_k_given)) if given]
+    flags = (("--temperature", temperature_given), ("--top-k", top_k_given))
+    unused = [f for f, given in flags if given]
     if sampling != "greedy" or not unused:
         return None
-    return f"warning: {' and '.join(unused)} unused: --sampling greedy takes the argmax (use coupled or rejection to sample)"
+    return (f"warning: {' and '.join(unused)} unused: --sampling greedy takes the argmax "
+            "(use coupled or rejection to sample)")
 
 
 def parse_args(parser, argv=None):
@@ -489,26 +539,29 @@ def main(argv=None):
     a = parse_args(build_parser(), argv)
     import data
     device = pick_device(a.device)
-    target, tckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
+    target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
     enc = data.get_encoding(os.path.join(a.out_dir, "tokenizer.tiktoken"))
-    drafter = load_drafter(a.method, a.out_dir, target, tckpt, device)
+    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = data.encode(enc, a.prompt)
     trace = []
     a.k = a.k if a.k is not None else drafter.default_k
-    out, st = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler, trace=trace, split_timing=True)
+    out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
+                                      trace=trace, split_timing=True)
     color = sys.stdout.isatty() and not a.no_color
     print(show(enc, ids, [([], out[0], False)] + trace, color))
     print()
     if len(out) < a.max_new_tokens:
         print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
               f"the target's context window)")
-    print(f"method {a.method}, k={a.k}, {a.sampling}: {st.tokens} tokens in {st.target_forwards} target forwards, "
-          f"tau = {st.tau:.2f}")
-    print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in st.acceptance()))
-    print(f"time: draft {st.draft_time * 1000:.0f} ms, verify {st.verify_time * 1000:.0f} ms")
-    legend = "green = accepted draft, red = target's correction, blue = target's bonus" if color else \
-        "plain = accepted draft, [x] = target's correction, {x} = target's bonus"
+    print(f"method {a.method}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
+          f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
+    print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))
+    print(f"time: draft {stats.draft_time * 1000:.0f} ms, verify {stats.verify_time * 1000:.0f} ms")
+    if color:
+        legend = "green = accepted draft, red = target's correction, blue = target's bonus"
+    else:
+        legend = "plain = accepted draft, [x] = target's correction, {x} = target's bonus"
     print(legend)
 
 

@@ -20,6 +20,7 @@ The drafters all learn from one distillation set: the target's own continuations
 prompts, written once to out/distill.pt (a quarter of them sampled, the rest greedy).
 """
 
+import argparse
 import math
 import os
 import time
@@ -30,41 +31,45 @@ import torch.nn.functional as F
 
 import data as datamod
 from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg, pick_device, ArgumentParser, save_checkpoint, state_hash
-from draft_mtp import mtp_loss
+from draft_dflash import DFlash, DFlashConfig, default_taps, dflash_loss, sample_anchors, target_continuations
+from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
+from draft_mtp import MTP, MTPConfig, mtp_loss
 
 # -----------------------------------------------------------------------------
-# presets: the defaults live here and only here
+# presets: every training default lives here. (The model configs' dataclass defaults -- GPTConfig,
+# MTPConfig, DFlashConfig, DSparkConfig -- are for using those classes on their own, in tests or a
+# notebook; train.py always passes every field from the preset.) The CPU preset is the base; the
+# others say only how they differ from it.
+
+CPU = dict(  # measured on a 2-core CPU with fast bfloat16: ~20 minutes in all, the target a third, DFlash a third
+    n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
+    target_iters=1300, target_lr=2e-3, warmup=60,
+    small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0,
+    small_text="gen",
+    mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=1000, mtp_lr=2e-3, mtp_distill=1.0, mtp_text="gen",
+    gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
+    dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
+    dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
+    dspark_rank=64, dspark_iters=500, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+)
 
 PRESETS = {
-    # measured on a 2-core CPU with fast bfloat16: ~20 minutes in all, the target a third of it, DFlash a third
-    "cpu": dict(n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
-                target_iters=1300, target_lr=2e-3, warmup=60,
-                small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0, small_text="gen",
-                mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=1000, mtp_lr=2e-3, mtp_distill=1.0,
-                mtp_text="gen", gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
-                dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
-                dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
-                dspark_rank=64, dspark_iters=500, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash"),
-    # one consumer GPU: wider, deeper, longer context, bigger batches, in bfloat16 autocast (--bf16 auto) with
-    # TF32 matmuls. Never run yet: no GPU was at hand, so its run time is unknown (a rough FLOP count says
-    # 20-30 minutes on a 3090-class card; an estimate, not a measurement)
-    "cuda": dict(n_layer=8, n_head=8, n_embd=512, block_size=512, batch_size=32,
-                 target_iters=4000, target_lr=1e-3, warmup=200,
-                 small_layers=2, small_embd=256, small_heads=4, small_iters=2000, small_lr=2e-3, small_distill=1.0, small_text="gen",
-                 mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=2000, mtp_lr=1e-3, mtp_distill=1.0,
-                 mtp_text="gen", gen_seqs=2048, gen_sampled=0.25, gen_temperature=0.8, feature_cache=0,
-                 dflash_layers=3, dflash_heads=8, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
-                 dflash_iters=2000, dflash_lr=1e-3, dflash_text="gen", dflash_taps="auto",
-                 dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256, dspark_init="dflash"),
+    "cpu": CPU,
+    # one consumer GPU: wider, deeper, longer context, bigger batches, in bfloat16 autocast (--bf16 auto)
+    # with TF32 matmuls. Never run yet: no GPU was at hand, so its run time is unknown (a rough FLOP
+    # count says 20-30 minutes on a 3090-class card; an estimate, not a measurement)
+    "cuda": {**CPU, **dict(
+        n_layer=8, n_embd=512, block_size=512, batch_size=32, target_iters=4000, target_lr=1e-3, warmup=200,
+        small_layers=2, small_embd=256, small_iters=2000, small_lr=2e-3,
+        mtp_iters=2000, mtp_lr=1e-3, gen_seqs=2048, feature_cache=0,
+        dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32, dflash_iters=2000, dflash_lr=1e-3,
+        dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
     # seconds: for the tests and for trying the pipeline end to end
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
-                 target_iters=30, target_lr=3e-3, warmup=5,
-                 small_layers=1, small_embd=16, small_heads=2, small_iters=10, small_lr=3e-3, small_distill=1.0, small_text="gen",
-                 mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=10, mtp_lr=3e-3, mtp_distill=1.0,
-                 mtp_text="gen", gen_seqs=8, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
-                 dflash_layers=1, dflash_heads=2, dflash_block=8, dflash_gamma=4.0, dflash_anchors=4,
-                 dflash_iters=10, dflash_lr=3e-3, dflash_text="gen", dflash_taps="auto",
-                 dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4, dspark_init="dflash"),
+    "tiny": {**CPU, **dict(
+        n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4, target_iters=30, target_lr=3e-3, warmup=5,
+        small_embd=16, small_heads=2, small_iters=10, mtp_iters=10, mtp_lr=3e-3, gen_seqs=8,
+        dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=10, dflash_lr=3e-3,
+        dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4)},
 }
 PRESETS["mps"] = PRESETS["cuda"]
 
@@ -82,32 +87,46 @@ FIELD_HELP = {
     "small_heads": "small draft model: attention heads",
     "small_iters": "small draft model: optimizer steps",
     "small_lr": "small draft model: peak learning rate",
-    "small_distill": "small draft model: weight of the KL-to-target loss (1 = pure distillation, 0 = data only)",
-    "small_text": "small draft model: training text, 'gen' (the shared set the target wrote, see --gen-seqs) or 'data' (the corpus)",
-    "mtp_mode": "mtp: 'joint' (the target trains with L_main + lambda*L_mtp and writes mtp.pt too) or 'posthoc' (the head trains on the frozen target)",
+    "small_distill": "small draft model: weight of the KL-to-target loss (1 = pure distillation, "
+                     "0 = data only)",
+    "small_text": "small draft model: training text, 'gen' (the shared set the target wrote, see "
+                  "--gen-seqs) or 'data' (the corpus)",
+    "mtp_mode": "mtp: 'joint' (the target trains with L_main + lambda*L_mtp and writes mtp.pt "
+                "too) or 'posthoc' (the head trains on the frozen target)",
     "mtp_modules": "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse the last one",
     "mtp_lambda": "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
     "mtp_iters": "mtp: optimizer steps in posthoc mode",
     "mtp_lr": "mtp: peak learning rate in posthoc mode",
-    "mtp_distill": "mtp: posthoc loss, weight of the KL to the target's next-next distribution (1 = pure distillation, 0 = data only)",
-    "mtp_text": "mtp: posthoc training text, 'gen' (the shared set the target wrote itself, see --gen-seqs) or 'data' (the corpus)",
-    "gen_seqs": "how many sequences the target writes once (out/distill.pt) for every drafter stage with text 'gen'",
-    "gen_sampled": "share of those sequences sampled at --gen-temperature instead of greedy (so drafters also see sampled text)",
+    "mtp_distill": "mtp: posthoc loss, weight of the KL to the target's next-next distribution (1 "
+                   "= pure distillation, 0 = data only)",
+    "mtp_text": "mtp: posthoc training text, 'gen' (the shared set the target wrote itself, see "
+                "--gen-seqs) or 'data' (the corpus)",
+    "gen_seqs": "how many sequences the target writes once (out/distill.pt) for every drafter "
+                "stage with text 'gen'",
+    "gen_sampled": "share of those sequences sampled at --gen-temperature instead of greedy (so "
+                   "drafters also see sampled text)",
     "gen_temperature": "temperature of the sampled share (the papers regenerate at ~0.7)",
-    "feature_cache": "1: run the target over the distillation set once and keep its logits and states in host memory (bfloat16); 0: recompute them every step",
+    "feature_cache": "1: run the target over the distillation set once and keep its logits and "
+                     "states in host memory (bfloat16); 0: recompute them every step",
     "dflash_layers": "dflash: draft layers",
     "dflash_heads": "dflash: attention heads (width is the target's)",
-    "dflash_block": "dflash: trained block size (anchor + block-1 masks); drafts up to block-1 tokens",
-    "dflash_gamma": "dflash: position weight decay, w_k = exp(-(k-1)/gamma) (paper: 7 for block 16)",
+    "dflash_block": "dflash: trained block size (anchor + block-1 masks); drafts up to block-1 "
+                    "tokens",
+    "dflash_gamma": "dflash: position weight decay, w_k = exp(-(k-1)/gamma) (paper: 7 for block "
+                    "16)",
     "dflash_anchors": "dflash: random anchors (blocks) per training sequence",
     "dflash_iters": "dflash: optimizer steps",
     "dflash_lr": "dflash: peak learning rate",
-    "dflash_text": "dflash and dspark: training text, 'gen' (the shared set the target wrote, see --gen-seqs) or 'data' (the corpus); soft labels from the target either way",
-    "dflash_taps": "dflash: target layers read as context, e.g. '1,2,3,4,5' ('auto': every block but the last)",
-    "dspark_rank": "dspark: rank r of the Markov head W1[x] W2 (its backbone takes the --dflash-* shape and text)",
+    "dflash_text": "dflash and dspark: training text, 'gen' (the shared set the target wrote, see "
+                   "--gen-seqs) or 'data' (the corpus); soft labels from the target either way",
+    "dflash_taps": "dflash: target layers read as context, e.g. '1,2,3,4,5' ('auto': every block "
+                   "but the last)",
+    "dspark_rank": "dspark: rank r of the Markov head W1[x] W2 (its backbone takes the --dflash-* "
+                   "shape and text)",
     "dspark_iters": "dspark: optimizer steps",
     "dspark_lr": "dspark: peak learning rate",
-    "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration (0: none)",
+    "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration "
+                         "(0: none)",
     "dspark_init": "dspark: 'dflash' (start the backbone from out/dflash.pt) or 'scratch'",
 }
 
@@ -122,9 +141,19 @@ FIELD_CHOICES = {"mtp_mode": ["joint", "posthoc"], "small_text": ["gen", "data"]
                  "dflash_text": ["gen", "data"], "dspark_init": ["dflash", "scratch"]}
 
 
+def parse_bool(text):
+    """A yes/no preset field: bool('False') would be True, so spell the values out."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a yes/no value (use 1/0, true/false, yes/no or on/off)")
+
+
 def field_type(field):
-    kind = type(PRESETS["cpu"][field])
-    return FIELD_TYPES.get(field) or {int: number(int, 1), float: number(float, above=0)}.get(kind, kind)
+    """The argparse type of a preset field's flag: its rule in FIELD_TYPES, else from its type."""
+    kind = type(CPU[field])
+    return FIELD_TYPES.get(field) or {int: number(int, 1), float: number(float, above=0), bool: parse_bool}.get(kind, kind)
 
 
 # -----------------------------------------------------------------------------
@@ -204,6 +233,29 @@ def lr_at(step, iters, peak, warmup):
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, ratio))))
 
 
+def resume(name, module, opt, resume_path, fingerprint, iters):
+    """Load an interrupted run of this stage into module and opt if its resume file fits (same
+    fingerprint, same shapes); returns the step to start at (0: from scratch)."""
+    if not os.path.exists(resume_path):
+        return 0
+    try:
+        r = load_checkpoint(resume_path, "resume", stage=name)
+    except CheckpointError as e:
+        print(f"{name}: ignoring an unreadable resume file ({e})")
+        return 0
+    if r.get("fingerprint") != fingerprint:
+        print(f"{name}: the resume file is from a run with other settings; starting over")
+        return 0
+    try:
+        module.load_state_dict(r["state_dict"])
+        opt.load_state_dict(r["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:  # e.g. written by an older version of the code
+        print(f"{name}: the resume file does not fit this model ({str(e).splitlines()[0][:100]}); starting over")
+        return 0
+    print(f"{name}: resuming an interrupted run at step {r['step']}/{iters}")
+    return r["step"]
+
+
 def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step):
     """Runs `iters` AdamW steps of loss_fn(step) on module's trainable parameters and returns
     (final val loss, optimizer state). Resumes from out/<name>.resume.pt if it was
@@ -214,24 +266,7 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
     resume_path = os.path.join(args.out_dir, f"{name}.resume.pt")
-    start = 0
-    if os.path.exists(resume_path):
-        try:
-            r = load_checkpoint(resume_path, "resume", stage=name)
-        except CheckpointError as e:
-            print(f"{name}: ignoring an unreadable resume file ({e})")
-            r = None
-        if r is not None and r.get("fingerprint") == fingerprint:
-            try:
-                module.load_state_dict(r["state_dict"])
-                opt.load_state_dict(r["optimizer"])
-                start = r["step"]
-                print(f"{name}: resuming an interrupted run at step {start}/{iters}")
-            except (RuntimeError, ValueError, KeyError) as e:  # e.g. written by an older version of the code
-                print(f"{name}: the resume file does not fit this model ({str(e).splitlines()[0][:100]}); starting over")
-        elif r is not None:
-            print(f"{name}: the resume file is from a run with other settings; starting over")
-
+    start = resume(name, module, opt, resume_path, fingerprint, iters)
     saved_step = start if start else None
 
     def save_resume(step):
@@ -302,6 +337,10 @@ class Context:
     def path(self, stage):
         return os.path.join(self.args.out_dir, f"{stage}.pt")
 
+    def forget_target(self):
+        """After the target is retrained: drop it and everything computed from it (its text, its features)."""
+        self._target, self.distill, self.features = None, None, None
+
     def target(self):
         """The trained, frozen target (loaded once)."""
         if self._target is None:
@@ -364,7 +403,8 @@ def is_current(ctx, stage):
 
 
 # -----------------------------------------------------------------------------
-# the stages
+# the stages, in the order they run: the target; the distillation set every drafter learns from
+# (written once); then small, mtp, dflash and dspark
 
 
 def stage_target(ctx):
@@ -395,56 +435,14 @@ def stage_target(ctx):
                      "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": cpu_tree(opt_state),
                      "val_loss": val, "tokens_seen": a.target_iters * a.batch_size * a.block_size}, ctx.path("target"))
     if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current and skipped
-        ctx._target = None
+        ctx.forget_target()
         save_mtp(ctx, mtp, "joint")
     return val
-
-
-def stage_small(ctx):
-    """The classic independent drafter: a 1-2 layer GPT, distilled from the target."""
-    a = ctx.args
-    target, _ = ctx.target()
-    cfg = GPTConfig(block_size=a.block_size, vocab_size=target.config.vocab_size, n_layer=a.small_layers,
-                    n_head=a.small_heads, n_embd=a.small_embd)
-    torch.manual_seed(a.seed + 1)
-    model = GPT(cfg).to(ctx.device)
-    print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
-
-    def loss_of(w, p_logits, hid=None):  # w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
-        logits, ce, _ = model(w[:, :-1], w[:, 1:])
-        if a.small_distill == 0:
-            return ce
-        teacher = F.log_softmax(p_logits[:, :-1], -1)  # causal: the target's logits on w[:, :-1]
-        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="batchmean") / logits.size(1)
-        return a.small_distill * kl + (1 - a.small_distill) * ce
-
-    fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": ctx.target()[1]["model_hash"],
-                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed,
-                   "text": distill_key(ctx, a.small_text)}
-    batches = drafter_batches(ctx, a.small_text)
-    val, _ = train_loop("small", model, lambda s: loss_of(*batches(s)),
-                        lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
-                        a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
-    sd = cpu_state_dict(model)
-    save_checkpoint(ctx.drafter_meta("small", cfg.to_dict(), sd, {"val_loss": val}), ctx.path("small"))
-    return val
-
-
-def parse_taps(spec, n_layer):
-    """'auto' or '1,3,5' -> a list of target layers."""
-    from draft_dflash import default_taps
-    if spec == "auto":
-        return default_taps(n_layer)
-    try:
-        return [int(t) for t in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--dflash-taps must be 'auto' or comma-separated layer numbers like 1,3,5 (got {spec!r})") from None
 
 
 def write_text(ctx, n_seqs, n_sampled, seed, split):
     """The target continues n_seqs short corpus prompts to full windows (block_size tokens): the
     first n_seqs - n_sampled greedily, the rest sampled at --gen-temperature. Batched decoding."""
-    from draft_dflash import target_continuations
     a = ctx.args
     target, _ = ctx.target()
     P = max(1, a.block_size // 8)
@@ -548,99 +546,33 @@ def distill_key(ctx, kind):
     return distill_settings(ctx) if kind == "gen" else None
 
 
-def block_batch(ctx, x, t_logits, hid, step, cfg):
-    """What DFlash and DSpark train on: windows x, the target's logits on them (the soft labels)
-    and its hidden states (the context); the anchors of step s come from a generator seeded with
-    (seed, s), so a resumed run replays them."""
-    from draft_dflash import sample_anchors
-    g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
-    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
-    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
-
-
-def block_config(ctx):
-    """The DFlash network, also DSpark's backbone: the same shape, so DSpark can start from it.
-    The mask slots predict (shift 0, as in the DFlash paper): letting the anchor slot predict too
-    (DeepSpec's shift 1) drafted worse here (600 steps, block 8: tau 2.60 at k = 8 vs 2.71 at k = 7)."""
-    from draft_dflash import DFlashConfig
+def stage_small(ctx):
+    """The classic independent drafter: a 1-2 layer GPT, distilled from the target."""
     a = ctx.args
-    tcfg = ctx.target()[0].config
-    return DFlashConfig(n_embd=tcfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
-                        taps=parse_taps(a.dflash_taps, tcfg.n_layer), block=a.dflash_block)
+    target, _ = ctx.target()
+    cfg = GPTConfig(block_size=a.block_size, vocab_size=target.config.vocab_size, n_layer=a.small_layers,
+                    n_head=a.small_heads, n_embd=a.small_embd)
+    torch.manual_seed(a.seed + 1)
+    model = GPT(cfg).to(ctx.device)
+    print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
 
+    def loss_of(w, p_logits, hid=None):  # w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
+        logits, ce, _ = model(w[:, :-1], w[:, 1:])
+        if a.small_distill == 0:
+            return ce
+        teacher = F.log_softmax(p_logits[:, :-1], -1)  # causal: the target's logits on w[:, :-1]
+        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="batchmean") / logits.size(1)
+        return a.small_distill * kl + (1 - a.small_distill) * ce
 
-def stage_dflash(ctx):
-    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
-    from draft_dflash import DFlash, dflash_loss
-    a = ctx.args
-    target, tckpt = ctx.target()
-    cfg = block_config(ctx)
-    torch.manual_seed(a.seed + 3)
-    net = DFlash(cfg, target).to(ctx.device)
-    print(f"dflash: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {cfg}")
-    batches = drafter_batches(ctx, a.dflash_text)
-
-    def loss_of(x, t_logits, hid, step):
-        return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
-
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
-                   "lr": a.dflash_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
-                   "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),  # val: corpus windows, fixed anchors
-                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-                        a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
-    sd = cpu_state_dict(net)
-    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
-    return val
-
-
-def stage_dspark(ctx):
-    """DSpark (draft_dspark.py): the DFlash network as its backbone (same shape and text as
-    --dflash-*, by default started from out/dflash.pt), plus the Markov head and the confidence
-    head, then calibration."""
-    from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
-    a = ctx.args
-    target, tckpt = ctx.target()
-    bcfg = block_config(ctx)
-    cfg = DSparkConfig(rank=a.dspark_rank)
-    torch.manual_seed(a.seed + 4)
-    net = DSpark(bcfg, cfg, target).to(ctx.device)
-    print(f"dspark: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
-    init_budget = None
-    if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
-        dfl = load_checkpoint(ctx.path("dflash"), "dflash")
-        if dfl.get("target_hash") != tckpt["model_hash"] or dfl["config"] != bcfg.to_dict():
-            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this target with the same "
-                             "--dflash-* shape: run `python train.py --only dflash` first, or use --dspark-init scratch")
-        net.backbone.load_state_dict(dfl["state_dict"])
-        init_budget = dfl.get("budget")
-        print(f"dspark: backbone initialised from {ctx.path('dflash')}")
-    elif a.dspark_init != "scratch":
-        raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
-    batches = drafter_batches(ctx, a.dflash_text)
-
-    def loss_of(x, t_logits, hid, step):
-        return dspark_loss(net, *block_batch(ctx, x, t_logits, hid, step, bcfg), a.dflash_gamma)
-
-    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
-                   "init": a.dspark_init,
-                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text),
-                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
-                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-                        a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
-    extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
-    if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
-        held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
-        held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
-        # a generator, not a list: one batch's target logits at a time (8 x 268 MB on the cuda preset)
-        before, after = calibrate(net, (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)))
-        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
-              f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
-        extra.update(ece_before=before, ece_after=after)
-    sd = cpu_state_dict(net)
-    save_checkpoint(ctx.drafter_meta("dspark", {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}, sd, extra),
-                    ctx.path("dspark"))
+    fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": ctx.target()[1]["model_hash"],
+                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed,
+                   "text": distill_key(ctx, a.small_text)}
+    batches = drafter_batches(ctx, a.small_text)
+    val, _ = train_loop("small", model, lambda s: loss_of(*batches(s)),
+                        lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
+                        a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
+    sd = cpu_state_dict(model)
+    save_checkpoint(ctx.drafter_meta("small", cfg.to_dict(), sd, {"val_loss": val}), ctx.path("small"))
     return val
 
 
@@ -651,7 +583,6 @@ def mtp_mode(a):
 
 
 def new_mtp(ctx, target_cfg):
-    from draft_mtp import MTP, MTPConfig
     torch.manual_seed(ctx.args.seed + 2)
     return MTP(MTPConfig.for_target(target_cfg, ctx.args.mtp_modules)).to(ctx.device)
 
@@ -695,6 +626,108 @@ def stage_mtp(ctx):
                lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x))),  # val: corpus windows
                a.mtp_iters, a.mtp_lr, a, fingerprint, a.batch_size * a.block_size)
     return save_mtp(ctx, mtp, "posthoc")
+
+
+def parse_taps(spec, n_layer):
+    """'auto' or '1,3,5' -> a list of target layers."""
+    if spec == "auto":
+        return default_taps(n_layer)
+    try:
+        return [int(t) for t in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--dflash-taps must be 'auto' or comma-separated layer numbers like 1,3,5 (got {spec!r})") from None
+
+
+def block_batch(ctx, x, t_logits, hid, step, cfg):
+    """What DFlash and DSpark train on: windows x, the target's logits on them (the soft labels)
+    and its hidden states (the context); the anchors of step s come from a generator seeded with
+    (seed, s), so a resumed run replays them."""
+    g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
+    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
+    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
+
+
+def block_config(ctx):
+    """The DFlash network, also DSpark's backbone: the same shape, so DSpark can start from it.
+    The mask slots predict (shift 0, as in the DFlash paper): letting the anchor slot predict too
+    (DeepSpec's shift 1) drafted worse here (600 steps, block 8: tau 2.60 at k = 8 vs 2.71 at k = 7)."""
+    a = ctx.args
+    tcfg = ctx.target()[0].config
+    return DFlashConfig(n_embd=tcfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
+                        taps=parse_taps(a.dflash_taps, tcfg.n_layer), block=a.dflash_block)
+
+
+def stage_dflash(ctx):
+    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
+    a = ctx.args
+    target, tckpt = ctx.target()
+    cfg = block_config(ctx)
+    torch.manual_seed(a.seed + 3)
+    net = DFlash(cfg, target).to(ctx.device)
+    print(f"dflash: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {cfg}")
+    batches = drafter_batches(ctx, a.dflash_text)
+
+    def loss_of(x, t_logits, hid, step):
+        return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
+
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
+                   "lr": a.dflash_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
+                   "gamma": a.dflash_gamma, "seed": a.seed}
+    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),  # val: corpus windows, fixed anchors
+                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
+                        a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
+    sd = cpu_state_dict(net)
+    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
+    return val
+
+
+def stage_dspark(ctx):
+    """DSpark (draft_dspark.py): the DFlash network as its backbone (same shape and text as
+    --dflash-*, by default started from out/dflash.pt), plus the Markov head and the confidence
+    head, then calibration."""
+    a = ctx.args
+    target, tckpt = ctx.target()
+    bcfg = block_config(ctx)
+    cfg = DSparkConfig(rank=a.dspark_rank)
+    torch.manual_seed(a.seed + 4)
+    net = DSpark(bcfg, cfg, target).to(ctx.device)
+    print(f"dspark: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
+    init_budget = None
+    if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
+        dfl = load_checkpoint(ctx.path("dflash"), "dflash")
+        if dfl.get("target_hash") != tckpt["model_hash"] or dfl["config"] != bcfg.to_dict():
+            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this target with the same "
+                             "--dflash-* shape: run `python train.py --only dflash` first, or use --dspark-init scratch")
+        net.backbone.load_state_dict(dfl["state_dict"])
+        init_budget = dfl.get("budget")
+        print(f"dspark: backbone initialised from {ctx.path('dflash')}")
+    elif a.dspark_init != "scratch":
+        raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
+    batches = drafter_batches(ctx, a.dflash_text)
+
+    def loss_of(x, t_logits, hid, step):
+        return dspark_loss(net, *block_batch(ctx, x, t_logits, hid, step, bcfg), a.dflash_gamma)
+
+    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
+                   "init": a.dspark_init,
+                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text),
+                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
+    val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
+                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
+                        a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
+    extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
+    if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
+        held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
+        held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
+        # a generator, not a list: one batch's target logits at a time (8 x 268 MB on the cuda preset)
+        before, after = calibrate(net, (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)))
+        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
+              f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
+        extra.update(ece_before=before, ece_after=after)
+    sd = cpu_state_dict(net)
+    save_checkpoint(ctx.drafter_meta("dspark", {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}, sd, extra),
+                    ctx.path("dspark"))
+    return val
 
 
 STAGES = {"target": stage_target, "small": stage_small, "mtp": stage_mtp, "dflash": stage_dflash, "dspark": stage_dspark}
@@ -781,7 +814,7 @@ def run_stages(ctx, args):
             os.remove(resume)
         print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, wrote {ctx.path(stage)}")
         if stage == "target":
-            ctx._target, ctx.distill, ctx.features = None, None, None  # drafters must see the freshly trained target
+            ctx.forget_target()  # the drafters must see the freshly trained target
 
 
 if __name__ == "__main__":

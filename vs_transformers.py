@@ -32,22 +32,27 @@ from speculative import Sampler, generate_plain, generate_speculative
 
 
 def to_transformers(target):
-    """A GPT2LMHeadModel holding the target's weights (its Conv1D stores Linear weights transposed)."""
+    """A GPT2LMHeadModel holding the target's weights (its Conv1D stores Linear weights
+    transposed)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = target.config
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                     n_head=c.n_head, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None)
+    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+                     n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                     bos_token_id=None, eos_token_id=None)
     hf = GPT2LMHeadModel(cfg).eval()
     sd = {}
     for name, w in target.state_dict().items():
-        if name.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight")) and name.startswith("transformer.h."):
+        linear = name.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight"))
+        if linear and name.startswith("transformer.h."):
             w = w.t()
         sd[name] = w
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     if unexpected or any(not m.endswith(("attn.bias", "attn.masked_bias")) for m in missing):
-        raise ValueError(f"weights do not map onto GPT-2: missing {missing}, unexpected {unexpected}")
-    hf.generation_config.pad_token_id = 0  # no end-of-text stop: both sides generate exactly n tokens
+        raise ValueError(f"weights do not map onto GPT-2: missing {missing}, "
+                         f"unexpected {unexpected}")
+    # no end-of-text stop: both sides generate exactly n tokens
+    hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
     return hf
 
@@ -65,14 +70,22 @@ def hf_generate(hf, prompt, n, lookup=None, ngram=2):
 
 
 def build_parser():
-    p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, same weights.")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where train.py put target.pt and the tokenizer")
-    p.add_argument("--prompts", type=path_arg("in"), default="prompts/outside.jsonl", help='JSONL file of {"prompt": "..."} lines')
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per prompt")
-    p.add_argument("--lookup-tokens", type=number(int, 1), default=10, help="transformers' prompt_lookup_num_tokens (its documented example uses 10)")
-    p.add_argument("--ngram", type=number(int, 1), default=2, help="transformers' max_matching_ngram_size (its default: 2)")
-    p.add_argument("--repeats", type=number(int, 1), default=3, help="timed passes over all prompts per method")
-    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
+    p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, "
+                                   "same weights.")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where train.py put target.pt and the tokenizer")
+    p.add_argument("--prompts", type=path_arg("in"), default="prompts/outside.jsonl",
+                   help='JSONL file of {"prompt": "..."} lines')
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=128,
+                   help="tokens generated per prompt")
+    p.add_argument("--lookup-tokens", type=number(int, 1), default=10,
+                   help="transformers' prompt_lookup_num_tokens (its documented example uses 10)")
+    p.add_argument("--ngram", type=number(int, 1), default=2,
+                   help="transformers' max_matching_ngram_size (its default: 2)")
+    p.add_argument("--repeats", type=number(int, 1), default=3,
+                   help="timed passes over all prompts per method")
+    p.add_argument("--threads", type=number(int, 1), default=None,
+                   help="torch CPU threads (default: torch's choice)")
     return p
 
 
@@ -81,7 +94,8 @@ def main(argv=None):
     try:
         import transformers
     except ImportError:
-        raise SystemExit("error: this comparison needs transformers: pip install transformers") from None
+        raise SystemExit("error: this comparison needs transformers: "
+                         "pip install transformers") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
@@ -89,7 +103,8 @@ def main(argv=None):
     prompts = read_prompts(args.prompts, enc)
     longest = max(len(p) for p in prompts)
     if longest >= target.config.block_size:
-        raise ValueError(f"a prompt has {longest} tokens but the context window is {target.config.block_size}")
+        raise ValueError(f"a prompt has {longest} tokens but the context window is "
+                         f"{target.config.block_size}")
     n = min(args.max_new_tokens, target.config.block_size - longest)
     hf = to_transformers(target)
     ours = LookupDrafter(target.config.vocab_size)
@@ -98,9 +113,11 @@ def main(argv=None):
         "transformers plain": lambda p: hf_generate(hf, p, n),
         "transformers lookup": lambda p: hf_generate(hf, p, n, args.lookup_tokens, args.ngram),
         "nanospec plain": lambda p: generate_plain(target, p, n, Sampler("greedy")),
-        "nanospec lookup": lambda p: generate_speculative(target, ours, p, n, ours.default_k, Sampler("greedy"))[0],
+        "nanospec lookup": lambda p: generate_speculative(target, ours, p, n, ours.default_k,
+                                                          Sampler("greedy"))[0],
         f"nanospec lookup (k={args.lookup_tokens}, n<={args.ngram})":
-            lambda p: generate_speculative(target, same_as_hf, p, n, args.lookup_tokens, Sampler("greedy"))[0],
+            lambda p: generate_speculative(target, same_as_hf, p, n, args.lookup_tokens,
+                                           Sampler("greedy"))[0],
     }
     for fn in methods.values():  # warm-up
         fn(prompts[0])
@@ -110,18 +127,22 @@ def main(argv=None):
             t0 = time.perf_counter()
             outs[m] = [fn(p) for p in prompts]
             times[m].append(time.perf_counter() - t0)
-        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{m} {times[m][-1]:.2f}s" for m in methods), flush=True)
+        print(f"repeat {rep + 1}/{args.repeats}: "
+              + ", ".join(f"{m} {times[m][-1]:.2f}s" for m in methods), flush=True)
 
     ref = outs["nanospec plain"]
     tokens = sum(len(o) for o in ref)
-    print(f"\ntransformers {transformers.__version__}, torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, "
-          f"float32, greedy; {len(prompts)} prompts from {args.prompts} x {n} new tokens; median of {args.repeats}")
-    print(f"{'method':<36}{'tokens/s':>10}{'vs its own plain':>18}{'same tokens as nanospec plain':>32}")
+    print(f"\ntransformers {transformers.__version__}, torch {torch.__version__}, cpu, "
+          f"{torch.get_num_threads()} threads, float32, greedy; {len(prompts)} prompts from "
+          f"{args.prompts} x {n} new tokens; median of {args.repeats}")
+    print(f"{'method':<36}{'tokens/s':>10}{'vs its own plain':>18}"
+          f"{'same tokens as nanospec plain':>32}")
     for m in methods:
         own_plain = "transformers plain" if m.startswith("transformers") else "nanospec plain"
         speed = statistics.median(a / b for a, b in zip(times[own_plain], times[m]))
         same = sum(o == r for o, r in zip(outs[m], ref))
-        print(f"{m:<36}{tokens / statistics.median(times[m]):>10.0f}{speed:>17.2f}x{same:>24}/{len(ref)}")
+        tokens_per_s = tokens / statistics.median(times[m])
+        print(f"{m:<36}{tokens_per_s:>10.0f}{speed:>17.2f}x{same:>24}/{len(ref)}")
 
 
 if __name__ == "__main__":
