@@ -325,7 +325,7 @@ def load(args):
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
-    enc = data.get_encoding(os.path.join(args.out_dir, "tokenizer.tiktoken"))
+    enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
     if args.prompts:
         prompts = read_prompts(args.prompts, enc)
     else:

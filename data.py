@@ -259,12 +259,10 @@ def load_tokenizer(path) -> tiktoken.Encoding:
 
 
 def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
-    """'gpt2', or a build's tokenizer.tiktoken: trusted only once its data_meta.json vouches for it."""
-    path = pathlib.Path(tokenizer_path_or_kind)
+    """'gpt2', or a tokenizer file. (A build's tokenizer, checked against its data_meta.json, is
+    encoding_of(load_build(out_dir)).)"""
     if str(tokenizer_path_or_kind) != "gpt2":
-        if path.name != "tokenizer.tiktoken":
-            return load_tokenizer(path)
-        return encoding_of(load_build(path.parent))  # a build made with gpt2 has no file: GPT-2's ranks
+        return load_tokenizer(tokenizer_path_or_kind)
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # offline, tiktoken cannot download the GPT-2 ranks
@@ -372,7 +370,7 @@ def load_build(out_dir) -> dict:
 
 
 def encoding_of(info: dict) -> tiktoken.Encoding:
-    """The tokenizer of a build (prepare_data's or load_build's result)."""
+    """The tokenizer of a build (prepare_data's or load_build's result; a gpt2 build has no file)."""
     path = info["tokenizer_path"]
     return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path)
 

@@ -481,12 +481,15 @@ def show(enc, prompt_ids, trace, color):
     return "".join(parts)
 
 
+DEFAULT_TEMPERATURE = 1.0  # the flag's default is None, so that parse_args can tell "not given"
+
+
 def add_sampling_flags(p):
     """--sampling, --temperature, --top-k, --seed: the same four flags here and in bench.py."""
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"],
                    help="acceptance rule")
-    p.add_argument("--temperature", type=number(float, above=0), default=1.0,
-                   help="sampling temperature (coupled/rejection)")
+    p.add_argument("--temperature", type=number(float, above=0), default=None,
+                   help=f"sampling temperature (coupled/rejection; default {DEFAULT_TEMPERATURE})")
     p.add_argument("--top-k", type=number(int, 1), default=None,
                    help="sample only among the k most likely tokens")
     p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
@@ -523,15 +526,14 @@ def sampling_flag_problems(sampling, temperature_given, top_k_given):
 
 
 def parse_args(parser, argv=None):
-    """parser.parse_args, warning (one line, on stderr) about sampling flags the mode ignores.
-    To tell a given --temperature from its default, the default is None while parsing."""
-    temperature = parser.get_default("temperature")
-    parser.set_defaults(temperature=None)
+    """parser.parse_args, warning (one line, on stderr) about sampling flags the mode ignores,
+    then filling in the temperature's default."""
     a = parser.parse_args(argv)
     warning = sampling_flag_problems(a.sampling, a.temperature is not None, a.top_k is not None)
     if warning:
         print(warning, file=sys.stderr)
-    a.temperature = temperature if a.temperature is None else a.temperature
+    if a.temperature is None:
+        a.temperature = DEFAULT_TEMPERATURE
     return a
 
 
@@ -540,7 +542,7 @@ def main(argv=None):
     import data
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
-    enc = data.get_encoding(os.path.join(a.out_dir, "tokenizer.tiktoken"))
+    enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
     drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = data.encode(enc, a.prompt)

@@ -368,7 +368,7 @@ class Context:
 
 def cpu_state_dict(module):
     """A plain state_dict on the CPU: what every checkpoint holds, loadable on any device."""
-    return {k: v.cpu() for k, v in module.state_dict().items()}
+    return cpu_tree(module.state_dict())
 
 
 def cpu_tree(obj):

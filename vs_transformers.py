@@ -99,7 +99,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
-    enc = data.get_encoding(os.path.join(args.out_dir, "tokenizer.tiktoken"))
+    enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
     prompts = read_prompts(args.prompts, enc)
     longest = max(len(p) for p in prompts)
     if longest >= target.config.block_size:
