@@ -51,8 +51,8 @@ import data
 import plot
 from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
                  ArgumentParser, synchronize)
-from speculative import (DRAFTERS, Sampler, add_sampling_flags, parse_args, Stats, generate_plain, generate_speculative,
-                         load_drafter)
+from speculative import (DRAFTERS, Sampler, add_sampling_flags, parse_args, Stats, generate_plain,
+                         generate_speculative, load_drafter)
 
 # -----------------------------------------------------------------------------
 # what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
@@ -250,8 +250,8 @@ def budget_text(budget):
 
 
 def markdown(res):
-    rows = ["| method | k | drafted / round | τ | tokens/s | speedup | draft / verify ms per round "
-            "| exact match | trained |",
+    rows = ["| method | k | drafted / round | τ | tokens/s | speedup "
+            "| draft / verify ms per round | exact match | trained |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in res.items():
         dv = "–" if name == "ar" else (f"{r['draft_ms_per_round']:.2f} / "

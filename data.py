@@ -68,7 +68,8 @@ def stdlib_files() -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
     return sorted(p for p in root.rglob("*.py")
-                  if not any(d in skip or d.startswith("test_") for d in p.relative_to(root).parts[:-1]))
+                  if not any(d in skip or d.startswith("test_")
+                             for d in p.relative_to(root).parts[:-1]))
 
 
 def _source(data: str | None) -> tuple[pathlib.Path, list[pathlib.Path]]:
@@ -82,8 +83,10 @@ def _source(data: str | None) -> tuple[pathlib.Path, list[pathlib.Path]]:
         return path, sorted(p for p in path.rglob("*") if p.is_file()
                             and not any(c.startswith(".") for c in p.relative_to(path).parts))
     if path.exists():  # a device, a socket, a pipe: nothing to rglob or re-read
-        raise DataError(f"Data path {str(path)!r} is neither a file nor a folder; pass a text file or folder with --data.")
-    raise DataError(f"Data path {str(path)!r} does not exist; pass an existing text file or folder with --data.")
+        raise DataError(f"Data path {str(path)!r} is neither a file nor a folder; pass a text file "
+                        "or folder with --data.")
+    raise DataError(f"Data path {str(path)!r} does not exist; pass an existing text file or folder "
+                    "with --data.")
 
 
 def _read_text(path: pathlib.Path) -> str | None:
@@ -103,13 +106,15 @@ def load_documents(data: str | None = None) -> tuple[list[str], list[str]]:
     for f in files:
         text = _read_text(f)
         if text is None and single:
-            raise DataError(f"{str(f)!r} is not UTF-8 text (binary or another encoding); pass a UTF-8 text file.")
+            raise DataError(f"{str(f)!r} is not UTF-8 text (binary or another encoding); pass a "
+                            "UTF-8 text file.")
         if text and text.strip():
             docs[f.relative_to(root).as_posix()] = text
     if not docs:
         what = f"{'file' if single else 'folder'} {str(data or root)!r}"
         if single or not files:
-            raise DataError(f"The data {what} is empty; point --data at a file or folder with text in it.")
+            raise DataError(f"The data {what} is empty; point --data at a file or folder with text "
+                            "in it.")
         raise DataError(f"The data {what} has {len(files)} files but none is non-empty UTF-8 text; "
                         "point --data at UTF-8 text files.")
     if len(docs) == 1:
@@ -123,12 +128,13 @@ def load_documents(data: str | None = None) -> tuple[list[str], list[str]]:
         if part:
             docs[f"{name}:{len(docs):02d}"] = part
         if len(docs) < 2:
-            raise DataError(f"{name!r} is a single line, too little to split into train and validation; "
-                            "give more lines or more files.")
+            raise DataError(f"{name!r} is a single line, too little to split into train and "
+                            "validation; give more lines or more files.")
     # validation = documents whose name hashes to 0 mod 20: a stable rule, so adding or removing
     # other files never moves a document between splits; at least one document in each split
     names = list(docs)
-    val = [n for n in names if int(hashlib.sha256(n.encode()).hexdigest(), 16) % 20 == 0] or names[-1:]
+    val = ([n for n in names if int(hashlib.sha256(n.encode()).hexdigest(), 16) % 20 == 0]
+           or names[-1:])
     val = set(val[1:] if len(val) == len(names) else val)
     return [docs[n] for n in names if n not in val], [docs[n] for n in names if n in val]
 
@@ -164,7 +170,8 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
         raise DataError(f"vocab_size {vocab_size} is out of range; use 257..65536 "
                         "(256 bytes + EOT at least, and ids must fit in uint16).")
     t0 = time.time()
-    # regex chunks never merge across each other, so BPE only needs each unique chunk once, with its count
+    # regex chunks never merge across each other, so BPE only needs each unique chunk once, with
+    # its count
     chunks = Counter(c for text in texts for c in _SPLIT.findall(text))
     words = [list(c.encode("utf-8")) for c in chunks]
     freqs = list(chunks.values())
@@ -209,7 +216,8 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
                 else:
                     del counts[p]
         if verbose and len(ids) % 512 == 0:
-            print(f"bpe: {len(ids)}/{vocab_size - 1} tokens, last {tok!r} x{-negc}, {time.time() - t0:.1f}s")
+            print(f"bpe: {len(ids)}/{vocab_size - 1} tokens, last {tok!r} x{-negc}, "
+                  f"{time.time() - t0:.1f}s")
     return ids
 
 
@@ -228,13 +236,15 @@ def file_sha256(path) -> str:
 
 
 def save_tokenizer(ranks: dict[bytes, int], path):
-    lines = (f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    lines = (f"{base64.b64encode(t).decode()} {r}\n"
+             for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
     _atomic_write(path, "".join(lines).encode())
 
 
 def read_ranks(path) -> dict[bytes, int]:
-    """The rank file at path (tiktoken's format), checked: tiktoken's Rust core *panics* -- a crash,
-    not an exception -- on ranks with gaps or repeats or without all 256 bytes, so those stop here."""
+    """The rank file at path (tiktoken's format), checked: tiktoken's Rust core *panics* -- a
+    crash, not an exception -- on ranks with gaps or repeats or without all 256 bytes, so those
+    stop here."""
     try:
         lines = pathlib.Path(path).read_bytes().splitlines()
     except OSError as e:
@@ -246,16 +256,20 @@ def read_ranks(path) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:  # incl. binascii.Error
-            raise DataError(f"{path} line {i} is not 'base64-token rank': not a tokenizer file") from None
-    if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
-        raise DataError(f"{path} is not a byte-level BPE tokenizer (ranks must be 0..n-1 and cover all 256 bytes)")
+            raise DataError(
+                f"{path} line {i} is not 'base64-token rank': not a tokenizer file") from None
+    if (sorted(ranks.values()) != list(range(len(ranks)))
+            or any(bytes([b]) not in ranks for b in range(256))):
+        raise DataError(f"{path} is not a byte-level BPE tokenizer (ranks must be 0..n-1 and cover "
+                        "all 256 bytes)")
     return ranks
 
 
 def load_tokenizer(path) -> tiktoken.Encoding:
     # read here, not with tiktoken.load: that caches files by *path* and would serve a stale copy
     ranks = read_ranks(path)
-    return tiktoken.Encoding(name="nanospec", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
+    return tiktoken.Encoding(name="nanospec", pat_str=PAT, mergeable_ranks=ranks,
+                             special_tokens={EOT: len(ranks)})
 
 
 def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
@@ -266,8 +280,9 @@ def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # offline, tiktoken cannot download the GPT-2 ranks
-        raise DataError(f"tiktoken could not load the GPT-2 tokenizer ({type(e).__name__}), probably because "
-                        "it is not cached and there is no internet; use the default tokenizer, bpe.") from e
+        raise DataError(f"tiktoken could not load the GPT-2 tokenizer ({type(e).__name__}), "
+                        "probably because it is not cached and there is no internet; use the "
+                        "default tokenizer, bpe.") from e
 
 
 def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
@@ -281,9 +296,14 @@ def decode(enc: tiktoken.Encoding, ids) -> str:
 # -----------------------------------------------------------------------------
 # prepare_data: build (or reuse) tokenizer + token streams in out_dir
 
-_WHAT = {"format": "data.py's output format", "pattern": "the split regex", "source": "the data path",
-         "fingerprint": "the data contents", "requested_vocab_size": "vocab_size",
-         "tokenizer": "the tokenizer kind"}
+_WHAT = {
+    "format": "data.py's output format",
+    "pattern": "the split regex",
+    "source": "the data path",
+    "fingerprint": "the data contents",
+    "requested_vocab_size": "vocab_size",
+    "tokenizer": "the tokenizer kind",
+}
 
 
 def _result(out: pathlib.Path, meta: dict) -> dict:
@@ -291,7 +311,8 @@ def _result(out: pathlib.Path, meta: dict) -> dict:
     bpe = meta["tokenizer"] == "bpe"
     return {"tokenizer_path": str(out / "tokenizer.tiktoken") if bpe else "gpt2",
             "tokenizer_hash": meta["tokenizer_hash"], "vocab_size": meta["vocab_size"],
-            "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"), "eot_id": meta["eot_id"],
+            "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"),
+            "eot_id": meta["eot_id"],
             **{k: meta[k] for k in ("n_train_tokens", "n_val_tokens", "val_docs_count")}}
 
 
@@ -321,11 +342,15 @@ def read_meta(out: pathlib.Path) -> dict:
     try:
         meta = json.loads(path.read_bytes())
         files = _expected(meta)
-        need = {"train.bin", "val.bin"} | ({"tokenizer.tiktoken"} if meta["tokenizer"] == "bpe" else set())
-        ok = (all(type(meta[k]) is int for k in _META_INTS) and meta["tokenizer"] in ("bpe", "gpt2")
-              and need <= set(files) and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
-                                             for n, h in files.values()))
-    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, not a dict, fields missing
+        tokenizer_file = {"tokenizer.tiktoken"} if meta["tokenizer"] == "bpe" else set()
+        need = {"train.bin", "val.bin"} | tokenizer_file
+        ok = (all(type(meta[k]) is int for k in _META_INTS)
+              and meta["tokenizer"] in ("bpe", "gpt2")
+              and need <= set(files)
+              and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
+                      for n, h in files.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        # not JSON, not a dict, fields missing
         ok = False
     if not ok:
         raise DataError(f"{path} is damaged (not the JSON data.py writes)")
@@ -333,7 +358,8 @@ def read_meta(out: pathlib.Path) -> dict:
 
 
 def _damage(out: pathlib.Path, meta: dict) -> str | None:
-    """What is wrong with the files meta describes, e.g. 'out/val.bin is 2,000 bytes, not 37,134', or None."""
+    """What is wrong with the files meta describes, e.g. 'out/val.bin is 2,000 bytes, not
+    37,134', or None."""
     for name, (size, sha) in _expected(meta).items():
         f = out / name
         if not f.is_file():
@@ -346,18 +372,23 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
 
 
 def remake(out: pathlib.Path, meta: dict | None = None) -> str:
-    """The command that rebuilds out/'s data files, with the settings the build recorded (if known)."""
+    """The command that rebuilds out/'s data files, with the settings the build recorded (if
+    known)."""
     if not meta or "source" not in meta:
-        return (f"rebuild it with `python data.py --out-dir {shlex.quote(str(out))}` (or `python train.py`), "
-                "passing the --data and --vocab-size it was built with")
-    flags = ["--out-dir", str(out)] + (["--data", meta["source"]] if meta["source"] != "stdlib" else [])
-    flags += ["--tokenizer", "gpt2"] if meta["tokenizer"] == "gpt2" else ["--vocab-size", str(meta["requested_vocab_size"])]
-    return f"rebuild it with `python data.py {shlex.join(flags)}` (train.py with the same flags rebuilds it too)"
+        return (f"rebuild it with `python data.py --out-dir {shlex.quote(str(out))}` "
+                "(or `python train.py`), passing the --data and --vocab-size it was built with")
+    data = ["--data", meta["source"]] if meta["source"] != "stdlib" else []
+    flags = ["--out-dir", str(out)] + data
+    flags += (["--tokenizer", "gpt2"] if meta["tokenizer"] == "gpt2"
+              else ["--vocab-size", str(meta["requested_vocab_size"])])
+    return (f"rebuild it with `python data.py {shlex.join(flags)}` "
+            "(train.py with the same flags rebuilds it too)")
 
 
 def load_build(out_dir) -> dict:
-    """The build in out_dir for a command that only reads it (bench.py, speculative.py): every file
-    checked against data_meta.json, a damaged one a DataError naming it and the command to remake it."""
+    """The build in out_dir for a command that only reads it (bench.py, speculative.py): every
+    file checked against data_meta.json, a damaged one a DataError naming it and the command to
+    remake it."""
     out = pathlib.Path(out_dir)
     try:
         meta = read_meta(out)
@@ -370,7 +401,8 @@ def load_build(out_dir) -> dict:
 
 
 def encoding_of(info: dict) -> tiktoken.Encoding:
-    """The tokenizer of a build (prepare_data's or load_build's result; a gpt2 build has no file)."""
+    """The tokenizer of a build (prepare_data's or load_build's result; a gpt2 build has no
+    file)."""
     path = info["tokenizer_path"]
     return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path)
 
@@ -395,7 +427,8 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
     return None
 
 
-def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe", verbose=True) -> dict:
+def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
+                 verbose=True) -> dict:
     log = print if verbose else (lambda *a, **k: None)
     if tokenizer not in ("bpe", "gpt2"):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
@@ -405,15 +438,18 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         raise DataError(f"{out} is a file, not a folder; pick another --out-dir")
     blocked = [out / n for n in BUILT if (out / n).is_dir()]
     if blocked:  # writing over a folder would only fail at the end, half done
-        raise DataError(f"{blocked[0]} is a folder where data.py writes a file; move it away or pick another --out-dir")
+        raise DataError(f"{blocked[0]} is a folder where data.py writes a file; move it away or "
+                        "pick another --out-dir")
     source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
     want = {"format": FORMAT, "pattern": PAT, "source": source, "fingerprint": _fingerprint(data),
-            "requested_vocab_size": vocab_size if tokenizer == "bpe" else None, "tokenizer": tokenizer}
+            "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
+            "tokenizer": tokenizer}
 
     # fast path: a complete previous build of the same data with the same settings, files intact
     meta = _reusable(out, want, log)
     if meta is not None:
-        log(f"data: reusing {out}/ ({meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens)")
+        log(f"data: reusing {out}/ ({meta['n_train_tokens']:,} train / "
+            f"{meta['n_val_tokens']:,} val tokens)")
         return _result(out, meta)
 
     train_docs, val_docs = load_documents(data)
@@ -425,13 +461,15 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         ranks = train_bpe(train_docs, vocab_size, verbose=verbose)
         log(f"data: trained a {len(ranks) + 1}-token BPE tokenizer in {time.time() - t0:.1f}s")
         if len(ranks) + 1 < vocab_size:
-            log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for {vocab_size}); using that")
+            log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for "
+                f"{vocab_size}); using that")
     # only now, with the data read and checked, does out/ change; a half-finished rebuild
     # never looks complete: data_meta.json goes first and comes back last
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"cannot make the folder {out} ({e.strerror}); pick another --out-dir") from None
+        raise DataError(f"cannot make the folder {out} ({e.strerror}); "
+                        "pick another --out-dir") from None
     meta_path.unlink(missing_ok=True)
     if tokenizer == "bpe":
         save_tokenizer(ranks, tok_path)
@@ -441,10 +479,12 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
             "val_docs_count": len(val_docs)}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         # every document is followed by EOT, so documents are separated (nanoGPT style)
-        ids = [t for doc in enc.encode_batch(docs, allowed_special={EOT}) for t in (*doc, enc.eot_token)]
+        encoded = enc.encode_batch(docs, allowed_special={EOT})
+        ids = [t for doc in encoded for t in (*doc, enc.eot_token)]
         _atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
         meta[f"n_{split}_tokens"] = len(ids)
-    log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, vocab {enc.n_vocab}")
+    log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, "
+        f"vocab {enc.n_vocab}")
     meta["files"] = {n: {"bytes": (out / n).stat().st_size, "sha256": file_sha256(out / n)}
                      for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer == "bpe"}
     _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
@@ -452,16 +492,19 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
 
 
 def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
-    """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread over documents."""
+    """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread
+    over documents."""
     res = load_build(out_dir)  # every file checked against data_meta.json
     enc, eot = encoding_of(res), res["eot_id"]
     val = np.fromfile(res["val_bin"], dtype=np.uint16).astype(np.int64)
-    ends_nl = np.array([not enc.is_special_token(t) and enc.decode_single_token_bytes(t).endswith(b"\n")
+    ends_nl = np.array([not enc.is_special_token(t)
+                        and enc.decode_single_token_bytes(t).endswith(b"\n")
                         for t in range(enc.n_vocab)])
     bounds = np.flatnonzero(val == eot)  # document i spans [previous EOT + 1, bounds[i])
     starts = np.concatenate([[0], bounds[:-1] + 1])
     rng = np.random.default_rng(seed)
-    cands = []  # per long-enough document: the start positions right after a newline (or at its start)
+    # per long-enough document: the start positions right after a newline (or at its start)
+    cands = []
     for s, e in zip(starts, bounds):
         c = s + 1 + np.flatnonzero(ends_nl[val[s:e - 1]])
         c = np.concatenate([[s], c])
@@ -469,7 +512,8 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
         if len(c):
             cands.append(c)
     if not cands:
-        raise DataError(f"No validation document has {prompt_len} tokens; use a shorter prompt_len or more data.")
+        raise DataError(f"No validation document has {prompt_len} tokens; use a shorter "
+                        "prompt_len or more data.")
     order = rng.permutation(len(cands))
     # round-robin over a shuffled document order, so n <= #documents gives n different documents
     picks = [cands[order[i % len(cands)]] for i in range(n)]
@@ -481,11 +525,15 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
 def build_parser():
     from gpt import ArgumentParser, number, path_arg
     ap = ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
-    ap.add_argument("--data", type=path_arg("data"), default=None, help="text file or folder to train on (default: the Python stdlib)")
-    ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB, help="tokenizer vocab size, EOT included")
-    ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train a BPE here, or use GPT-2's")
+    ap.add_argument("--data", type=path_arg("data"), default=None,
+                    help="text file or folder to train on (default: the Python stdlib)")
+    ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB,
+                    help="tokenizer vocab size, EOT included")
+    ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"],
+                    help="train a BPE here, or use GPT-2's")
     ap.add_argument("--out-dir", type=path_arg("dir"), default="out",
-                    help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are written")
+                    help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are "
+                         "written")
     return ap
 
 

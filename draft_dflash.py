@@ -217,7 +217,7 @@ class DFlash(nn.Module):
 
     def tables(self, device, dtype):
         """RoPE cos/sin for every position a block can reach (float32 angles, then cast), and the
-        ALiBi bias between every pair of such positions, (nh, N, N): inference slices them, never
+        ALiBi bias between every pair of such positions, (1, nh, N, N): inference slices them, never
         rebuilds them. Plain attributes, not buffers: they are derived, not learned."""
         key = (str(device), dtype)
         if key not in self._tables:
@@ -225,7 +225,9 @@ class DFlash(nn.Module):
             N = self.target.config.block_size + cfg.block
             cos, sin = rope_table(N, cfg.n_embd // cfg.n_head, cfg.rope_base, device)
             pos = torch.arange(N, device=device)
-            bias = alibi_bias(pos, pos, cfg.n_head).to(dtype) if cfg.alibi else None
+            # (1, nh, N, N): SDPA takes its fused CPU kernel for a 4-d mask and falls back to
+            # the unfused math path, about 1.7x slower per call here, for a 3-d one
+            bias = alibi_bias(pos, pos, cfg.n_head).to(dtype)[None] if cfg.alibi else None
             self._tables[key] = (cos.to(dtype), sin.to(dtype), bias)
         return self._tables[key]
 
@@ -274,8 +276,8 @@ class DFlash(nn.Module):
         T = x.size(1)
         cos, sin, bias = self.tables(x.device, x.dtype)
         cs = (cos[start:start + T], sin[start:start + T])
-        # (nh, T, start + T) ALiBi slice; None (no ALiBi): every key visible, unweighted
-        mask = bias[:, start:start + T, :start + T] if bias is not None else None
+        # (1, nh, T, start + T) ALiBi slice; None (no ALiBi): every key visible, unweighted
+        mask = bias[:, :, start:start + T, :start + T] if bias is not None else None
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cs, kv, start, mask)
         return x

@@ -39,7 +39,9 @@ from torch.nn import functional as F
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256   # context window; also the size of the preallocated KV cache
+    block_size: int = 256   # context window; also the size of the preallocated KV cache. (nanoGPT's
+    #                         name. `Block` below is a transformer layer; in draft_dflash.py a
+    #                         "block" is the anchor + masks a drafter fills in one pass)
     vocab_size: int = 4096  # our byte-level BPE, end-of-text included (GPT-2's is 50257)
     n_layer: int = 6        # depth: what makes the target expensive to run token by token
     n_head: int = 8         # head size = n_embd / n_head

@@ -305,7 +305,8 @@ class DraftModel(Drafter):
 
 @dataclass
 class Stats:
-    """What a run of the loop measured. tau (τ) counts tokens per target forward, bonus included."""
+    """What a run of the loop measured. tau (τ) counts tokens per target forward, bonus
+    included."""
     tokens: int = 0
     target_forwards: int = 0
     rounds: int = 0

@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 import data as datamod
-from gpt import GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg, pick_device, ArgumentParser, save_checkpoint, state_hash
-from draft_dflash import DFlash, DFlashConfig, default_taps, dflash_loss, sample_anchors, target_continuations
+from gpt import (GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg,
+                 pick_device, ArgumentParser, save_checkpoint, state_hash)
+from draft_dflash import (DFlash, DFlashConfig, default_taps, dflash_loss, sample_anchors,
+                          target_continuations)
 from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
 from draft_mtp import MTP, MTPConfig, mtp_loss
 
@@ -41,12 +43,14 @@ from draft_mtp import MTP, MTPConfig, mtp_loss
 # notebook; train.py always passes every field from the preset.) The CPU preset is the base; the
 # others say only how they differ from it.
 
-CPU = dict(  # measured on a 2-core CPU with fast bfloat16: ~20 minutes in all, the target a third, DFlash a third
+# measured on 2 CPU cores with fast bfloat16: ~20 minutes in all, the target a third, DFlash a third
+CPU = dict(
     n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
     target_iters=1300, target_lr=2e-3, warmup=60,
-    small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3, small_distill=1.0,
-    small_text="gen",
-    mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=1000, mtp_lr=2e-3, mtp_distill=1.0, mtp_text="gen",
+    small_layers=1, small_embd=128, small_heads=4, small_iters=500, small_lr=3e-3,
+    small_distill=1.0, small_text="gen",
+    mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=1000, mtp_lr=2e-3,
+    mtp_distill=1.0, mtp_text="gen",
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
     dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
     dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
@@ -55,18 +59,21 @@ CPU = dict(  # measured on a 2-core CPU with fast bfloat16: ~20 minutes in all, 
 
 PRESETS = {
     "cpu": CPU,
-    # one consumer GPU: wider, deeper, longer context, bigger batches, in bfloat16 autocast (--bf16 auto)
-    # with TF32 matmuls. Never run yet: no GPU was at hand, so its run time is unknown (a rough FLOP
-    # count says 20-30 minutes on a 3090-class card; an estimate, not a measurement)
+    # one consumer GPU: wider, deeper, longer context, bigger batches, in bfloat16 autocast
+    # (--bf16 auto) with TF32 matmuls. Never run yet: no GPU was at hand, so its run time is unknown
+    # (a rough FLOP count says 20-30 minutes on a 3090-class card; an estimate, not a measurement)
     "cuda": {**CPU, **dict(
-        n_layer=8, n_embd=512, block_size=512, batch_size=32, target_iters=4000, target_lr=1e-3, warmup=200,
+        n_layer=8, n_embd=512, block_size=512, batch_size=32,
+        target_iters=4000, target_lr=1e-3, warmup=200,
         small_layers=2, small_embd=256, small_iters=2000, small_lr=2e-3,
         mtp_iters=2000, mtp_lr=1e-3, gen_seqs=2048, feature_cache=0,
-        dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32, dflash_iters=2000, dflash_lr=1e-3,
+        dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
+        dflash_iters=2000, dflash_lr=1e-3,
         dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": {**CPU, **dict(
-        n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4, target_iters=30, target_lr=3e-3, warmup=5,
+        n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
+        target_iters=30, target_lr=3e-3, warmup=5,
         small_embd=16, small_heads=2, small_iters=10, mtp_iters=10, mtp_lr=3e-3, gen_seqs=8,
         dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=10, dflash_lr=3e-3,
         dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4)},
@@ -133,12 +140,22 @@ FIELD_HELP = {
 # the allowed values of every preset field, checked by argparse before anything loads. The rest
 # follow their preset's type: an int is a count (>= 1), a float a rate or scale (> 0).
 FIELD_TYPES = {
-    "warmup": number(int, 0), "dspark_calib_seqs": number(int, 0), "feature_cache": number(int, 0, 1),
-    "dflash_block": number(int, 2), "small_distill": number(float, 0, 1), "mtp_distill": number(float, 0, 1),
-    "gen_sampled": number(float, 0, 1), "mtp_lambda": number(float, 0),
+    "warmup": number(int, 0),
+    "dspark_calib_seqs": number(int, 0),
+    "feature_cache": number(int, 0, 1),
+    "dflash_block": number(int, 2),
+    "small_distill": number(float, 0, 1),
+    "mtp_distill": number(float, 0, 1),
+    "gen_sampled": number(float, 0, 1),
+    "mtp_lambda": number(float, 0),
 }
-FIELD_CHOICES = {"mtp_mode": ["joint", "posthoc"], "small_text": ["gen", "data"], "mtp_text": ["gen", "data"],
-                 "dflash_text": ["gen", "data"], "dspark_init": ["dflash", "scratch"]}
+FIELD_CHOICES = {
+    "mtp_mode": ["joint", "posthoc"],
+    "small_text": ["gen", "data"],
+    "mtp_text": ["gen", "data"],
+    "dflash_text": ["gen", "data"],
+    "dspark_init": ["dflash", "scratch"],
+}
 
 
 def parse_bool(text):
@@ -147,13 +164,16 @@ def parse_bool(text):
         return True
     if text.lower() in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not a yes/no value (use 1/0, true/false, yes/no or on/off)")
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a yes/no value (use 1/0, true/false, yes/no or on/off)")
 
 
 def field_type(field):
     """The argparse type of a preset field's flag: its rule in FIELD_TYPES, else from its type."""
     kind = type(CPU[field])
-    return FIELD_TYPES.get(field) or {int: number(int, 1), float: number(float, above=0), bool: parse_bool}.get(kind, kind)
+    if field in FIELD_TYPES:
+        return FIELD_TYPES[field]
+    return {int: number(int, 1), float: number(float, above=0), bool: parse_bool}.get(kind, kind)
 
 
 # -----------------------------------------------------------------------------
@@ -171,8 +191,10 @@ class Batches:
     def get(self, split, step, device, B=None):
         arr = np.memmap(self.files[split], dtype=np.uint16, mode="r")
         if len(arr) <= self.T + 1:
-            raise datamod.DataError(f"the {split} split has only {len(arr)} tokens; it needs more than {self.T + 1}: use more data or a smaller --block-size")
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + (0 if split == "train" else 7_919_000))
+            raise datamod.DataError(f"the {split} split has only {len(arr)} tokens; it needs more "
+                                    f"than {self.T + 1}: use more data or a smaller --block-size")
+        offset = 0 if split == "train" else 7_919_000
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + offset)
         ix = torch.randint(len(arr) - self.T - 1, (B or self.B,), generator=g).tolist()
         x = torch.stack([torch.from_numpy(arr[i:i + self.T].astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
@@ -209,9 +231,10 @@ def fast_bf16(device):
 
 
 def allow_tf32(device):
-    """On CUDA, let the float32 matmuls that autocast leaves in float32 use TF32 tensor cores (Ampere
-    and later; 10-bit mantissa products, float32 sums: what every GPU training recipe does). CPU and
-    MPS: untouched, so CPU runs stay bit-identical. Returns whether it was switched on."""
+    """On CUDA, let the float32 matmuls that autocast leaves in float32 use TF32 tensor cores
+    (Ampere and later; 10-bit mantissa products, float32 sums: what every GPU training recipe
+    does). CPU and MPS: untouched, so CPU runs stay bit-identical. Returns whether it was switched
+    on."""
     if not str(device).startswith("cuda"):
         return False
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -222,7 +245,8 @@ def allow_tf32(device):
 def autocast(args, device):
     """The context every training forward runs in: bfloat16 autocast (parameters, optimizer state
     and the loss's reductions stay float32) where it pays, else a no-op."""
-    return torch.autocast(device_type=str(device).split(":")[0], dtype=torch.bfloat16, enabled=args.use_bf16)
+    return torch.autocast(device_type=str(device).split(":")[0], dtype=torch.bfloat16,
+                          enabled=args.use_bf16)
 
 
 def lr_at(step, iters, peak, warmup):
@@ -249,8 +273,10 @@ def resume(name, module, opt, resume_path, fingerprint, iters):
     try:
         module.load_state_dict(r["state_dict"])
         opt.load_state_dict(r["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:  # e.g. written by an older version of the code
-        print(f"{name}: the resume file does not fit this model ({str(e).splitlines()[0][:100]}); starting over")
+    except (RuntimeError, ValueError, KeyError) as e:
+        # e.g. written by an older version of the code
+        reason = str(e).splitlines()[0][:100]
+        print(f"{name}: the resume file does not fit this model ({reason}); starting over")
         return 0
     print(f"{name}: resuming an interrupted run at step {r['step']}/{iters}")
     return r["step"]
@@ -263,8 +289,8 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     resume_path = os.path.join(args.out_dir, f"{name}.resume.pt")
     start = resume(name, module, opt, resume_path, fingerprint, iters)
     saved_step = start if start else None
@@ -273,7 +299,8 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         nonlocal saved_step
         saved_step = step
         save_checkpoint({"kind": "resume", "fingerprint": fingerprint, "step": step,
-                         "state_dict": module.state_dict(), "optimizer": opt.state_dict()}, resume_path)
+                         "state_dict": module.state_dict(), "optimizer": opt.state_dict()},
+                        resume_path)
 
     t_start = t_last = time.time()
     last_save, val = time.time(), float("nan")
@@ -286,11 +313,15 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         loss_val = loss.item()  # host sync: once per step, for the NaN check and the log
         if math.isfinite(loss_val):
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()  # a NaN gradient would poison the weights
+            # a NaN gradient would poison the weights
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
-            kept = f"the last good state (step {saved_step}) is kept in {resume_path}" if saved_step is not None \
-                else "no state of this stage was saved yet"
-            raise TrainingError(f"{name}: the loss (or its gradient) became {loss_val if not math.isfinite(loss_val) else grad_norm} "
+            if saved_step is not None:
+                kept = f"the last good state (step {saved_step}) is kept in {resume_path}"
+            else:
+                kept = "no state of this stage was saved yet"
+            bad = loss_val if not math.isfinite(loss_val) else grad_norm
+            raise TrainingError(f"{name}: the loss (or its gradient) became {bad} "
                                 f"at step {step}, so training stopped; {kept}. "
                                 f"Try a lower learning rate (--{name}-lr).")
         opt.step()
@@ -298,12 +329,15 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         done = step + 1
         if done % args.log_interval == 0 or done == iters:
             now = time.time()
-            ms = 1000 * (now - t_last) / (args.log_interval if done % args.log_interval == 0 else max(1, done % args.log_interval))
+            n_steps = (args.log_interval if done % args.log_interval == 0
+                       else max(1, done % args.log_interval))  # since the last progress line
+            ms = 1000 * (now - t_last) / n_steps
             t_last = now
             eta = (iters - done) * ms / 1000
-            print(f"{name} | step {done:5d}/{iters} | loss {loss_val:.4f} | lr {opt.param_groups[0]['lr']:.1e} | "
-                  f"{ms:6.0f} ms/step | {tokens_per_step * 1000 / ms:7.0f} tok/s | ETA {int(eta // 60)}m{int(eta % 60):02d}s",
-                  flush=True)
+            lr_now = opt.param_groups[0]['lr']
+            print(f"{name} | step {done:5d}/{iters} | loss {loss_val:.4f} | lr {lr_now:.1e} | "
+                  f"{ms:6.0f} ms/step | {tokens_per_step * 1000 / ms:7.0f} tok/s | "
+                  f"ETA {int(eta // 60)}m{int(eta % 60):02d}s", flush=True)
         if done % args.eval_interval == 0 or done == iters:
             module.eval()
             val = eval_fn()
@@ -332,13 +366,15 @@ class Context:
         self._target = None
         self.distill = None  # the target's own text, shared by the drafter stages (distill_text)
         self.features = None  # the target's logits and states on it (feature_cache)
-        self.stage_t0 = time.time()  # when the running stage started (for the budget in its checkpoint)
+        # when the running stage started (for the budget in its checkpoint)
+        self.stage_t0 = time.time()
 
     def path(self, stage):
         return os.path.join(self.args.out_dir, f"{stage}.pt")
 
     def forget_target(self):
-        """After the target is retrained: drop it and everything computed from it (its text, its features)."""
+        """After the target is retrained: drop it and everything computed from it (its text, its
+        features)."""
         self._target, self.distill, self.features = None, None, None
 
     def target(self):
@@ -346,8 +382,10 @@ class Context:
         if self._target is None:
             model, ckpt = load_target(self.path("target"), self.device)
             if ckpt["tokenizer_hash"] != self.info["tokenizer_hash"]:
-                raise CheckpointError(f"{self.path('target')} was trained with tokenizer {ckpt['tokenizer_hash'][:12]} "
-                                      f"but out/ now holds {self.info['tokenizer_hash'][:12]}: run `python train.py --only target --force`")
+                raise CheckpointError(f"{self.path('target')} was trained with tokenizer "
+                                      f"{ckpt['tokenizer_hash'][:12]} but out/ now holds "
+                                      f"{self.info['tokenizer_hash'][:12]}: run "
+                                      "`python train.py --only target --force`")
             for p in model.parameters():
                 p.requires_grad_(False)
             self._target = (model, ckpt)
@@ -355,15 +393,18 @@ class Context:
 
     def val_loss(self, loss_of_batch, n=8):
         with torch.no_grad():
-            return sum(loss_of_batch(*self.batches.get("val", i, self.device)).item() for i in range(n)) / n
+            return sum(loss_of_batch(*self.batches.get("val", i, self.device)).item()
+                       for i in range(n)) / n
 
     def drafter_meta(self, kind, config, state_dict, extra=None, steps=None):
         """Checkpoint dict for a drafter: it records which target and tokenizer it belongs to, and
         its training budget (optimizer steps, seconds of this stage), which bench.py prints."""
         _, tckpt = self.target()
-        budget = {"steps": steps or getattr(self.args, f"{kind}_iters"), "seconds": round(time.time() - self.stage_t0)}
+        budget = {"steps": steps or getattr(self.args, f"{kind}_iters"),
+                  "seconds": round(time.time() - self.stage_t0)}
         return {"kind": kind, "config": config, "state_dict": state_dict, "budget": budget,
-                "target_hash": tckpt["model_hash"], "tokenizer_hash": self.info["tokenizer_hash"], **(extra or {})}
+                "target_hash": tckpt["model_hash"], "tokenizer_hash": self.info["tokenizer_hash"],
+                **(extra or {})}
 
 
 def cpu_state_dict(module):
@@ -372,8 +413,8 @@ def cpu_state_dict(module):
 
 
 def cpu_tree(obj):
-    """obj (e.g. an optimizer's state_dict) with every tensor in it moved to the CPU, so a checkpoint
-    written on a GPU holds nothing that loads back onto that GPU."""
+    """obj (e.g. an optimizer's state_dict) with every tensor in it moved to the CPU, so a
+    checkpoint written on a GPU holds nothing that loads back onto that GPU."""
     if torch.is_tensor(obj):
         return obj.cpu()
     if isinstance(obj, dict):
@@ -414,27 +455,35 @@ def stage_target(ctx):
     torch.manual_seed(a.seed)
     model = GPT(cfg).to(ctx.device)
     print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
-    mtp = new_mtp(ctx, cfg) if mtp_mode(a) == "joint" else None  # trains alongside: L_main + λ·L_mtp
+    # joint: the MTP head trains alongside the target, L_main + λ·L_mtp
+    mtp = new_mtp(ctx, cfg) if mtp_mode(a) == "joint" else None
     L = (cfg.n_layer,) if mtp is not None else ()
 
     def loss_fn(step):
         x, y = ctx.batches.get("train", step, ctx.device)
         _, loss, hid = model(x, y, hidden_layers=L)
-        if mtp is not None:  # DeepSeek-V3: the MTP gradient flows into the target's trunk, embedding and head too
+        # DeepSeek-V3: the MTP gradient flows into the target's trunk, embedding and head too
+        if mtp is not None:
             loss = loss + a.mtp_lambda * mtp_loss(mtp, model, hid[cfg.n_layer], x, y)
         return loss
 
-    fingerprint = {"stage": "target", "config": cfg.to_dict(), "tokenizer": ctx.info["tokenizer_hash"],
-                   "iters": a.target_iters, "lr": a.target_lr, "batch": a.batch_size, "seed": a.seed,
-                   "mtp": None if mtp is None else (a.mtp_modules, a.mtp_lambda)}
-    val, opt_state = train_loop("target", model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp}),
-                                loss_fn, lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),  # val: L_main only
-                                a.target_iters, a.target_lr, a, fingerprint, a.batch_size * a.block_size)
+    fingerprint = {"stage": "target", "config": cfg.to_dict(),
+                   "tokenizer": ctx.info["tokenizer_hash"],
+                   "iters": a.target_iters, "lr": a.target_lr, "batch": a.batch_size,
+                   "seed": a.seed, "mtp": None if mtp is None else (a.mtp_modules, a.mtp_lambda)}
+    module = model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp})
+    val, opt_state = train_loop("target", module, loss_fn,
+                                lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
+                                a.target_iters, a.target_lr, a, fingerprint,
+                                a.batch_size * a.block_size)
     sd = cpu_state_dict(model)
-    save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd, "model_hash": state_hash(sd),
-                     "tokenizer_hash": ctx.info["tokenizer_hash"], "step": a.target_iters, "optimizer": cpu_tree(opt_state),
-                     "val_loss": val, "tokens_seen": a.target_iters * a.batch_size * a.block_size}, ctx.path("target"))
-    if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current and skipped
+    save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
+                     "model_hash": state_hash(sd), "tokenizer_hash": ctx.info["tokenizer_hash"],
+                     "step": a.target_iters, "optimizer": cpu_tree(opt_state), "val_loss": val,
+                     "tokens_seen": a.target_iters * a.batch_size * a.block_size},
+                    ctx.path("target"))
+    # the head belongs to exactly this target: the mtp stage is now current and skipped
+    if mtp is not None:
         ctx.forget_target()
         save_mtp(ctx, mtp, "joint")
     return val
@@ -451,12 +500,13 @@ def write_text(ctx, n_seqs, n_sampled, seed, split):
     t0, chunks = time.time(), []
     for i in range(0, n_seqs, 128):
         rows = prompts[i:i + 128]
-        greedy = max(0, min(len(rows), n_seqs - n_sampled - i))  # rows of this chunk written greedily
+        # rows of this chunk written greedily
+        greedy = max(0, min(len(rows), n_seqs - n_sampled - i))
         for part, temp in ((rows[:greedy], 0.0), (rows[greedy:], a.gen_temperature)):
             if len(part):
                 chunks.append(target_continuations(target, part, a.block_size, temp, gen))
-    print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text ({n_sampled} sampled at "
-          f"temperature {a.gen_temperature}) in {time.time() - t0:.0f}s")
+    print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text ({n_sampled} "
+          f"sampled at temperature {a.gen_temperature}) in {time.time() - t0:.0f}s")
     return torch.cat(chunks)
 
 
@@ -464,8 +514,9 @@ def distill_settings(ctx):
     """Everything the distillation set depends on: what out/distill.pt records, and what the
     resume fingerprint of every stage that learns from it records."""
     a = ctx.args
-    return {"target": ctx.target()[1]["model_hash"], "seqs": a.gen_seqs, "sampled": round(a.gen_seqs * a.gen_sampled),
-            "temperature": a.gen_temperature, "block_size": a.block_size, "seed": a.seed}
+    return {"target": ctx.target()[1]["model_hash"], "seqs": a.gen_seqs,
+            "sampled": round(a.gen_seqs * a.gen_sampled), "temperature": a.gen_temperature,
+            "block_size": a.block_size, "seed": a.seed}
 
 
 def distill_text(ctx):
@@ -479,7 +530,8 @@ def distill_text(ctx):
         path = os.path.join(a.out_dir, "distill.pt")
         try:
             ck = load_checkpoint(path, "distill") if os.path.exists(path) else None
-        except CheckpointError:  # truncated, garbage, a folder: it is only a cache of the target's text
+        except CheckpointError:
+            # truncated, garbage, a folder: it is only a cache of the target's text
             print(f"distill: {path} is unreadable; rewriting it")
             ck = None
         if ck is None or ck.get("settings") != want:
@@ -487,7 +539,8 @@ def distill_text(ctx):
             ck = {"kind": "distill", "settings": want, "state_dict": {},
                   "tokens": write_text(ctx, a.gen_seqs, want["sampled"], a.seed, "train").cpu()}
             save_checkpoint(ck, path)
-            ctx.stage_t0 += time.time() - t0  # shared work: not charged to the stage that happened to ask first
+            # shared work: not charged to the stage that happened to ask first
+            ctx.stage_t0 += time.time() - t0
         ctx.distill = ck["tokens"].to(ctx.device)
     return ctx.distill
 
@@ -511,9 +564,12 @@ def feature_cache(ctx):
         with autocast(ctx.args, ctx.device):
             for i in range(0, len(pool), 32):
                 logits, hid = target_features(ctx, pool[i:i + 32])
-                chunks.append((logits.to("cpu", torch.bfloat16), {l: h.to("cpu", torch.bfloat16) for l, h in hid.items()}))
-        ctx.features = (torch.cat([c[0] for c in chunks]), {l: torch.cat([c[1][l] for c in chunks]) for l in chunks[0][1]})
-        print(f"the target's logits and hidden states on the distillation set, once: {time.time() - t0:.0f}s")
+                chunks.append((logits.to("cpu", torch.bfloat16),
+                               {l: h.to("cpu", torch.bfloat16) for l, h in hid.items()}))
+        ctx.features = (torch.cat([c[0] for c in chunks]),
+                        {l: torch.cat([c[1][l] for c in chunks]) for l in chunks[0][1]})
+        print("the target's logits and hidden states on the distillation set, once: "
+              f"{time.time() - t0:.0f}s")
         ctx.stage_t0 += time.time() - t0  # shared work, like the set itself
     return ctx.features
 
@@ -537,7 +593,9 @@ def drafter_batches(ctx, kind):
         x = pool[idx.to(ctx.device)]
         if cache is None:
             return (x, *target_features(ctx, x))
-        return x, cache[0][idx].to(ctx.device), {l: h[idx].to(ctx.device, torch.float32) for l, h in cache[1].items()}
+        logits = cache[0][idx].to(ctx.device)
+        hid = {l: h[idx].to(ctx.device, torch.float32) for l, h in cache[1].items()}
+        return x, logits, hid
     return batch
 
 
@@ -550,29 +608,33 @@ def stage_small(ctx):
     """The classic independent drafter: a 1-2 layer GPT, distilled from the target."""
     a = ctx.args
     target, _ = ctx.target()
-    cfg = GPTConfig(block_size=a.block_size, vocab_size=target.config.vocab_size, n_layer=a.small_layers,
-                    n_head=a.small_heads, n_embd=a.small_embd)
+    cfg = GPTConfig(block_size=a.block_size, vocab_size=target.config.vocab_size,
+                    n_layer=a.small_layers, n_head=a.small_heads, n_embd=a.small_embd)
     torch.manual_seed(a.seed + 1)
     model = GPT(cfg).to(ctx.device)
     print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
 
-    def loss_of(w, p_logits, hid=None):  # w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
+    # w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w
+    def loss_of(w, p_logits, hid=None):
         logits, ce, _ = model(w[:, :-1], w[:, 1:])
         if a.small_distill == 0:
             return ce
         teacher = F.log_softmax(p_logits[:, :-1], -1)  # causal: the target's logits on w[:, :-1]
-        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="batchmean") / logits.size(1)
+        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True,
+                      reduction="batchmean") / logits.size(1)
         return a.small_distill * kl + (1 - a.small_distill) * ce
 
-    fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": ctx.target()[1]["model_hash"],
-                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill, "seed": a.seed,
-                   "text": distill_key(ctx, a.small_text)}
+    fingerprint = {"stage": "small", "config": cfg.to_dict(),
+                   "target": ctx.target()[1]["model_hash"],
+                   "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill,
+                   "seed": a.seed, "text": distill_key(ctx, a.small_text)}
     batches = drafter_batches(ctx, a.small_text)
     val, _ = train_loop("small", model, lambda s: loss_of(*batches(s)),
                         lambda: ctx.val_loss(lambda x, y: model(x, y)[1]),
                         a.small_iters, a.small_lr, a, fingerprint, a.batch_size * a.block_size)
     sd = cpu_state_dict(model)
-    save_checkpoint(ctx.drafter_meta("small", cfg.to_dict(), sd, {"val_loss": val}), ctx.path("small"))
+    save_checkpoint(ctx.drafter_meta("small", cfg.to_dict(), sd, {"val_loss": val}),
+                    ctx.path("small"))
     return val
 
 
@@ -592,11 +654,14 @@ def save_mtp(ctx, mtp, mode):
     target, _ = ctx.target()
     L = target.config.n_layer
     mtp.eval()
-    val = ctx.val_loss(lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
+    val = ctx.val_loss(
+        lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
     print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
     sd = cpu_state_dict(mtp)
-    steps = ctx.args.target_iters if mode == "joint" else None  # joint: it trained alongside the target
-    save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd, {"val_loss": val, "mode": mode}, steps), ctx.path("mtp"))
+    # joint: it trained alongside the target
+    steps = ctx.args.target_iters if mode == "joint" else None
+    save_checkpoint(ctx.drafter_meta("mtp", mtp.config.to_dict(), sd,
+                                     {"val_loss": val, "mode": mode}, steps), ctx.path("mtp"))
     return val
 
 
@@ -606,24 +671,29 @@ def stage_mtp(ctx):
     a = ctx.args
     target, tckpt = ctx.target()
     if mtp_mode(a) == "joint":
-        print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc on it "
-              "(`python train.py --only target --force` retrains both jointly)")
+        print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc "
+              "on it (`python train.py --only target --force` retrains both jointly)")
     mtp = new_mtp(ctx, target.config)
     L = target.config.n_layer
-    print(f"mtp: {sum(p.numel() for p in mtp.parameters()) / 1e6:.2f}M trainable parameters, {mtp.config}")
+    n_params = sum(p.numel() for p in mtp.parameters())
+    print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
 
     batches = drafter_batches(ctx, a.mtp_text)
 
     def loss_of(w, t_logits, hid):
-        """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give the
-        module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is x's."""
-        return mtp_loss(mtp, target, hid[L][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1], a.mtp_distill)
+        """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
+        the module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is
+        x's."""
+        return mtp_loss(mtp, target, hid[L][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
+                        a.mtp_distill)
 
-    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"], "iters": a.mtp_iters,
-                   "lr": a.mtp_lr, "distill": a.mtp_distill, "text": a.mtp_text, "gen": distill_key(ctx, a.mtp_text), "seed": a.seed}
+    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"],
+                   "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
+                   "text": a.mtp_text, "gen": distill_key(ctx, a.mtp_text), "seed": a.seed}
 
+    # val: corpus windows
     train_loop("mtp", mtp, lambda s: loss_of(*batches(s)),
-               lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x))),  # val: corpus windows
+               lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x))),
                a.mtp_iters, a.mtp_lr, a, fingerprint, a.batch_size * a.block_size)
     return save_mtp(ctx, mtp, "posthoc")
 
@@ -635,7 +705,8 @@ def parse_taps(spec, n_layer):
     try:
         return [int(t) for t in spec.split(",")]
     except ValueError:
-        raise ValueError(f"--dflash-taps must be 'auto' or comma-separated layer numbers like 1,3,5 (got {spec!r})") from None
+        raise ValueError("--dflash-taps must be 'auto' or comma-separated layer numbers like "
+                         f"1,3,5 (got {spec!r})") from None
 
 
 def block_batch(ctx, x, t_logits, hid, step, cfg):
@@ -643,14 +714,16 @@ def block_batch(ctx, x, t_logits, hid, step, cfg):
     and its hidden states (the context); the anchors of step s come from a generator seeded with
     (seed, s), so a resumed run replays them."""
     g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
-    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift, g, ctx.device)
+    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift,
+                             g, ctx.device)
     return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
 
 
 def block_config(ctx):
     """The DFlash network, also DSpark's backbone: the same shape, so DSpark can start from it.
     The mask slots predict (shift 0, as in the DFlash paper): letting the anchor slot predict too
-    (DeepSpec's shift 1) drafted worse here (600 steps, block 8: tau 2.60 at k = 8 vs 2.71 at k = 7)."""
+    (DeepSpec's shift 1) drafted worse here (600 steps, block 8: tau 2.60 at k = 8 vs 2.71 at
+    k = 7)."""
     a = ctx.args
     tcfg = ctx.target()[0].config
     return DFlashConfig(n_embd=tcfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
@@ -664,20 +737,25 @@ def stage_dflash(ctx):
     cfg = block_config(ctx)
     torch.manual_seed(a.seed + 3)
     net = DFlash(cfg, target).to(ctx.device)
-    print(f"dflash: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {cfg}")
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}")
     batches = drafter_batches(ctx, a.dflash_text)
 
     def loss_of(x, t_logits, hid, step):
         return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
 
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"], "iters": a.dflash_iters,
-                   "lr": a.dflash_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"],
+                   "iters": a.dflash_iters, "lr": a.dflash_lr, "text": a.dflash_text,
+                   "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
                    "gamma": a.dflash_gamma, "seed": a.seed}
-    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),  # val: corpus windows, fixed anchors
+    # val: corpus windows, fixed anchors
+    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-                        a.dflash_iters, a.dflash_lr, a, fingerprint, a.batch_size * a.dflash_anchors * cfg.block)
+                        a.dflash_iters, a.dflash_lr, a, fingerprint,
+                        a.batch_size * a.dflash_anchors * cfg.block)
     sd = cpu_state_dict(net)
-    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd, {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
+    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd,
+                                     {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
     return val
 
 
@@ -691,13 +769,15 @@ def stage_dspark(ctx):
     cfg = DSparkConfig(rank=a.dspark_rank)
     torch.manual_seed(a.seed + 4)
     net = DSpark(bcfg, cfg, target).to(ctx.device)
-    print(f"dspark: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
     init_budget = None
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         dfl = load_checkpoint(ctx.path("dflash"), "dflash")
         if dfl.get("target_hash") != tckpt["model_hash"] or dfl["config"] != bcfg.to_dict():
-            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this target with the same "
-                             "--dflash-* shape: run `python train.py --only dflash` first, or use --dspark-init scratch")
+            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this "
+                             "target with the same --dflash-* shape: run "
+                             "`python train.py --only dflash` first, or use --dspark-init scratch")
         net.backbone.load_state_dict(dfl["state_dict"])
         init_budget = dfl.get("budget")
         print(f"dspark: backbone initialised from {ctx.path('dflash')}")
@@ -708,29 +788,41 @@ def stage_dspark(ctx):
     def loss_of(x, t_logits, hid, step):
         return dspark_loss(net, *block_batch(ctx, x, t_logits, hid, step, bcfg), a.dflash_gamma)
 
-    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(), "target": tckpt["model_hash"],
-                   "init": a.dspark_init,
-                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text, "gen": distill_key(ctx, a.dflash_text),
+    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(),
+                   "target": tckpt["model_hash"], "init": a.dspark_init,
+                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text,
+                   "gen": distill_key(ctx, a.dflash_text),
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
     val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-                        a.dspark_iters, a.dspark_lr, a, fingerprint, a.batch_size * a.dflash_anchors * bcfg.block)
+                        a.dspark_iters, a.dspark_lr, a, fingerprint,
+                        a.batch_size * a.dflash_anchors * bcfg.block)
     extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
     if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
         held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
         held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
-        # a generator, not a list: one batch's target logits at a time (8 x 268 MB on the cuda preset)
-        before, after = calibrate(net, (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg) for i, x in enumerate(held)))
-        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, {after:.3f} after; "
-              f"per-position temperatures {[round(t, 2) for t in net.conf_temp.tolist()]}")
+        # a generator, not a list: one batch's target logits at a time
+        # (8 x 268 MB on the cuda preset)
+        held_batches = (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg)
+                        for i, x in enumerate(held))
+        before, after = calibrate(net, held_batches)
+        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, "
+              f"{after:.3f} after; per-position temperatures "
+              f"{[round(t, 2) for t in net.conf_temp.tolist()]}")
         extra.update(ece_before=before, ece_after=after)
     sd = cpu_state_dict(net)
-    save_checkpoint(ctx.drafter_meta("dspark", {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}, sd, extra),
-                    ctx.path("dspark"))
+    config = {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}
+    save_checkpoint(ctx.drafter_meta("dspark", config, sd, extra), ctx.path("dspark"))
     return val
 
 
-STAGES = {"target": stage_target, "small": stage_small, "mtp": stage_mtp, "dflash": stage_dflash, "dspark": stage_dspark}
+STAGES = {
+    "target": stage_target,
+    "small": stage_small,
+    "mtp": stage_mtp,
+    "dflash": stage_dflash,
+    "dspark": stage_dspark,
+}
 
 # -----------------------------------------------------------------------------
 # command line
@@ -738,24 +830,38 @@ STAGES = {"target": stage_target, "small": stage_small, "mtp": stage_mtp, "dflas
 
 def build_parser():
     p = ArgumentParser(description="Train the nanospec target and its drafters.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="defaults for all sizes and steps (default: by device)")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="defaults for all sizes and steps (default: by device)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--only", default=None, help=f"run one stage: {', '.join(STAGES)}")
-    p.add_argument("--force", action="store_true", help="retrain stages even if their checkpoint exists")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out", help="where tokenizer, token files and checkpoints go")
-    p.add_argument("--data", type=path_arg("data"), default=None, help="a text file or folder to train on (default: the Python stdlib sources)")
-    p.add_argument("--vocab-size", type=number(int, 257, 65536), default=datamod.DEFAULT_VOCAB, help="BPE vocabulary size, end-of-text included")
-    p.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"], help="train our own BPE, or use tiktoken's gpt2 if it loads")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=1337, help="seed for initialisation and batch sampling")
-    p.add_argument("--log-interval", type=number(int, 1), default=25, help="steps between progress lines")
-    p.add_argument("--eval-interval", type=number(int, 1), default=250, help="steps between validation losses")
-    p.add_argument("--ckpt-interval", type=number(float, 0), default=60.0, help="seconds between resume checkpoints")
-    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--force", action="store_true",
+                   help="retrain stages even if their checkpoint exists")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where tokenizer, token files and checkpoints go")
+    p.add_argument("--data", type=path_arg("data"), default=None,
+                   help="a text file or folder to train on (default: the Python stdlib sources)")
+    p.add_argument("--vocab-size", type=number(int, 257, 65536), default=datamod.DEFAULT_VOCAB,
+                   help="BPE vocabulary size, end-of-text included")
+    p.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"],
+                   help="train our own BPE, or use tiktoken's gpt2 if it loads")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=1337,
+                   help="seed for initialisation and batch sampling")
+    p.add_argument("--log-interval", type=number(int, 1), default=25,
+                   help="steps between progress lines")
+    p.add_argument("--eval-interval", type=number(int, 1), default=250,
+                   help="steps between validation losses")
+    p.add_argument("--ckpt-interval", type=number(float, 0), default=60.0,
+                   help="seconds between resume checkpoints")
+    p.add_argument("--threads", type=number(int, 1), default=None,
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
-                   help="bfloat16 autocast for training: auto = where this device measurably runs it faster")
+                   help="bfloat16 autocast for training: auto = where this device measurably "
+                        "runs it faster")
     for field, help_text in FIELD_HELP.items():
-        p.add_argument("--" + field.replace("_", "-"), type=field_type(field), choices=FIELD_CHOICES.get(field),
-                       default=None, help=f"{help_text} (preset)")
+        p.add_argument("--" + field.replace("_", "-"), type=field_type(field),
+                       choices=FIELD_CHOICES.get(field), default=None,
+                       help=f"{help_text} (preset)")
     return p
 
 
@@ -775,7 +881,8 @@ def resolve_args(argv=None):
 
 def check_out_dir(out_dir):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
-    names = [*datamod.BUILT, "distill.pt", *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt"))]
+    names = [*datamod.BUILT, "distill.pt",
+             *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt"))]
     for p in (os.path.join(out_dir, n) for n in names):
         if os.path.isdir(p):
             raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")
@@ -790,11 +897,15 @@ def main(argv=None):
     tf32 = allow_tf32(args.device_resolved)
     t0 = time.time()
     ctx = Context(args)
-    print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, preset {args.preset or ctx.device}, "
-          f"training in {'bfloat16 autocast' if args.use_bf16 else 'float32'}" + (", TF32 matmuls" if tf32 else ""))
+    precision = "bfloat16 autocast" if args.use_bf16 else "float32"
+    print(f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"preset {args.preset or ctx.device}, training in {precision}"
+          + (", TF32 matmuls" if tf32 else ""))
     try:
         run_stages(ctx, args)
-    finally:  # TF32 is for training only: float32 inference in the same process (tests, notebooks) stays float32
+    finally:
+        # TF32 is for training only: float32 inference in the same process (tests, notebooks)
+        # stays float32
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
 
@@ -812,7 +923,8 @@ def run_stages(ctx, args):
         resume = os.path.join(args.out_dir, f"{stage}.resume.pt")
         if os.path.exists(resume):
             os.remove(resume)
-        print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, wrote {ctx.path(stage)}")
+        print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, "
+              f"wrote {ctx.path(stage)}")
         if stage == "target":
             ctx.forget_target()  # the drafters must see the freshly trained target
 

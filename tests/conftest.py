@@ -30,7 +30,8 @@ def peaked(model, scale):
 
 def tiny_gpt(seed, n_layer=2, n_embd=32, n_head=2, vocab=VOCAB, block_size=96, scale=8.0):
     torch.manual_seed(seed)
-    cfg = GPTConfig(block_size=block_size, vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    cfg = GPTConfig(block_size=block_size, vocab_size=vocab, n_layer=n_layer, n_head=n_head,
+                    n_embd=n_embd)
     return peaked(GPT(cfg), scale).double().eval()
 
 
@@ -59,7 +60,8 @@ def fit_mtp(target, n_modules=2, steps=30):
     shared tests walk through full acceptance, partial acceptance and rejection alike."""
     key = (id(target), n_modules, steps)
     if key not in _MTP_FITTED:
-        with torch.inference_mode(False), torch.enable_grad():  # a test may call this inside inference_mode
+        # a test may call this inside inference_mode
+        with torch.inference_mode(False), torch.enable_grad():
             _MTP_FITTED[key] = _fit_mtp(target, n_modules, steps)
     return _MTP_FITTED[key]
 
@@ -71,12 +73,14 @@ def target_text(target, seed, length):
     with torch.no_grad():
         x = torch.randint(0, target.config.vocab_size, (16, 4), generator=g)
         while x.size(1) < length:
-            x = torch.cat([x, torch.multinomial(torch.softmax(target(x)[0][:, -1], -1), 1, generator=g)], 1)
+            probs = torch.softmax(target(x)[0][:, -1], -1)
+            x = torch.cat([x, torch.multinomial(probs, 1, generator=g)], 1)
     return x
 
 
 def adam_fit(net, loss_fn, steps, target):
-    """A few Adam steps on loss_fn(); only `net` steps (the target's shared head gets gradients too)."""
+    """A few Adam steps on loss_fn(); only `net` steps (the target's shared head gets gradients
+    too)."""
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     for _ in range(steps):
         loss = loss_fn()
@@ -95,11 +99,15 @@ def _fit_mtp(target, n_modules, steps):
     x = target_text(target, 2, 44)
     with torch.no_grad():
         logits, _, hid = target(x[:, :-1], hidden_layers=(L,))
-    return adam_fit(mtp, lambda: mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0), steps, target)
+
+    def loss_fn():
+        return mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0)
+    return adam_fit(mtp, loss_fn, steps, target)
 
 
 def make_mtp(target):
-    """Two chained MTP modules, so k >= 3 exercises the chain AND the recursive reuse of the last one."""
+    """Two chained MTP modules, so k >= 3 exercises the chain AND the recursive reuse of the last
+    one."""
     from draft_mtp import MTPDrafter
     return MTPDrafter(fit_mtp(target), target)
 
@@ -114,7 +122,8 @@ def fit_block_drafter(target, kind, steps=40):
     loop sees full, partial and no acceptance."""
     key = (id(target), kind, steps)
     if key not in _BLOCK_FITTED:
-        with torch.inference_mode(False), torch.enable_grad():  # callers may be in no-grad or inference mode
+        # callers may be in no-grad or inference mode
+        with torch.inference_mode(False), torch.enable_grad():
             _BLOCK_FITTED[key] = _fit_block_drafter(target, kind, steps)
     return _BLOCK_FITTED[key]
 
@@ -124,13 +133,15 @@ def _fit_block_drafter(target, kind, steps):
     from draft_dspark import DSpark, DSparkConfig, dspark_loss
     torch.manual_seed(3)
     shift = 1 if kind == "dspark" else 0
-    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2], block=9 - shift, shift=shift)
+    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2],
+                       block=9 - shift, shift=shift)
     net = (DSpark(cfg, DSparkConfig(rank=8), target) if shift else DFlash(cfg, target)).double()
     loss_fn = dspark_loss if shift else dflash_loss
     x = target_text(target, 3, 40)
     with torch.no_grad():
         logits, _, hid = target(x, hidden_layers=cfg.taps)
-    anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)  # every third position
+    # every third position
+    anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)
     return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps, target)
 
 
@@ -180,8 +191,9 @@ def corpus(tmp_path_factory):
 
 
 def tiny_args(corpus, out, *extra):
-    """train.py flags for a tiny run, on the CPU: the tests that use it prove CPU facts (same seed,
-    bit-identical checkpoints). A later --device in `extra` wins (tests/test_device.py's device mode)."""
+    """train.py flags for a tiny run, on the CPU: the tests that use it prove CPU facts (same
+    seed, bit-identical checkpoints). A later --device in `extra` wins (tests/test_device.py's
+    device mode)."""
     return ["--preset", "tiny", "--data", corpus, "--vocab-size", "384", "--out-dir", str(out),
             "--log-interval", "10", "--eval-interval", "1000", "--device", "cpu", *extra]
 

@@ -10,12 +10,14 @@ from speculative import DRAFTERS
 def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
     path = tmp_path / "bench.json"
     md = tmp_path / "table.md"
-    out = bench.main(["--out-dir", str(trained), "--n-prompts", "3", "--max-new-tokens", "12", "--repeats", "1",
-                      "--sweep", "1,3", "--sweep-prompts", "2", "--dtype", "float64",
-                      "--json", str(path), "--markdown", str(md), "--plot", str(tmp_path / "bench.png")])
+    out = bench.main(["--out-dir", str(trained), "--n-prompts", "3", "--max-new-tokens", "12",
+                      "--repeats", "1", "--sweep", "1,3", "--sweep-prompts", "2",
+                      "--dtype", "float64", "--json", str(path), "--markdown", str(md),
+                      "--plot", str(tmp_path / "bench.png")])
     saved = json.loads(path.read_text())
     assert saved["methods"].keys() == out["methods"].keys()
-    for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep", "references"):
+    for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep",
+                "references"):
         assert key in saved
     assert {"ar", *DRAFTERS} <= set(saved["methods"])
     for name, r in saved["methods"].items():
@@ -32,7 +34,8 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
 
 
 def test_bench_with_coupled_sampling_matches_plain_sampling(trained):
-    out = bench.main(["--out-dir", str(trained), "--n-prompts", "2", "--max-new-tokens", "10", "--repeats", "1",
-                      "--sweep", "", "--plot", "", "--dtype", "float64", "--sampling", "coupled", "--temperature", "0.9",
+    out = bench.main(["--out-dir", str(trained), "--n-prompts", "2", "--max-new-tokens", "10",
+                      "--repeats", "1", "--sweep", "", "--plot", "", "--dtype", "float64",
+                      "--sampling", "coupled", "--temperature", "0.9",
                       "--methods", "ar,small,dflash"])
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())

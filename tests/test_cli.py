@@ -23,15 +23,17 @@ PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
 def numeric_flags(name):
     """(flag, type) of every flag whose value is a checked number or list of numbers."""
     p = PARSERS[name]()
-    return [(a.option_strings[0], a.type) for a in p._actions
-            if getattr(a.type, "__name__", "") in ("an integer", "a number", "list") and a.option_strings]
+    return [(action.option_strings[0], action.type) for action in p._actions
+            if getattr(action.type, "__name__", "") in ("an integer", "a number", "list")
+            and action.option_strings]
 
 
 def refused(name, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         PARSERS[name]().parse_args([flag, value])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"error: argument {flag}") and err.count("\n") == 1, err
+    assert (e.value.code == 2 and err.startswith(f"error: argument {flag}")
+            and err.count("\n") == 1), err
     return err
 
 
@@ -45,11 +47,13 @@ def test_every_numeric_flag_refuses_garbage_negatives_and_nan(name, capsys):
 
 
 def test_counts_refuse_zero_and_the_message_names_the_range(capsys):
-    assert "must be an integer >= 1" in refused("train.py", "--dflash-iters", "0", capsys)  # trained nothing before
-    assert "must be an integer >= 1" in refused("bench.py", "--repeats", "0", capsys)      # ZeroDivisionError before
-    assert "must be an integer >= 1" in refused("train.py", "--threads", "0", capsys)      # set_num_threads before
+    positive = "must be an integer >= 1"
+    assert positive in refused("train.py", "--dflash-iters", "0", capsys)  # trained nothing before
+    assert positive in refused("bench.py", "--repeats", "0", capsys)  # ZeroDivisionError before
+    assert positive in refused("train.py", "--threads", "0", capsys)  # set_num_threads before
     assert "<= 1" in refused("train.py", "--gen-sampled", "1.5", capsys)
-    assert "'x' is not an integer" in refused("bench.py", "--sweep", "1,x", capsys)      # int() message before
+    # int() message before
+    assert "'x' is not an integer" in refused("bench.py", "--sweep", "1,x", capsys)
     assert "257" in refused("data.py", "--vocab-size", "10", capsys)
     refused("train.py", "--mtp-mode", "both", capsys)  # a choice, not a number
 
@@ -62,21 +66,27 @@ def test_a_seeded_random_sweep_of_values(capsys):
     for name in PARSERS:
         for flag, kind in numeric_flags(name):
             for _ in range(12):
-                value = rng.choice([str(rng.randint(-10, 10**6)), repr(rng.uniform(-5, 5)), rng.choice(junk)])
+                options = [str(rng.randint(-10, 10**6)), repr(rng.uniform(-5, 5)), rng.choice(junk)]
+                value = rng.choice(options)
                 try:
                     args = PARSERS[name]().parse_args([flag, value])
                 except SystemExit as e:
                     err = capsys.readouterr().err
-                    assert e.code == 2 and err.startswith("error: argument") and err.count("\n") == 1, (flag, value, err)
+                    assert (e.code == 2 and err.startswith("error: argument")
+                            and err.count("\n") == 1), (flag, value, err)
                     continue
                 got = getattr(args, flag[2:].replace("-", "_"))
-                assert got == kind(value), (flag, value)  # parsed values are exactly the checked ones
+                # parsed values are exactly the checked ones
+                assert got == kind(value), (flag, value)
 
 
-@pytest.mark.parametrize("argv", [["train.py", "--target-iters", "-1"], ["bench.py", "--sweep", "1,x"],
-                                  ["speculative.py", "--max-new-tokens", "0"], ["data.py", "--vocab-size", "abc"]])
+@pytest.mark.parametrize("argv", [["train.py", "--target-iters", "-1"],
+                                  ["bench.py", "--sweep", "1,x"],
+                                  ["speculative.py", "--max-new-tokens", "0"],
+                                  ["data.py", "--vocab-size", "abc"]])
 def test_the_real_command_line_ends_in_one_error_line(argv, tmp_path):
-    p = subprocess.run([sys.executable, *argv, "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.startswith(f"error: argument {argv[1]}") and p.stderr.count("\n") == 1
+    p = subprocess.run([sys.executable, *argv, "--out-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert (p.returncode == 2 and p.stderr.startswith(f"error: argument {argv[1]}")
+            and p.stderr.count("\n") == 1)
     assert not os.listdir(tmp_path)  # refused before anything was written

@@ -1,4 +1,5 @@
-"""Tests for data.py. The stdlib tokenizer is trained once per session on the FULL default corpus (~3 s)."""
+"""Tests for data.py. The stdlib tokenizer is trained once per session on the FULL default
+corpus (~3 s)."""
 import json
 import os
 import pathlib
@@ -14,7 +15,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from data import EOT, DataError  # noqa: E402
 
-SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n", "foo foo foo  bar\tbaz 12345\r\n",
+SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n",
+         "foo foo foo  bar\tbaz 12345\r\n",
          "caf\u00e9 na\u00efve \u4e2d\u6587 \u00a0nbsp \x1cfs\x85nel \U0001f600!!\n"]
 
 
@@ -35,7 +37,8 @@ def stdlib_enc(corpus, tmp_path_factory):
 def small_build(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small_data")
     for i in range(30):  # enough files that the 5% hash split picks at least one
-        (folder / f"f{i:02d}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n" for j in range(40)))
+        text = "".join(f"def f{i}_{j}(x):\n    return x * {j}\n" for j in range(40))
+        (folder / f"f{i:02d}.py").write_text(text)
     out = tmp_path_factory.mktemp("small_out")
     return folder, out, data.prepare_data(out, str(folder), vocab_size=300, verbose=False)
 
@@ -86,7 +89,8 @@ def test_single_file_is_split_by_lines(tmp_path):
     f.write_text("".join(f"line {i}\n" for i in range(1000)))
     train, val = data.load_documents(str(f))
     assert len(val) >= 1 and len(train) >= 10
-    assert "".join(sorted(train + val, key=lambda d: int(d.split()[1]))) == f.read_text()  # nothing lost
+    docs = sorted(train + val, key=lambda d: int(d.split()[1]))
+    assert "".join(docs) == f.read_text()  # nothing lost
 
 
 def test_folder_skips_binary_and_hidden(tmp_path):
@@ -117,7 +121,8 @@ def test_regex_split_matches_tiktoken(corpus):
     ranks = {bytes([i]): i for i in range(256)}
     for c in sorted({c for cs in chunks for c in cs} - set(ranks)):
         ranks[c] = len(ranks)
-    enc = tiktoken.Encoding(name="split", pat_str=data.PAT, mergeable_ranks=ranks, special_tokens={})
+    enc = tiktoken.Encoding(name="split", pat_str=data.PAT, mergeable_ranks=ranks,
+                            special_tokens={})
     for d, cs in zip(docs, chunks):
         assert enc.decode_tokens_bytes(enc.encode_ordinary(d)) == cs
 
@@ -205,8 +210,10 @@ def test_prepare_data_writes_reuses_and_rebuilds(small_build, capsys):
     (folder / "f00.py").write_text("x = 1\n" * 50)  # same folder, new contents
     new = data.prepare_data(out, str(folder), vocab_size=280)
     assert "because the data contents changed" in capsys.readouterr().out
-    assert new["n_train_tokens"] + new["n_val_tokens"] != info["n_train_tokens"] + info["n_val_tokens"]
-    assert json.loads((out / "data_meta.json").read_text())["fingerprint"] == data._fingerprint(str(folder))
+    assert (new["n_train_tokens"] + new["n_val_tokens"]
+            != info["n_train_tokens"] + info["n_val_tokens"])
+    meta = json.loads((out / "data_meta.json").read_text())
+    assert meta["fingerprint"] == data._fingerprint(str(folder))
 
 
 def test_val_prompts(small_build):
@@ -214,6 +221,7 @@ def test_val_prompts(small_build):
     prompts = data.val_prompts(out, 5, 16)
     assert len(prompts) == 5 and all(len(p) == 16 for p in prompts)
     assert all(info["eot_id"] not in p for p in prompts)
-    assert prompts == data.val_prompts(out, 5, 16) and prompts != data.val_prompts(out, 5, 16, seed=1)
+    assert prompts == data.val_prompts(out, 5, 16)
+    assert prompts != data.val_prompts(out, 5, 16, seed=1)
     with pytest.raises(DataError):
         data.val_prompts(out, 1, 10**6)

@@ -23,7 +23,8 @@ import torch
 import speculative
 from conftest import DRAFTER_FACTORIES, tiny_args, tiny_gpt
 from gpt import check_dtype, load_target, pick_device, synchronize
-from speculative import DraftModel, Sampler, generate_plain, generate_speculative, keyed_gumbel, sampling_dtype
+from speculative import (DraftModel, Sampler, generate_plain, generate_speculative, keyed_gumbel,
+                         sampling_dtype)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_DEVICE = os.environ.get("NANOSPEC_TEST_DEVICE")
@@ -37,7 +38,8 @@ def test_pick_device_refuses_a_gpu_that_is_not_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pick_device("cuda") == "cuda" and pick_device("cuda:0") == "cuda:0"
     for name in ("cuda:1", "cuda:7"):
-        with pytest.raises(ValueError, match=f"'{name}' is not available here: this machine has 1 CUDA device "):
+        message = f"'{name}' is not available here: this machine has 1 CUDA device "
+        with pytest.raises(ValueError, match=message):
             pick_device(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
@@ -52,7 +54,8 @@ def test_pick_device_refuses_a_gpu_that_is_not_there(monkeypatch):
 
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: calls.append(("cuda", device)))
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
     for d in ("mps", "mps:0", torch.device("mps", 0)):  # tensors on a Mac report mps:0
         synchronize(d)
@@ -67,7 +70,8 @@ def test_float64_on_mps_is_one_clear_error_before_anything_loads(tmp_path):
     check_dtype("cuda:0", torch.float64)
     with pytest.raises(ValueError, match="float64 is not supported on mps"):
         check_dtype("mps:0", torch.float64)
-    with pytest.raises(ValueError, match="float64 is not supported on mps"):  # not 'target.pt not found'
+    # not 'target.pt not found'
+    with pytest.raises(ValueError, match="float64 is not supported on mps"):
         load_target(str(tmp_path / "target.pt"), "mps", torch.float64)
 
 
@@ -76,7 +80,8 @@ def test_float64_on_mps_is_one_clear_error_before_anything_loads(tmp_path):
 
 
 def test_sampling_dtype_is_float32_only_where_float64_is_missing():
-    assert sampling_dtype("mps") == sampling_dtype("mps:0") == sampling_dtype(torch.device("mps", 0)) == torch.float32
+    mps0 = torch.device("mps", 0)
+    assert sampling_dtype("mps") == sampling_dtype("mps:0") == sampling_dtype(mps0) == torch.float32
     assert sampling_dtype("cpu") == sampling_dtype("cuda:1") == torch.float64
 
 
@@ -84,10 +89,12 @@ def test_float32_keyed_noise_is_exact_gumbel():
     g = keyed_gumbel(1, range(200), 1000, "cpu", torch.float32)
     assert g.dtype == torch.float32 and torch.isfinite(g).all()
     assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi ** 2 / 6) < 0.03
-    a, b = keyed_gumbel(7, [3, 4, 5], 100, "cpu", torch.float32), keyed_gumbel(7, [5], 100, "cpu", torch.float32)
+    a = keyed_gumbel(7, [3, 4, 5], 100, "cpu", torch.float32)
+    b = keyed_gumbel(7, [5], 100, "cpu", torch.float32)
     assert torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
     # the float32 uniforms are the float64 ones to within their 23 bits: the same noise, rounded
-    u32, u64 = (torch.exp(-torch.exp(-keyed_gumbel(3, range(4), 500, "cpu", t).double())) for t in (torch.float32, torch.float64))
+    u32, u64 = (torch.exp(-torch.exp(-keyed_gumbel(3, range(4), 500, "cpu", t).double()))
+                for t in (torch.float32, torch.float64))
     assert (u32 - u64).abs().max() < 2 ** -22
     with pytest.raises(ValueError, match="consecutive"):
         keyed_gumbel(0, [1, 3], 10, "cpu")
@@ -100,11 +107,13 @@ def test_float32_sampling_keeps_coupled_decoding_token_identical(target, drafter
     f32 = functools.partial(Sampler, dtype=torch.float32)
     for seed, p in enumerate([[1, 2, 3], [5], [9, 8, 7, 6, 5, 4]]):
         ref = generate_plain(target, p, 30, f32("coupled", temperature, None, seed))
-        out, _ = generate_speculative(target, drafter, p, 30, 4, f32("coupled", temperature, None, seed))
+        out, _ = generate_speculative(target, drafter, p, 30, 4,
+                                      f32("coupled", temperature, None, seed))
         assert out == ref
         assert out != generate_plain(target, p, 30, Sampler("coupled", temperature, None, seed + 1))
         top = generate_plain(target, p, 30, f32("coupled", temperature, 5, seed))
-        assert generate_speculative(target, drafter, p, 30, 4, f32("coupled", temperature, 5, seed))[0] == top
+        assert generate_speculative(target, drafter, p, 30, 4,
+                                    f32("coupled", temperature, 5, seed))[0] == top
 
 
 def test_float32_rejection_sampling_has_the_target_distribution(target8):
@@ -135,7 +144,8 @@ class HostSyncs:
     def __init__(self, monkeypatch):
         self.reads = self.uploads = 0
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
-            monkeypatch.setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name), "reads"))
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self.counted(original, "reads"))
         for name in ("tensor", "as_tensor"):
             monkeypatch.setattr(torch, name, self.counted(getattr(torch, name), "uploads"))
 
@@ -162,7 +172,8 @@ def counting_calls(obj, name):
 # DSpark's scheduler reads its k confidences once (a rule that runs on the host); prompt lookup
 # keeps the text on the host, so it reads the prompt at begin, the new tokens at commit, and
 # uploads its draft. (reads, uploads) per call:
-OWN = {"dspark": {"propose": (1, 0)}, "lookup": {"begin": (1, 0), "propose": (0, 1), "commit": (1, 0)}}
+OWN = {"dspark": {"propose": (1, 0)},
+       "lookup": {"begin": (1, 0), "propose": (0, 1), "commit": (1, 0)}}
 CALLS = ("begin", "propose", "commit")
 
 
@@ -174,13 +185,16 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     waits = []
     monkeypatch.setattr(speculative, "synchronize", lambda d: waits.append(d))
     syncs = HostSyncs(monkeypatch)
-    out, st = generate_speculative(target, drafter, [1, 2, 3], 40, 4, Sampler(mode, 0.9, None, 0))
+    out, stats = generate_speculative(target, drafter, [1, 2, 3], 40, 4,
+                                      Sampler(mode, 0.9, None, 0))
     monkeypatch.undo()
     own = {what: OWN.get(drafter_name, {}).get(what, (0, 0)) for what in CALLS}
-    reads = 1 + st.rounds + sum(own[w][0] * drafter.calls[w] for w in own)  # 1: the token after the prefill
+    # 1: the token after the prefill
+    reads = 1 + stats.rounds + sum(own[w][0] * drafter.calls[w] for w in own)
     uploads = 1 + sum(own[w][1] * drafter.calls[w] for w in own)  # 1: the prompt
-    assert st.rounds > 3 and len(out) == 40
-    assert (syncs.reads, syncs.uploads, waits) == (reads, uploads, []), (st.rounds, drafter.calls)
+    assert stats.rounds > 3 and len(out) == 40
+    counted = (syncs.reads, syncs.uploads, waits)
+    assert counted == (reads, uploads, []), (stats.rounds, drafter.calls)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
@@ -194,8 +208,9 @@ def test_plain_decoding_reads_back_only_at_the_end(target, mode, monkeypatch):
 def test_split_timing_waits_once_more_per_round(target, monkeypatch):
     waits = []
     monkeypatch.setattr(speculative, "synchronize", lambda d: waits.append(d))
-    _, st = generate_speculative(target, DRAFTER_FACTORIES["small"](target), [1, 2, 3], 20, 4, Sampler(), split_timing=True)
-    assert len(waits) == st.rounds
+    small = DRAFTER_FACTORIES["small"](target)
+    _, stats = generate_speculative(target, small, [1, 2, 3], 20, 4, Sampler(), split_timing=True)
+    assert len(waits) == stats.rounds
 
 
 # -----------------------------------------------------------------------------
@@ -205,8 +220,10 @@ def test_split_timing_waits_once_more_per_round(target, monkeypatch):
 def test_sampling_flags_greedy_ignores_are_one_warning_line(tmp_path):
     assert speculative.sampling_flag_problems("greedy", False, False) is None
     assert speculative.sampling_flag_problems("coupled", True, True) is None
-    assert "--temperature and --top-k unused" in speculative.sampling_flag_problems("greedy", True, True)
-    p = subprocess.run([sys.executable, "speculative.py", "--temperature", "0.5", "--out-dir", str(tmp_path)],
+    problems = speculative.sampling_flag_problems("greedy", True, True)
+    assert "--temperature and --top-k unused" in problems
+    p = subprocess.run([sys.executable, "speculative.py", "--temperature", "0.5",
+                        "--out-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = p.stderr.splitlines()
     assert lines[0].startswith("warning: --temperature unused") and lines[1].startswith("error: ")
@@ -215,7 +232,8 @@ def test_sampling_flags_greedy_ignores_are_one_warning_line(tmp_path):
 # -----------------------------------------------------------------------------
 # device mode: NANOSPEC_TEST_DEVICE=cuda|cuda:N|mps runs these on that device
 
-on_device = pytest.mark.skipif(not TEST_DEVICE, reason="set NANOSPEC_TEST_DEVICE=cuda or mps to run on a GPU or a Mac")
+on_device = pytest.mark.skipif(
+    not TEST_DEVICE, reason="set NANOSPEC_TEST_DEVICE=cuda or mps to run on a GPU or a Mac")
 
 
 def device_dtype():
@@ -234,8 +252,11 @@ def test_device_token_identity():
         for mode in ("greedy", "coupled"):
             for seed, p in enumerate([[1, 2, 3], [5], [9, 8, 7, 6, 5, 4]]):
                 ref = generate_plain(target, p, 40, Sampler(mode, 0.8, None, seed, dev))
-                assert generate_speculative(target, drafter, p, 40, 4, Sampler(mode, 0.8, None, seed, dev))[0] == ref
-        generate_speculative(target, drafter, [1, 2, 3], 40, 4, Sampler("rejection", 0.8, None, 0, dev))  # runs
+                assert generate_speculative(target, drafter, p, 40, 4,
+                                            Sampler(mode, 0.8, None, seed, dev))[0] == ref
+        # rejection sampling: it runs
+        generate_speculative(target, drafter, [1, 2, 3], 40, 4,
+                             Sampler("rejection", 0.8, None, 0, dev))
     synchronize(dev)
 
 
@@ -247,14 +268,18 @@ def test_device_pipeline_trains_benches_and_decodes(corpus, tmp_path):
     out = tmp_path / "out"
     train.main(tiny_args(corpus, out, "--device", TEST_DEVICE))
     for sampling in ("greedy", "coupled", "rejection"):
-        r = bench.main(["--out-dir", str(out), "--device", TEST_DEVICE, "--n-prompts", "2", "--max-new-tokens", "12",
-                        "--repeats", "1", "--sweep", "", "--sampling", sampling, "--dtype", "float32"])
+        r = bench.main(["--out-dir", str(out), "--device", TEST_DEVICE, "--n-prompts", "2",
+                        "--max-new-tokens", "12", "--repeats", "1", "--sweep", "",
+                        "--sampling", sampling, "--dtype", "float32"])
         assert all(m["tau"] >= 1.0 for m in r["methods"].values())
-    if device_dtype() == torch.float64:  # CUDA: float64 is exact, so every drafter reproduces plain decoding
-        r = bench.main(["--out-dir", str(out), "--device", TEST_DEVICE, "--n-prompts", "2", "--max-new-tokens", "12",
-                        "--repeats", "1", "--sweep", "", "--dtype", "float64"])
+    # CUDA: float64 is exact, so every drafter reproduces plain decoding
+    if device_dtype() == torch.float64:
+        r = bench.main(["--out-dir", str(out), "--device", TEST_DEVICE, "--n-prompts", "2",
+                        "--max-new-tokens", "12", "--repeats", "1", "--sweep", "",
+                        "--dtype", "float64"])
         assert all(m["exact_match"] == 1.0 for m in r["methods"].values())
-    p = subprocess.run([sys.executable, "speculative.py", "--out-dir", str(out), "--device", TEST_DEVICE,
-                        "--sampling", "coupled", "--max-new-tokens", "16", "--no-color"],
+    p = subprocess.run([sys.executable, "speculative.py", "--out-dir", str(out),
+                        "--device", TEST_DEVICE, "--sampling", "coupled", "--max-new-tokens", "16",
+                        "--no-color"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import make_dflash, tiny_gpt
-from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, dflash_loss, sample_anchors,
-                          target_continuations, training_mask)
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, dflash_loss,
+                          sample_anchors, target_continuations, training_mask)
 from speculative import Sampler, generate_plain, generate_speculative
 
 
@@ -33,7 +33,8 @@ def test_a_block_never_sees_past_its_anchor_or_another_block(target):
     """Change everything a block may not see; its output must not move (and the rest must)."""
     net = make_dflash(target).net
     T = 30
-    x = torch.randint(0, target.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)
     hid = target(x, hidden_layers=net.config.taps)[2]
     anchors = torch.tensor([[7, 15]])
     h, tpos = block_states(net, x, hid, anchors)
@@ -53,7 +54,8 @@ def test_training_path_equals_inference_path(target):
     """block_states (all anchors at once, masked) == the drafter's cached one-block forward."""
     d = make_dflash(target)
     T = 25
-    x = torch.randint(0, target.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)
     hid = target(x, hidden_layers=d.hidden_layers)[2]
     anchors = torch.tensor([[3, 11, 16]])
     h, _ = block_states(d.net, x, hid, anchors)
@@ -68,7 +70,8 @@ def test_cached_context_equals_recomputing_from_scratch(target):
     d = make_dflash(target)
     sampler = Sampler("greedy")
     V = target.config.vocab_size
-    d.begin(torch.tensor([[5, 6, 7, 8]]), target(torch.tensor([[5, 6, 7]]), hidden_layers=d.hidden_layers)[2])
+    hid = target(torch.tensor([[5, 6, 7]]), hidden_layers=d.hidden_layers)[2]
+    d.begin(torch.tensor([[5, 6, 7, 8]]), hid)
     for rnd in range(12):
         k = [3, 8, 1, 5][rnd % 4]
         draft, _ = d.propose(k, sampler)
@@ -76,7 +79,8 @@ def test_cached_context_equals_recomputing_from_scratch(target):
         new = torch.cat([draft[:n], torch.tensor([(3 * rnd + 1) % V])])
         S = d.seq.numel()
         full = torch.cat([d.seq, new])
-        hid_full = target(full[None, :-1], hidden_layers=d.hidden_layers)[2]  # states of all but the last
+        # the states of all but the last token
+        hid_full = target(full[None, :-1], hidden_layers=d.hidden_layers)[2]
         d.commit(n, new, {l: v[:, S - 1:S + n] for l, v in hid_full.items()})
         fresh = make_dflash(target)
         fresh.begin(full[None], hid_full)
@@ -107,7 +111,8 @@ def test_tiny_overfit_reaches_near_full_acceptance():
     net = DFlash(cfg, target).double()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     t_logits, _, hid = target(x, hidden_layers=cfg.taps)
-    t_logits = 8 * t_logits  # sharper soft labels, same argmax (all greedy acceptance needs): fewer steps
+    # sharper soft labels, same argmax (all greedy acceptance needs): fewer steps
+    t_logits = 8 * t_logits
     anchors = torch.arange(1, 40 - cfg.block + 1)[None]  # every anchor
     for _ in range(300):
         loss = dflash_loss(net, x, hid, t_logits, anchors, gamma=4.0)
@@ -115,6 +120,7 @@ def test_tiny_overfit_reaches_near_full_acceptance():
         loss.backward()
         opt.step()
     net.eval()
-    out, st = generate_speculative(target, DFlashDrafter(net), prompt[0].tolist(), 30, 4, Sampler("greedy"))
+    out, stats = generate_speculative(target, DFlashDrafter(net), prompt[0].tolist(), 30, 4,
+                                      Sampler("greedy"))
     assert out == generate_plain(target, prompt[0].tolist(), 30, Sampler("greedy"))
-    assert st.acceptance()[0] > 0.9 and st.tau > 4.0, (st.acceptance(), st.tau)
+    assert stats.acceptance()[0] > 0.9 and stats.tau > 4.0, (stats.acceptance(), stats.tau)

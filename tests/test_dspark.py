@@ -30,19 +30,25 @@ def test_scheduler_picks_the_formula_optimum():
 
 def test_scheduler_stops_at_the_first_drop():
     a = [0.95, 0.9, 0.9, 0.9, 0.9, 0.9]
-    t_verify = [0, 1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5]  # a 3-token verify costs a step, then nothing more
-    assert throughput(a, 0.0, t_verify, 2) < throughput(a, 0.0, t_verify, 1)  # the first drop...
-    assert throughput(a, 0.0, t_verify, 6) > throughput(a, 0.0, t_verify, 1)  # ...though later ones would pay
+    t_verify = [0, 1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5]  # a 3-token verify costs a step, then no more
+    # the first drop...
+    assert throughput(a, 0.0, t_verify, 2) < throughput(a, 0.0, t_verify, 1)
+    # ...though later ones would pay
+    assert throughput(a, 0.0, t_verify, 6) > throughput(a, 0.0, t_verify, 1)
     assert schedule_length(a, 0.0, t_verify) == 1
-    assert schedule_length(a, 0.0, [0] + [1.0] * 7) == 6  # a flat table: everything is worth verifying
-    assert schedule_length([0.01, 0.001], 1.0, [0, 1.0, 1.0, 3.0]) == 1  # never fewer than one draft
+    # a flat table: everything is worth verifying
+    assert schedule_length(a, 0.0, [0] + [1.0] * 7) == 6
+    # never fewer than one draft
+    assert schedule_length([0.01, 0.001], 1.0, [0, 1.0, 1.0, 3.0]) == 1
 
 
 @torch.inference_mode()
 def test_a_round_verifies_only_the_scheduled_prefix(target):
     d = make_dspark(target)
-    d.begin(torch.tensor([[1, 2, 3]]), target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2])
-    d.t_draft, d.t_verify = 0.0, [0.0] + [1.0 + 10.0 * m for m in range(1, d.max_k + 2)]  # verifying is dear
+    hid = target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2]
+    d.begin(torch.tensor([[1, 2, 3]]), hid)
+    # verifying is dear
+    d.t_draft, d.t_verify = 0.0, [0.0] + [1.0 + 10.0 * m for m in range(1, d.max_k + 2)]
     draft, _ = d.propose(8, Sampler("greedy"))
     assert draft.numel() < 8
     d.schedule = "full"
@@ -66,14 +72,15 @@ def test_markov_head_probabilities_are_exact_softmaxes(target):
     U = net.backbone.head(d.draft_states(6))  # (6, V) base logits
     prev = torch.cat([seq[0, -1:], draft[:-1]])
     assert torch.allclose(q, torch.softmax(U + net.markov(prev), -1), atol=1e-12, rtol=0)
-    assert not torch.allclose(q, torch.softmax(U, -1))  # the bias really depends on the previous token
+    # the bias really depends on the previous token
+    assert not torch.allclose(q, torch.softmax(U, -1))
 
 
 def test_threshold_schedule_stays_token_identical(target):
     d = make_dspark(target)
     d.schedule, d.threshold = "threshold", 0.5
     for p in ([3, 1, 4], [2, 7, 1, 8]):
-        out, st = generate_speculative(target, d, p, 40, 8, Sampler("greedy"))
+        out, stats = generate_speculative(target, d, p, 40, 8, Sampler("greedy"))
         assert out == generate_plain(target, p, 40, Sampler("greedy"))
     assert 1 <= d.mean_verify_len < 8
 

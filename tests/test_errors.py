@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cli(*argv):
     """Run one of the project's scripts as a user would; return (exit code, stdout, stderr)."""
-    p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -60,18 +61,19 @@ def test_drafter_of_another_target_is_refused_naming_both_hashes(out):
     ck = load_checkpoint(str(out / "small.pt"), "small")
     ck["target_hash"] = "0123456789abcdef"  # as if the target had been retrained since
     save_checkpoint(ck, str(out / "small.pt"))
-    target, tckpt = load_target(str(out / "target.pt"))
-    with pytest.raises(CheckpointError, match=f"0123456789abcdef.*{tckpt['model_hash']}.*--only small --force"):
-        speculative.load_drafter("small", str(out), target, tckpt)
+    target, target_ckpt = load_target(str(out / "target.pt"))
+    pattern = f"0123456789abcdef.*{target_ckpt['model_hash']}.*--only small --force"
+    with pytest.raises(CheckpointError, match=pattern):
+        speculative.load_drafter("small", str(out), target, target_ckpt)
 
 
 def test_drafter_of_another_tokenizer_is_refused(out):
     ck = load_checkpoint(str(out / "small.pt"), "small")
     ck["tokenizer_hash"] = "feedfacefeedface"
     save_checkpoint(ck, str(out / "small.pt"))
-    target, tckpt = load_target(str(out / "target.pt"))
+    target, target_ckpt = load_target(str(out / "target.pt"))
     with pytest.raises(CheckpointError, match="tokenizer feedfacefeedface"):
-        speculative.load_drafter("small", str(out), target, tckpt)
+        speculative.load_drafter("small", str(out), target, target_ckpt)
 
 
 # -----------------------------------------------------------------------------
@@ -126,8 +128,10 @@ def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--k", "0"], "argument --k: 0 is out of range: it must be an integer >= 1"),
-    (["--sampling", "coupled", "--temperature", "-1"], "argument --temperature: -1 is out of range: it must be a number > 0"),
-    (["--sampling", "coupled", "--top-k", "0"], "argument --top-k: 0 is out of range: it must be an integer >= 1"),
+    (["--sampling", "coupled", "--temperature", "-1"],
+     "argument --temperature: -1 is out of range: it must be a number > 0"),
+    (["--sampling", "coupled", "--top-k", "0"],
+     "argument --top-k: 0 is out of range: it must be an integer >= 1"),
     (["--method", "nope"], "unknown drafter 'nope'"),
     (["--device", "tpu"], "device 'tpu' is not available"),
 ])
@@ -168,8 +172,10 @@ def test_bad_data_path_in_train_py(tmp_path, kind):
         path.mkdir()
     elif kind == "binary":
         path.write_bytes(bytes(range(256)) * 10)
-    rc, _, err = cli("train.py", "--preset", "tiny", "--data", str(path), "--out-dir", str(tmp_path / "o"))
-    one_clear_error(rc, err, {"missing": "does not exist", "empty": "empty", "binary": "binary"}[kind])
+    rc, _, err = cli("train.py", "--preset", "tiny", "--data", str(path),
+                     "--out-dir", str(tmp_path / "o"))
+    needle = {"missing": "does not exist", "empty": "empty", "binary": "binary"}[kind]
+    one_clear_error(rc, err, needle)
 
 
 def test_unknown_stage_in_train_py(tmp_path):
@@ -181,8 +187,9 @@ def test_unknown_stage_in_train_py(tmp_path):
 # determinism: same seed and flags, same text
 
 def test_same_seed_same_text(out):
-    args = ("speculative.py", "--out-dir", str(out), "--sampling", "coupled", "--temperature", "0.8",
-            "--seed", "5", "--no-color", "--max-new-tokens", "24")
-    a, b = cli(*args), cli(*args)
-    text = [o.split("\nmethod ")[0] for o in (a[1], b[1])]  # the generated text, without the timings
-    assert a[0] == 0 and text[0] == text[1] and len(text[0]) > len("def parse(")
+    args = ("speculative.py", "--out-dir", str(out), "--sampling", "coupled",
+            "--temperature", "0.8", "--seed", "5", "--no-color", "--max-new-tokens", "24")
+    first, second = cli(*args), cli(*args)
+    # the generated text, without the timings
+    text = [o.split("\nmethod ")[0] for o in (first[1], second[1])]
+    assert first[0] == 0 and text[0] == text[1] and len(text[0]) > len("def parse(")

@@ -52,7 +52,8 @@ def run(script, *argv):
         if isinstance(e.code, str):
             err.write(e.code + "\n")
     except Exception as e:  # noqa: BLE001 -- exactly what would have been a traceback
-        pytest.fail(f"`python {script} {' '.join(map(str, argv))}` ended in a traceback: {type(e).__name__}: {e}")
+        command = f"python {script} {' '.join(map(str, argv))}"
+        pytest.fail(f"`{command}` ended in a traceback: {type(e).__name__}: {e}")
     finally:
         sys.argv = argv0
         torch.set_num_threads(threads)  # --threads must not leak into the other tests
@@ -84,12 +85,14 @@ def snapshot(folder):
             snap[os.path.relpath(os.path.join(root, d), folder)] = "folder"
         for f in files:
             with open(os.path.join(root, f), "rb") as fh:
-                snap[os.path.relpath(os.path.join(root, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
+                digest = hashlib.sha256(fh.read()).hexdigest()
+                snap[os.path.relpath(os.path.join(root, f), folder)] = digest
     return snap
 
 
 def damage(path, how):
-    """Damage one file in place: truncate it, overwrite it with garbage, delete it, or put a folder there."""
+    """Damage one file in place: truncate it, overwrite it with garbage, delete it, or put a
+    folder there."""
     size = os.path.getsize(path)
     if how == "truncate":
         os.truncate(path, size // 2)
@@ -117,8 +120,9 @@ def fast(script, out, corpus):
     one thread: the tiny models gain nothing from more, and a busy machine loses a lot)."""
     return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1"),
             "data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
-            "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1", "--max-new-tokens", "3",
-                         "--repeats", "1", "--sweep", "", "--sweep-prompts", "1", "--threads", "1",
+            "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1",
+                         "--max-new-tokens", "3", "--repeats", "1", "--sweep", "",
+                         "--sweep-prompts", "1", "--threads", "1",
                          *(["--plot", ""] if "--plot" in flags("bench.py") else [])],
             "speculative.py": ["--out-dir", out, "--max-new-tokens", "3", "--no-color"]}[script]
 
@@ -163,9 +167,11 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
     stage = name[:-3]
     damage(out / name, how)
     damaged = snapshot(out)
-    bench_argv = with_flag(fast("bench.py", out, corpus), "--methods", "ar" if stage == "target" else f"ar,{stage}")
+    methods = "ar" if stage == "target" else f"ar,{stage}"
+    bench_argv = with_flag(fast("bench.py", out, corpus), "--methods", methods)
     refused(run("bench.py", *bench_argv), name, f"python train.py --only {stage}")
-    spec_argv = with_flag(fast("speculative.py", out, corpus), "--method", "small" if stage == "target" else stage)
+    method = "small" if stage == "target" else stage
+    spec_argv = with_flag(fast("speculative.py", out, corpus), "--method", method)
     refused(run("speculative.py", *spec_argv), name, f"python train.py --only {stage}")
     if how == "folder":
         refused(run("train.py", *fast("train.py", out, corpus)), name, "is a folder")
@@ -187,7 +193,8 @@ def test_train_py_retrains_damaged_files_and_a_later_run_works(out, corpus):
     damage(out / "distill.pt", "garbage")
     damage(out / "small.pt", "truncate")
     log = succeeded(run("train.py", *fast("train.py", out, corpus), "--only", "small"))
-    assert "small.pt is unreadable; retraining it" in log and "distill.pt is unreadable; rewriting it" in log
+    assert "small.pt is unreadable; retraining it" in log
+    assert "distill.pt is unreadable; rewriting it" in log
     succeeded(run("speculative.py", *fast("speculative.py", out, corpus)))
 
 
@@ -201,9 +208,9 @@ def things(tmp_path):
     (tmp_path / "empty_folder").mkdir()
     (tmp_path / "notes.txt").write_text("some notes\n")
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
-    return {"missing": tmp_path / "nope", "folder": tmp_path / "empty_folder", "file": tmp_path / "notes.txt",
-            "binary": tmp_path / "blob.bin", "under_a_file": tmp_path / "notes.txt" / "x", "device": os.devnull,
-            "empty": ""}
+    return {"missing": tmp_path / "nope", "folder": tmp_path / "empty_folder",
+            "file": tmp_path / "notes.txt", "binary": tmp_path / "blob.bin",
+            "under_a_file": tmp_path / "notes.txt" / "x", "device": os.devnull, "empty": ""}
 
 
 @pytest.mark.parametrize("script, flag, kind, needle", [
@@ -226,7 +233,8 @@ def things(tmp_path):
     ("train.py", "--data", "folder", "is empty"),   # a folder is fine, but this one holds no text
     ("data.py", "--data", "binary", "binary"),
 ])
-def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script, flag, kind, needle):
+def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script, flag, kind,
+                                                    needle):
     before = snapshot(out)
     refused(run(script, *with_flag(fast(script, out, corpus), flag, things[kind])), needle)
     assert snapshot(out) == before
@@ -235,23 +243,30 @@ def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script,
 # -----------------------------------------------------------------------------
 # a seeded random sweep over every numeric and path flag
 
-JUNK = ["", " ", "-1", "0", "nan", "inf", "-inf", "1e999", "abc", "0x10", "+3", "3.0", "1,2", "٣", "--", "-0.5"]
+JUNK = ["", " ", "-1", "0", "nan", "inf", "-inf", "1e999", "abc", "0x10", "+3", "3.0", "1,2", "٣",
+        "--", "-0.5"]
 # In-range values stay small (test_cli.py parses the huge ones): a huge count would make a run
 # that succeeds slow. These would (re)train every stage from scratch, so they get no good value:
-COSTLY = {("train.py", "--vocab-size"), ("data.py", "--vocab-size"),     # a new tokenizer
-          ("train.py", "--out-dir", "missing"), ("train.py", "--out-dir", "folder"),  # an empty out/
-          ("train.py", "--data", "file"), ("data.py", "--data", "file")}  # a text file is another corpus
-GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "speculative.py": 5}  # runs that succeed cost time
+COSTLY = {
+    ("train.py", "--vocab-size"), ("data.py", "--vocab-size"),  # a new tokenizer
+    ("train.py", "--out-dir", "missing"), ("train.py", "--out-dir", "folder"),  # an empty out/
+    ("train.py", "--data", "file"), ("data.py", "--data", "file"),  # a text file is another corpus
+}
+# runs that succeed cost time
+GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "speculative.py": 5}
 
 
 def sweep_flags(script):
     """[(flag, kind)] for every numeric and path flag of a command; kind is its type's name."""
-    return [(a.option_strings[0], a.type.__name__) for a in PARSERS[script]()._actions if a.option_strings
-            and getattr(a.type, "__name__", "") in ("an integer", "a number", "list", "a path")]
+    kinds = ("an integer", "a number", "list", "a path")
+    return [(action.option_strings[0], action.type.__name__)
+            for action in PARSERS[script]()._actions
+            if action.option_strings and getattr(action.type, "__name__", "") in kinds]
 
 
 def random_value(rng, script, flag, kind, things, goods, good_ok):
-    """(value, meant to be good): a path of a random kind, or a number, mostly junk or out of range."""
+    """(value, meant to be good): a path of a random kind, or a number, mostly junk or out of
+    range."""
     if kind == "a path":
         pool = [k for k in things if (script, flag, k) not in COSTLY]
         good = good_ok and rng.random() < 0.3
@@ -260,7 +275,9 @@ def random_value(rng, script, flag, kind, things, goods, good_ok):
         return rng.choice(JUNK + [str(rng.randint(-10**6, 0)), repr(rng.uniform(-5, 0))]), False
     if kind == "list":
         return ",".join(str(rng.randint(1, 4)) for _ in range(rng.randint(1, 3))), True
-    return (str(rng.randint(1, 4)) if kind == "an integer" else repr(round(rng.uniform(0.01, 1.0), 3))), True
+    if kind == "an integer":
+        return str(rng.randint(1, 4)), True
+    return repr(round(rng.uniform(0.01, 1.0), 3)), True
 
 
 @pytest.mark.parametrize("script", sorted(PARSERS))
@@ -280,7 +297,8 @@ def test_random_sweep_of_every_numeric_and_path_flag(out, corpus, things, tmp_pa
             assert "Traceback" not in so + se, (flag, value, res)
             if code != 0:
                 refused(res)
-                assert snapshot(out) == before, (flag, value)  # a failed command changes nothing in out/
+                # a failed command changes nothing in out/
+                assert snapshot(out) == before, (flag, value)
             else:
                 runs, before = runs + 1, snapshot(out)
     assert runs >= 2  # the sweep reached real runs, not only refusals

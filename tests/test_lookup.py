@@ -59,7 +59,8 @@ def test_index_kept_up_to_date_equals_a_fresh_scan():
             d.commit(len(new) - 1, torch.tensor(new), {})
             seq += new
             assert d.follower == drafter_on(seq).follower
-            assert d.propose(4, Sampler("greedy"))[0].tolist() == drafter_on(seq).propose(4, Sampler("greedy"))[0].tolist()
+            proposed = d.propose(4, Sampler("greedy"))[0].tolist()
+            assert proposed == drafter_on(seq).propose(4, Sampler("greedy"))[0].tolist()
 
 
 def test_rounds_with_and_without_drafts_stay_exact():
@@ -68,12 +69,15 @@ def test_rounds_with_and_without_drafts_stay_exact():
     target = tiny_gpt(0)
     empty = full = 0
     for seed in range(6):
-        p = torch.randint(0, target.config.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
-        out, st = generate_speculative(target, LookupDrafter(target.config.vocab_size), p, 40, 4, Sampler("greedy"))
+        g = torch.Generator().manual_seed(seed)
+        p = torch.randint(0, target.config.vocab_size, (8,), generator=g).tolist()
+        drafter = LookupDrafter(target.config.vocab_size)
+        out, stats = generate_speculative(target, drafter, p, 40, 4, Sampler("greedy"))
         assert out == generate_plain(target, p, 40, Sampler("greedy"))
-        empty += st.rounds - st.drafted_at[0]
-        full += st.drafted_at[0]
-        assert st.target_forwards == st.rounds + 1  # the prefill, then one forward a round, drafts or not
+        empty += stats.rounds - stats.drafted_at[0]
+        full += stats.drafted_at[0]
+        # the prefill, then one forward a round, drafts or not
+        assert stats.target_forwards == stats.rounds + 1
     assert empty > 0 and full > 0
 
 
@@ -88,7 +92,8 @@ def test_transformers_gpt2_holds_the_same_model():
     from vs_transformers import hf_generate, to_transformers
     target = tiny_gpt(0, scale=1.0)
     hf = to_transformers(target.float()).double()
-    x = torch.randint(0, target.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, target.config.vocab_size, (2, 40), generator=g)
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, target.double()(x)[0], atol=1e-10, rtol=0)
     p = x[0, :8].tolist()

@@ -14,7 +14,8 @@ from gpt import CheckpointError, load_target
 
 
 def seq_of(target, T, seed):
-    return torch.randint(0, target.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, target.config.vocab_size, (1, T), generator=g)
 
 
 def hidden_of(target, x):
@@ -35,7 +36,8 @@ def test_position_0_by_hand(target):
     logits, targets = mtp(target, h, x[:, :-1], x[:, -1:])  # T = 11 inputs, t_11 is the last label
     m = mtp.mods[0]
     rms = lambda v, w: v / torch.sqrt((v * v).mean() + torch.finfo(v.dtype).eps) * w  # noqa: E731
-    u = m.proj.weight @ torch.cat([rms(h[0, 0], m.norm_h.weight), rms(target.transformer.wte.weight[x[0, 1]], m.norm_e.weight)])
+    u = m.proj.weight @ torch.cat([rms(h[0, 0], m.norm_h.weight),
+                                   rms(target.transformer.wte.weight[x[0, 1]], m.norm_e.weight)])
     b = m.block
     q_k_v = b.attn.c_attn(b.ln_1(u))
     v = q_k_v[2 * u.numel():]  # softmax over one key is 1: the attention output is that key's value
@@ -57,7 +59,8 @@ def test_index_i_sees_t_i_plus_1_and_not_beyond(target):
     for j, moves in ((i + 1, True), (i + 2, False)):
         x2 = x.clone()
         x2[0, j] = (x[0, j] + 1) % target.config.vocab_size
-        out = mtp(target, h[:, :-1], x2[:, :-1], x2[:, -1:])[0][0]  # same h: only the token input changed
+        # same h: only the token input changed
+        out = mtp(target, h[:, :-1], x2[:, :-1], x2[:, -1:])[0][0]
         assert torch.allclose(out[0, :i], base[0, :i], atol=1e-12, rtol=0)  # the past never moves
         assert torch.allclose(out[0, i], base[0, i], atol=1e-12, rtol=0) != moves
     h2 = h.clone()
@@ -79,7 +82,8 @@ def test_drafting_equals_training_forward(target, i):
     S = i + 2
     d.begin(x[:, :S], {target.config.n_layer: hidden_of(target, x[:, :S - 1])})
     draft, q = d.propose(2, Sampler("rejection", 1.0, None, 0))
-    x2 = torch.cat([x[:, :S], draft.view(1, -1)[:, :1], x[:, S + 1:]], 1)  # the training text sees d_1 as t_{i+2}
+    # the training text sees d_1 as t_{i+2}
+    x2 = torch.cat([x[:, :S], draft.view(1, -1)[:, :1], x[:, S + 1:]], 1)
     logits, _ = mtp(target, hidden_of(target, x2[:, :-1]), x2[:, :-1], x2[:, -1:])
     assert torch.allclose(q[0], F.softmax(logits[0][0, i].double(), -1), atol=1e-10, rtol=0)
     assert torch.allclose(q[1], F.softmax(logits[1][0, i].double(), -1), atol=1e-10, rtol=0)
@@ -122,13 +126,16 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
     d = MTPDrafter(mtp, target)
     seq = seq_of(target, 6, 4)[0]
     d.begin(seq.view(1, -1), {L: hidden_of(target, seq[:-1].view(1, -1))})
-    plans = [(4, 4), (4, 0), (3, 2), (1, 1), (0, 0), (2, 0), (5, 5), (4, 1), (1, 0), (3, 3)]  # (k, n); k = 0: no propose
+    # (k, n); k = 0: no propose
+    plans = [(4, 4), (4, 0), (3, 2), (1, 1), (0, 0), (2, 0), (5, 5), (4, 1), (1, 0), (3, 3)]
     for rnd, (k, n) in enumerate(plans):
         S = seq.numel()
         draft = seq[:0]
-        if k > 0:  # the loop skips propose when it may not draft (the last token before max_new_tokens)
+        # the loop skips propose when it may not draft (the last token before max_new_tokens)
+        if k > 0:
             draft, _ = d.propose(k, Sampler("greedy"))
-            for j, c in enumerate(d.caches, start=1):  # module j ran up to index S-2; D recursed once per step past D
+            # module j ran up to index S-2; D recursed once per step past D
+            for j, c in enumerate(d.caches, start=1):
                 if j <= k:
                     assert c.length == S - 1 + (k - D if j == D and k > D else 0), (rnd, j)
         new = torch.cat([draft[:n], torch.tensor([(rnd * 7) % V])])
@@ -167,25 +174,28 @@ def test_loss_is_ce_on_the_token_after_next(target):
 def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_path):
     import train
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "joint", "--only", "target"))
-    target, tckpt = load_target(str(tmp_path / "target.pt"))
+    target, target_ckpt = load_target(str(tmp_path / "target.pt"))
     joint = torch.load(tmp_path / "mtp.pt", weights_only=True)
-    assert joint["mode"] == "joint" and joint["target_hash"] == tckpt["model_hash"]
-    assert isinstance(load_drafter("mtp", str(tmp_path), target, tckpt), MTPDrafter)
+    assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
+    assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
     ctx = train.Context(train.resolve_args(tiny_args(corpus, tmp_path)))
     assert train.is_current(ctx, "mtp")  # so the mtp stage is skipped
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)
-    assert post["mode"] == "posthoc" and post["target_hash"] == tckpt["model_hash"]
-    assert not torch.equal(post["state_dict"]["mods.0.proj.weight"], joint["state_dict"]["mods.0.proj.weight"])
+    assert post["mode"] == "posthoc" and post["target_hash"] == target_ckpt["model_hash"]
+    key = "mods.0.proj.weight"
+    assert not torch.equal(post["state_dict"][key], joint["state_dict"][key])
     # a retrained target never pairs with the old head
-    train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "target", "--force", "--seed", "7"))
-    target2, tckpt2 = load_target(str(tmp_path / "target.pt"))
+    train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "target", "--force",
+                         "--seed", "7"))
+    target2, target_ckpt2 = load_target(str(tmp_path / "target.pt"))
     with pytest.raises(CheckpointError, match="trained against target"):
-        load_drafter("mtp", str(tmp_path), target2, tckpt2)
+        load_drafter("mtp", str(tmp_path), target2, target_ckpt2)
 
 
 def test_config_roundtrip_and_size():
     cfg = MTPConfig(n_embd=32, n_head=2, n_modules=2, block_size=64)
     mtp = MTP(MTPConfig.from_dict(cfg.to_dict()))
-    per = 2 * 32 * 32 + 2 * 32 + (12 * 32 * 32 + 13 * 32)  # M, two RMSNorms, one GPT-2 block with biases
+    # M, two RMSNorms, one GPT-2 block with biases
+    per = 2 * 32 * 32 + 2 * 32 + (12 * 32 * 32 + 13 * 32)
     assert sum(p.numel() for p in mtp.parameters()) == 2 * per

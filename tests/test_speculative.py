@@ -14,8 +14,11 @@ from speculative import Sampler, generate_plain, generate_speculative, keyed_gum
 
 def prompts(n, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(1, 20, (1,), generator=g))
+        out.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+    return out
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -24,9 +27,10 @@ def test_greedy_is_token_identical(target, drafter_name, k):
     rounds = 0
     for i, p in enumerate(prompts(12, target.config.vocab_size)):
         ref = generate_plain(target, p, 40, Sampler("greedy"))
-        out, st = generate_speculative(target, drafter, p, 40, k, Sampler("greedy"))
-        assert out == ref, f"prompt {i}: diverged at {next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"
-        rounds += st.rounds
+        out, stats = generate_speculative(target, drafter, p, 40, k, Sampler("greedy"))
+        assert out == ref, (f"prompt {i}: diverged at "
+                            f"{next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}")
+        rounds += stats.rounds
     assert rounds > 0
 
 
@@ -35,7 +39,8 @@ def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temp
     drafter = DRAFTER_FACTORIES[drafter_name](target)
     for seed, p in enumerate(prompts(10, target.config.vocab_size, seed=1)):
         ref = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed))
-        out, _ = generate_speculative(target, drafter, p, 40, 4, Sampler("coupled", temperature, None, seed))
+        out, _ = generate_speculative(target, drafter, p, 40, 4,
+                                      Sampler("coupled", temperature, None, seed))
         assert out == ref
     # and the seed matters: a different seed gives different text (the test can fail)
     other = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed + 1))
@@ -44,10 +49,12 @@ def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temp
 
 def test_random_drafter_is_rejected_often(target):
     """The random drafter must exercise the rejection path, or the tests above prove little."""
-    _, st = generate_speculative(target, DRAFTER_FACTORIES["small"](target), [1, 2, 3], 60, 4, Sampler("greedy"))
-    assert st.acceptance()[0] < 0.9
-    _, st = generate_speculative(target, DRAFTER_FACTORIES["self"](target), [1, 2, 3], 60, 4, Sampler("greedy"))
-    assert st.acceptance() == [1.0] * 4 and st.tau > 4
+    small = DRAFTER_FACTORIES["small"](target)
+    _, stats = generate_speculative(target, small, [1, 2, 3], 60, 4, Sampler("greedy"))
+    assert stats.acceptance()[0] < 0.9
+    self_drafter = DRAFTER_FACTORIES["self"](target)
+    _, stats = generate_speculative(target, self_drafter, [1, 2, 3], 60, 4, Sampler("greedy"))
+    assert stats.acceptance() == [1.0] * 4 and stats.tau > 4
 
 
 # -----------------------------------------------------------------------------
@@ -69,7 +76,8 @@ def exact_pair_distribution(model, prompt, temperature):
 
 
 def chi_square(counts, expected):
-    """Pearson's statistic over cells, pooling cells with expected count < 5; returns (stat, dof)."""
+    """Pearson's statistic over cells, pooling cells with expected count < 5; returns (stat,
+    dof)."""
     small = expected < 5
     c = torch.cat([counts[~small], counts[small].sum().view(1)])
     e = torch.cat([expected[~small], expected[small].sum().view(1)])
@@ -98,7 +106,8 @@ def target8():
 def empirical_pairs(target, drafter, prompt, n, sampler_cls=Sampler):
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(n):
-        out, _ = generate_speculative(target, drafter, prompt, 4, 2, sampler_cls("rejection", 1.0, None, seed))
+        out, _ = generate_speculative(target, drafter, prompt, 4, 2,
+                                      sampler_cls("rejection", 1.0, None, seed))
         counts[out[1], out[2]] += 1
     return counts
 
@@ -126,7 +135,7 @@ def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name
     drafter = DRAFTER_FACTORIES[drafter_name](target)
     cache = target.new_cache()
     prompt = [3, 1, 4, 1, 5]
-    out, st = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"), cache=cache)
+    out, _ = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"), cache=cache)
     seq = prompt + out
     assert cache.length == len(seq) - 1  # the last token has no K/V yet
     fresh = target.new_cache()
@@ -140,8 +149,8 @@ def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name
 @pytest.mark.parametrize("n", [1, 7, 33])
 def test_stops_exactly_at_max_new_tokens(target, drafter_name, n):
     drafter = DRAFTER_FACTORIES[drafter_name](target)
-    out, st = generate_speculative(target, drafter, [1, 2, 3], n, 8, Sampler("greedy"))
-    assert len(out) == n == st.tokens
+    out, stats = generate_speculative(target, drafter, [1, 2, 3], n, 8, Sampler("greedy"))
+    assert len(out) == n == stats.tokens
     assert len(generate_plain(target, [1, 2, 3], n, Sampler("greedy"))) == n
 
 
@@ -176,7 +185,8 @@ def test_small_drafter_cache_bookkeeping(target):
         fresh = drafter.model.new_cache()
         with torch.no_grad():
             drafter.model(drafter.seq[:L].view(1, -1), cache=fresh)
-        assert torch.allclose(drafter.cache.k[:, :, :, :L], fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
+        cached = drafter.cache.k[:, :, :, :L]
+        assert torch.allclose(cached, fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
     assert saw_full and saw_reject
 
 

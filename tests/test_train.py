@@ -21,7 +21,8 @@ from gpt import load_checkpoint, load_target
 
 def test_target_checkpoint_is_complete_and_learned(trained):
     ckpt = load_checkpoint(str(trained / "target.pt"), "target")
-    for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer", "val_loss"):
+    for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer",
+                "val_loss"):
         assert key in ckpt
     assert ckpt["step"] == train.PRESETS["tiny"]["target_iters"]
     # a random model scores about ln(V); training must have beaten that clearly
@@ -56,10 +57,10 @@ def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeyp
     train.main(tiny_args(corpus, ref_dir, "--only", "target"))
     real_lr_at = train.lr_at
 
-    def dying_lr_at(step, *a):  # the process "dies" at step 20, after a resume file was written
+    def dying_lr_at(step, *args):  # the process "dies" at step 20, after a resume file was written
         if step == 20:
             raise Interrupt
-        return real_lr_at(step, *a)
+        return real_lr_at(step, *args)
 
     monkeypatch.setattr(train, "lr_at", dying_lr_at)
     with pytest.raises(Interrupt):
@@ -79,8 +80,9 @@ def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeyp
 def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path, monkeypatch):
     real_loop = train.train_loop
 
-    def poisoned_loop(name, module, loss_fn, *a):  # the loss turns NaN from step 12 on
-        return real_loop(name, module, lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0), *a)
+    def poisoned_loop(name, module, loss_fn, *args):  # the loss turns NaN from step 12 on
+        return real_loop(name, module, lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0),
+                         *args)
 
     monkeypatch.setattr(train, "train_loop", poisoned_loop)
     with pytest.raises(train.TrainingError, match="became nan at step 12.*step 12.*kept in"):
@@ -96,14 +98,17 @@ def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
         a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
-    assert data.file_sha256(trained / "tokenizer.tiktoken") == data.file_sha256(tmp_path / "tokenizer.tiktoken")
+    tokenizer = "tokenizer.tiktoken"
+    assert data.file_sha256(trained / tokenizer) == data.file_sha256(tmp_path / tokenizer)
 
 
 def test_a_killed_train_py_resumes_where_it_stopped(corpus, tmp_path):
-    """A real SIGKILL mid-stage, not an exception: the next run resumes, and nothing half-written loads."""
+    """A real SIGKILL mid-stage, not an exception: the next run resumes, and nothing half-written
+    loads."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "train.py", *tiny_args(corpus, tmp_path, "--only", "target", "--target-iters", "3000",
-                                                  "--ckpt-interval", "0.5")]
+    flags = tiny_args(corpus, tmp_path, "--only", "target", "--target-iters", "3000",
+                      "--ckpt-interval", "0.5")
+    cmd = [sys.executable, "train.py", *flags]
     p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     resume = tmp_path / "target.resume.pt"
     deadline = time.time() + 120
@@ -124,15 +129,18 @@ def test_a_killed_train_py_resumes_where_it_stopped(corpus, tmp_path):
 def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_path, capsys):
     """Every drafter stage learns from one set the target wrote (out/distill.pt): retraining a
     drafter reuses it; other --gen-* settings rewrite it."""
-    trained = shutil.copytree(trained, tmp_path / "out")  # a copy: the shared fixture stays as it is
+    # a copy: the shared fixture stays as it is
+    trained = shutil.copytree(trained, tmp_path / "out")
     ck = load_checkpoint(str(trained / "distill.pt"), "distill")
     P = train.PRESETS["tiny"]
     assert tuple(ck["tokens"].shape) == (P["gen_seqs"], P["block_size"])
-    assert ck["settings"]["target"] == load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
+    target_hash = load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
+    assert ck["settings"]["target"] == target_hash
     before = os.path.getmtime(trained / "distill.pt")
     capsys.readouterr()
     train.main(tiny_args(corpus, trained, "--only", "mtp", "--force"))
-    assert "the target wrote" not in capsys.readouterr().out and os.path.getmtime(trained / "distill.pt") == before
+    assert "the target wrote" not in capsys.readouterr().out
+    assert os.path.getmtime(trained / "distill.pt") == before
     train.main(tiny_args(corpus, trained, "--only", "mtp", "--force", "--gen-seqs", "12"))
     assert "the target wrote 12 x" in capsys.readouterr().out
     assert load_checkpoint(str(trained / "distill.pt"), "distill")["tokens"].shape[0] == 12
