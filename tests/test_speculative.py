@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DRAFTER_FACTORIES, tiny_gpt
-from speculative import Sampler, generate_plain, generate_speculative, keyed_gumbel
+from speculative import NOISE_CHUNK, Sampler, generate_plain, generate_speculative, keyed_gumbel
 
 
 def prompts(n, vocab, seed=0):
@@ -199,6 +199,20 @@ def test_keyed_noise_depends_only_on_seed_and_position():
     # Gumbel(0,1): mean is the Euler-Mascheroni constant, variance pi^2/6
     g = keyed_gumbel(1, list(range(200)), 1000, "cpu")
     assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+
+
+def test_sampler_noise_is_keyed_gumbel_in_any_chunking():
+    """Sampler.noise serves rows from chunks of NOISE_CHUNK positions; whatever range is asked
+    (inside a chunk, across two or three, forward or back), the rows are keyed_gumbel's, bit for
+    bit, so plain decoding and the speculative loop see the same numbers."""
+    sampler = Sampler("coupled", 0.8, None, 5)
+    C = NOISE_CHUNK
+    for start, n in [(0, 1), (3, 5), (C - 2, 4), (C - 1, 2 * C + 3), (1, 1), (5 * C, C), (7, 9)]:
+        got = sampler.noise(range(start, start + n), 300, "cpu")
+        assert torch.equal(got, keyed_gumbel(5, range(start, start + n), 300, "cpu"))
+    assert torch.equal(sampler.noise([40, 41], 300, "cpu"), keyed_gumbel(5, [40, 41], 300, "cpu"))
+    with pytest.raises(ValueError, match="consecutive"):
+        sampler.noise([1, 3], 300, "cpu")
 
 
 def test_bad_arguments(target):
