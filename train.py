@@ -282,15 +282,35 @@ def resume(name, module, opt, resume_path, fingerprint, iters):
     return r["step"]
 
 
-def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step):
-    """Runs `iters` AdamW steps of loss_fn(step) on module's trainable parameters and returns
-    (final val loss, optimizer state). Resumes from out/<name>.resume.pt if it was
-    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds."""
+def make_optimizer(module, lr):
+    """AdamW over the trainable parameters, nanoGPT's way: weight decay on matrices only."""
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    return params, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, resume_path):
+    """A NaN or inf loss or gradient would poison the weights: stop with the step and what was
+    kept instead."""
+    if math.isfinite(loss_val) and math.isfinite(grad_norm):
+        return
+    if saved_step is not None:
+        kept = f"the last good state (step {saved_step}) is kept in {resume_path}"
+    else:
+        kept = "no state of this stage was saved yet"
+    bad = loss_val if not math.isfinite(loss_val) else grad_norm
+    raise TrainingError(f"{name}: the loss (or its gradient) became {bad} "
+                        f"at step {step}, so training stopped; {kept}. "
+                        f"Try a lower learning rate (--{name}-lr).")
+
+
+def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step):
+    """Runs `iters` AdamW steps of loss_fn(step) on module's trainable parameters and returns
+    (final val loss, optimizer state). Resumes from out/<name>.resume.pt if it was
+    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds."""
+    params, opt = make_optimizer(module, lr)
     resume_path = os.path.join(args.out_dir, f"{name}.resume.pt")
     start = resume(name, module, opt, resume_path, fingerprint, iters)
     saved_step = start if start else None
@@ -311,19 +331,11 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         with autocast(args, args.device_resolved):
             loss = loss_fn(step)
         loss_val = loss.item()  # host sync: once per step, for the NaN check and the log
+        grad_norm = float("nan")
         if math.isfinite(loss_val):
             loss.backward()
-            # a NaN gradient would poison the weights
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
-        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
-            if saved_step is not None:
-                kept = f"the last good state (step {saved_step}) is kept in {resume_path}"
-            else:
-                kept = "no state of this stage was saved yet"
-            bad = loss_val if not math.isfinite(loss_val) else grad_norm
-            raise TrainingError(f"{name}: the loss (or its gradient) became {bad} "
-                                f"at step {step}, so training stopped; {kept}. "
-                                f"Try a lower learning rate (--{name}-lr).")
+        stop_if_diverged(name, step, loss_val, grad_norm, saved_step, resume_path)
         opt.step()
         opt.zero_grad(set_to_none=True)
         done = step + 1
@@ -399,11 +411,12 @@ class Context:
     def drafter_meta(self, kind, config, state_dict, extra=None, steps=None):
         """Checkpoint dict for a drafter: it records which target and tokenizer it belongs to, and
         its training budget (optimizer steps, seconds of this stage), which bench.py prints."""
-        _, tckpt = self.target()
+        _, target_ckpt = self.target()
         budget = {"steps": steps or getattr(self.args, f"{kind}_iters"),
                   "seconds": round(time.time() - self.stage_t0)}
         return {"kind": kind, "config": config, "state_dict": state_dict, "budget": budget,
-                "target_hash": tckpt["model_hash"], "tokenizer_hash": self.info["tokenizer_hash"],
+                "target_hash": target_ckpt["model_hash"],
+                "tokenizer_hash": self.info["tokenizer_hash"],
                 **(extra or {})}
 
 
@@ -457,11 +470,11 @@ def stage_target(ctx):
     print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
     # joint: the MTP head trains alongside the target, L_main + λ·L_mtp
     mtp = new_mtp(ctx, cfg) if mtp_mode(a) == "joint" else None
-    L = (cfg.n_layer,) if mtp is not None else ()
+    taps = (cfg.n_layer,) if mtp is not None else ()  # the last block's states, for the head
 
     def loss_fn(step):
         x, y = ctx.batches.get("train", step, ctx.device)
-        _, loss, hid = model(x, y, hidden_layers=L)
+        _, loss, hid = model(x, y, hidden_layers=taps)
         # DeepSeek-V3: the MTP gradient flows into the target's trunk, embedding and head too
         if mtp is not None:
             loss = loss + a.mtp_lambda * mtp_loss(mtp, model, hid[cfg.n_layer], x, y)
@@ -652,10 +665,10 @@ def new_mtp(ctx, target_cfg):
 def save_mtp(ctx, mtp, mode):
     """out/mtp.pt, with the head's own val loss: CE on t_{i+2} (comparable across modes)."""
     target, _ = ctx.target()
-    L = target.config.n_layer
+    last = target.config.n_layer  # the MTP head reads the last block's states
     mtp.eval()
     val = ctx.val_loss(
-        lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(L,))[2][L], x, y))
+        lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(last,))[2][last], x, y))
     print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
     sd = cpu_state_dict(mtp)
     # joint: it trained alongside the target
@@ -669,12 +682,12 @@ def stage_mtp(ctx):
     """MTP (draft_mtp.py), post hoc: the head trains on the frozen target's hidden states. In joint
     mode the target stage already wrote out/mtp.pt; we only get here if that target predates it."""
     a = ctx.args
-    target, tckpt = ctx.target()
+    target, target_ckpt = ctx.target()
     if mtp_mode(a) == "joint":
         print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc "
               "on it (`python train.py --only target --force` retrains both jointly)")
     mtp = new_mtp(ctx, target.config)
-    L = target.config.n_layer
+    last = target.config.n_layer  # the MTP head reads the last block's states
     n_params = sum(p.numel() for p in mtp.parameters())
     print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
 
@@ -684,10 +697,11 @@ def stage_mtp(ctx):
         """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
         the module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is
         x's."""
-        return mtp_loss(mtp, target, hid[L][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
+        return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
                         a.mtp_distill)
 
-    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(), "target": tckpt["model_hash"],
+    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
+                   "target": target_ckpt["model_hash"],
                    "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
                    "text": a.mtp_text, "gen": distill_key(ctx, a.mtp_text), "seed": a.seed}
 
@@ -733,7 +747,7 @@ def block_config(ctx):
 def stage_dflash(ctx):
     """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
     a = ctx.args
-    target, tckpt = ctx.target()
+    target, target_ckpt = ctx.target()
     cfg = block_config(ctx)
     torch.manual_seed(a.seed + 3)
     net = DFlash(cfg, target).to(ctx.device)
@@ -744,7 +758,7 @@ def stage_dflash(ctx):
     def loss_of(x, t_logits, hid, step):
         return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
 
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": tckpt["model_hash"],
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.dflash_iters, "lr": a.dflash_lr, "text": a.dflash_text,
                    "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
                    "gamma": a.dflash_gamma, "seed": a.seed}
@@ -764,17 +778,18 @@ def stage_dspark(ctx):
     --dflash-*, by default started from out/dflash.pt), plus the Markov head and the confidence
     head, then calibration."""
     a = ctx.args
-    target, tckpt = ctx.target()
-    bcfg = block_config(ctx)
+    target, target_ckpt = ctx.target()
+    backbone_cfg = block_config(ctx)
     cfg = DSparkConfig(rank=a.dspark_rank)
     torch.manual_seed(a.seed + 4)
-    net = DSpark(bcfg, cfg, target).to(ctx.device)
+    net = DSpark(backbone_cfg, cfg, target).to(ctx.device)
     n_params = sum(p.numel() for p in net.parameters())
-    print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {bcfg}, {cfg}")
+    print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {backbone_cfg}, {cfg}")
     init_budget = None
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         dfl = load_checkpoint(ctx.path("dflash"), "dflash")
-        if dfl.get("target_hash") != tckpt["model_hash"] or dfl["config"] != bcfg.to_dict():
+        same_target = dfl.get("target_hash") == target_ckpt["model_hash"]
+        if not same_target or dfl["config"] != backbone_cfg.to_dict():
             raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this "
                              "target with the same --dflash-* shape: run "
                              "`python train.py --only dflash` first, or use --dspark-init scratch")
@@ -786,24 +801,25 @@ def stage_dspark(ctx):
     batches = drafter_batches(ctx, a.dflash_text)
 
     def loss_of(x, t_logits, hid, step):
-        return dspark_loss(net, *block_batch(ctx, x, t_logits, hid, step, bcfg), a.dflash_gamma)
+        batch = block_batch(ctx, x, t_logits, hid, step, backbone_cfg)
+        return dspark_loss(net, *batch, a.dflash_gamma)
 
-    fingerprint = {"stage": "dspark", "backbone": bcfg.to_dict(), "config": cfg.to_dict(),
-                   "target": tckpt["model_hash"], "init": a.dspark_init,
+    fingerprint = {"stage": "dspark", "backbone": backbone_cfg.to_dict(), "config": cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "init": a.dspark_init,
                    "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text,
                    "gen": distill_key(ctx, a.dflash_text),
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
     val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dspark_iters, a.dspark_lr, a, fingerprint,
-                        a.batch_size * a.dflash_anchors * bcfg.block)
+                        a.batch_size * a.dflash_anchors * backbone_cfg.block)
     extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
     if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
         held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
         held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
         # a generator, not a list: one batch's target logits at a time
         # (8 x 268 MB on the cuda preset)
-        held_batches = (block_batch(ctx, x, *target_features(ctx, x), -1 - i, bcfg)
+        held_batches = (block_batch(ctx, x, *target_features(ctx, x), -1 - i, backbone_cfg)
                         for i, x in enumerate(held))
         before, after = calibrate(net, held_batches)
         print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, "
@@ -811,7 +827,7 @@ def stage_dspark(ctx):
               f"{[round(t, 2) for t in net.conf_temp.tolist()]}")
         extra.update(ece_before=before, ece_after=after)
     sd = cpu_state_dict(net)
-    config = {"backbone": bcfg.to_dict(), "dspark": cfg.to_dict()}
+    config = {"backbone": backbone_cfg.to_dict(), "dspark": cfg.to_dict()}
     save_checkpoint(ctx.drafter_meta("dspark", config, sd, extra), ctx.path("dspark"))
     return val
 

@@ -95,13 +95,13 @@ def _fit_mtp(target, n_modules, steps):
     from draft_mtp import MTP, MTPConfig, mtp_loss
     torch.manual_seed(2)
     mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
-    L = target.config.n_layer
+    last = target.config.n_layer
     x = target_text(target, 2, 44)
     with torch.no_grad():
-        logits, _, hid = target(x[:, :-1], hidden_layers=(L,))
+        logits, _, hid = target(x[:, :-1], hidden_layers=(last,))
 
     def loss_fn():
-        return mtp_loss(mtp, target, hid[L], x[:, :-1], x[:, 1:], logits, distill=1.0)
+        return mtp_loss(mtp, target, hid[last], x[:, :-1], x[:, 1:], logits, distill=1.0)
     return adam_fit(mtp, loss_fn, steps, target)
 
 

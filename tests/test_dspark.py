@@ -69,11 +69,11 @@ def test_markov_head_probabilities_are_exact_softmaxes(target):
     sampler = Sampler("rejection", 1.0, None, 7)
     draft, q = d.propose(6, sampler)
     assert torch.allclose(q.sum(-1), torch.ones(6, dtype=q.dtype), atol=1e-12, rtol=0)
-    U = net.backbone.head(d.draft_states(6))  # (6, V) base logits
+    base_logits = net.backbone.head(d.draft_states(6))  # (6, V) base logits
     prev = torch.cat([seq[0, -1:], draft[:-1]])
-    assert torch.allclose(q, torch.softmax(U + net.markov(prev), -1), atol=1e-12, rtol=0)
+    assert torch.allclose(q, torch.softmax(base_logits + net.markov(prev), -1), atol=1e-12, rtol=0)
     # the bias really depends on the previous token
-    assert not torch.allclose(q, torch.softmax(U, -1))
+    assert not torch.allclose(q, torch.softmax(base_logits, -1))
 
 
 def test_threshold_schedule_stays_token_identical(target):

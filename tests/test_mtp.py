@@ -121,11 +121,11 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
     target's true hidden states. After each commit every module's cache holds exactly its exact
     entries (module j: indices < S_old - j) and they equal a fresh drafter's built in one go."""
     mtp = fit_mtp(target, n_modules=D)
-    L = target.config.n_layer
+    last = target.config.n_layer
     V = target.config.vocab_size
     d = MTPDrafter(mtp, target)
     seq = seq_of(target, 6, 4)[0]
-    d.begin(seq.view(1, -1), {L: hidden_of(target, seq[:-1].view(1, -1))})
+    d.begin(seq.view(1, -1), {last: hidden_of(target, seq[:-1].view(1, -1))})
     # (k, n); k = 0: no propose
     plans = [(4, 4), (4, 0), (3, 2), (1, 1), (0, 0), (2, 0), (5, 5), (4, 1), (1, 0), (3, 3)]
     for rnd, (k, n) in enumerate(plans):
@@ -141,14 +141,14 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
         new = torch.cat([draft[:n], torch.tensor([(rnd * 7) % V])])
         full = torch.cat([seq, new])
         hid = hidden_of(target, full[:-1].view(1, -1))
-        d.commit(n, new, {L: hid[:, S - 1:S + n]})
+        d.commit(n, new, {last: hid[:, S - 1:S + n]})
         seq = full
         for j, c in enumerate(d.caches, start=1):
             if j <= k:
                 assert c.length == S - j, (rnd, j)  # every speculative entry is gone
         assert torch.allclose(d.H[0, :seq.numel() - 1], hid[0], atol=1e-12, rtol=0)
         fresh = MTPDrafter(mtp, target)
-        fresh.begin(seq.view(1, -1), {L: hid})
+        fresh.begin(seq.view(1, -1), {last: hid})
         fresh.propose(D, Sampler("greedy"))  # catches up every module in one chunk from index 0
         for c, f in zip(d.caches, fresh.caches):
             n_ok = c.length

@@ -141,9 +141,9 @@ def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name
     fresh = target.new_cache()
     with torch.no_grad():
         target(torch.tensor([seq[:-1]]), cache=fresh)
-    L = cache.length
-    assert torch.allclose(cache.k[:, :, :, :L], fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
-    assert torch.allclose(cache.v[:, :, :, :L], fresh.v[:, :, :, :L], atol=1e-10, rtol=0)
+    n = cache.length
+    assert torch.allclose(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-10, rtol=0)
+    assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("n", [1, 7, 33])
@@ -181,12 +181,12 @@ def test_small_drafter_cache_bookkeeping(target):
         assert drafter.cache.length == S + min(n, 3)
         saw_full |= n == 4
         saw_reject |= n < 4
-        L = drafter.cache.length
+        n_cached = drafter.cache.length
         fresh = drafter.model.new_cache()
         with torch.no_grad():
-            drafter.model(drafter.seq[:L].view(1, -1), cache=fresh)
-        cached = drafter.cache.k[:, :, :, :L]
-        assert torch.allclose(cached, fresh.k[:, :, :, :L], atol=1e-10, rtol=0)
+            drafter.model(drafter.seq[:n_cached].view(1, -1), cache=fresh)
+        cached = drafter.cache.k[:, :, :, :n_cached]
+        assert torch.allclose(cached, fresh.k[:, :, :, :n_cached], atol=1e-10, rtol=0)
     assert saw_full and saw_reject
 
 
