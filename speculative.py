@@ -49,6 +49,19 @@ def sampling_dtype(device):
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
+def consecutive(positions, who):
+    """(first position, count) of `positions`, which must be consecutive: a range with step 1,
+    or a list like [S + j]. Else a ValueError naming `who`."""
+    start, n = positions[0], len(positions)
+    if isinstance(positions, range):
+        ok = positions.step == 1
+    else:
+        ok = list(positions) == list(range(start, start + n))
+    if not ok:
+        raise ValueError(f"{who} needs consecutive positions (got {list(positions)})")
+    return start, n
+
+
 def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
     """Gumbel(0,1) noise of shape (len(positions), V), a pure function of (seed, position,
     token id): a counter-based integer hash, so the baseline and the speculative loop see the
@@ -60,9 +73,7 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
     (m + 0.5) / 2^23, which float32's 24-bit significand holds exactly: u is never rounded to 0
     or 1, and the noise stays finite."""
     M = 0xFFFFFFFF
-    start, n = positions[0], len(positions)
-    if list(positions) != list(range(start, start + n)):
-        raise ValueError(f"keyed_gumbel needs consecutive positions (got {list(positions)})")
+    start, n = consecutive(positions, "keyed_gumbel")
     pos = torch.arange(start, start + n, device=device, dtype=torch.int64).view(-1, 1)
     v = torch.arange(vocab_size, device=device, dtype=torch.int64).view(1, -1)
     # every term < 2^63: exact in int64
@@ -140,9 +151,7 @@ class Sampler:
         start at multiples of NOISE_CHUNK, and plain decoding reads the same chunks: both see the
         very same numbers, however they ask."""
         dtype = self.float_dtype(device)
-        start, n = positions[0], len(positions)
-        if not isinstance(positions, range) and list(positions) != list(range(start, start + n)):
-            raise ValueError(f"noise needs consecutive positions (got {list(positions)})")
+        start, n = consecutive(positions, "noise")
         first, last = start // NOISE_CHUNK, (start + n - 1) // NOISE_CHUNK
         rows = []
         for c in range(first, last + 1):

@@ -213,6 +213,8 @@ def test_sampler_noise_is_keyed_gumbel_in_any_chunking():
     assert torch.equal(sampler.noise([40, 41], 300, "cpu"), keyed_gumbel(5, [40, 41], 300, "cpu"))
     with pytest.raises(ValueError, match="consecutive"):
         sampler.noise([1, 3], 300, "cpu")
+    with pytest.raises(ValueError, match="consecutive"):
+        sampler.noise(range(0, 10, 2), 300, "cpu")
 
 
 def test_bad_arguments(target):
