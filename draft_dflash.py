@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt import MLP
-from speculative import Drafter
+from speculative import Drafter, total_variation
 
 # -----------------------------------------------------------------------------
 # config
@@ -346,12 +346,16 @@ def soft_labels(t_logits, tpos):
 
 
 def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
-    """Position-weighted cross-entropy against the target's own distributions (soft labels)."""
+    """Position-weighted cross-entropy against the target's own distributions (soft labels),
+    plus their total variation distance (speculative.total_variation: why, and what it gained).
+    The paper's loss is the cross-entropy alone; with it, 1,500 steps gave tau 3.37 at block 8,
+    with DSpark's 0.1 CE + 0.9 TV 3.44, with CE + TV 3.56."""
     h, tpos = block_states(net, x, hidden, anchors)
-    logp = F.log_softmax(net.head(h).float(), dim=-1)
-    ce = -(soft_labels(t_logits, tpos) * logp).sum(-1)  # (B, A, P)
-    w = position_weights(ce.size(-1), gamma, ce.device)
-    return (ce * w).sum(-1).mean() / w.sum()
+    logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
+    p_t = soft_labels(t_logits, tpos)
+    loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
+    w = position_weights(loss.size(-1), gamma, loss.device)
+    return (loss * w).sum(-1).mean() / w.sum()
 
 
 @torch.no_grad()

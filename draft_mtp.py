@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt import Block, GPTConfig, KVCache, chunk_mask
-from speculative import Drafter
+from speculative import Drafter, total_variation
 
 # -----------------------------------------------------------------------------
 # config
@@ -132,8 +132,9 @@ class MTP(nn.Module):
 
 
 def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
-    """Mean over the D modules of (1 - distill)·CE(data) + distill·KL(target || module), with CE
-    the cross-entropy against the text's own next tokens and KL the Kullback-Leibler divergence.
+    """Mean over the D modules of (1 - distill)·CE(data) + distill·(KL(target || module) + TV),
+    with CE the cross-entropy against the text's own next tokens, KL the Kullback-Leibler
+    divergence and TV the total variation distance (speculative.total_variation).
     The distillation teacher for module k at index i is the target's own distribution at
     position i+k (given the true prefix), which is exactly what greedy acceptance compares to."""
     logits, targets = mtp(target, hidden, x, y[:, -1:])
@@ -142,8 +143,9 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
         loss = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1)) if distill < 1 else 0.0
         if distill > 0:
             teacher = F.log_softmax(target_logits[:, k:].detach(), dim=-1)
-            kl = (teacher.exp() * (teacher - F.log_softmax(lg, dim=-1))).sum(-1).mean()
-            loss = (1 - distill) * loss + distill * kl
+            logq = F.log_softmax(lg, dim=-1)
+            kl = (teacher.exp() * (teacher - logq)).sum(-1) + total_variation(logq, teacher.exp())
+            loss = (1 - distill) * loss + distill * kl.mean()
         total = total + loss
     return total / len(logits)
 

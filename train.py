@@ -36,6 +36,7 @@ from draft_dflash import (DFlash, DFlashConfig, default_taps, dflash_loss, sampl
                           target_continuations)
 from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
 from draft_mtp import MTP, MTPConfig, mtp_loss
+from speculative import total_variation
 
 # -----------------------------------------------------------------------------
 # presets: every training default lives here. (The model configs' dataclass defaults -- GPTConfig,
@@ -43,7 +44,8 @@ from draft_mtp import MTP, MTPConfig, mtp_loss
 # notebook; train.py always passes every field from the preset.) The CPU preset is the base; the
 # others say only how they differ from it.
 
-# measured on 2 CPU cores with fast bfloat16: ~20 minutes in all, the target a third, DFlash a third
+# measured on 2 CPU cores with fast bfloat16: ~20 minutes in all, the target a third, DFlash and
+# DSpark together a half
 CPU = dict(
     n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
     target_iters=1300, target_lr=2e-3, warmup=60,
@@ -53,8 +55,8 @@ CPU = dict(
     mtp_distill=1.0, mtp_text="gen",
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
     dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
-    dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
-    dspark_rank=64, dspark_iters=500, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+    dflash_iters=3800, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
+    dspark_rank=64, dspark_iters=1400, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
 )
 
 PRESETS = {
@@ -633,8 +635,9 @@ def stage_small(ctx):
         if a.small_distill == 0:
             return ce
         teacher = F.log_softmax(p_logits[:, :-1], -1)  # causal: the target's logits on w[:, :-1]
-        kl = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True,
-                      reduction="batchmean") / logits.size(1)
+        logq = F.log_softmax(logits, -1)
+        kl = F.kl_div(logq, teacher, log_target=True, reduction="batchmean") / logits.size(1)
+        kl = kl + total_variation(logq, teacher.exp()).mean()  # why: speculative.total_variation
         return a.small_distill * kl + (1 - a.small_distill) * ce
 
     fingerprint = {"stage": "small", "config": cfg.to_dict(),

@@ -1,7 +1,8 @@
 """DSpark: the scheduler picks the throughput formula's optimum and stops at the first drop, a
-round verifies only what it picked, the Markov head's draft probabilities are exact softmaxes,
-and calibration lowers the ECE. The shared equivalence tests (tests/test_speculative.py) run
-over conftest.make_dspark: Markov head and scheduler on."""
+round verifies only what it picked and measures what the rest of a round costs, the Markov
+head's draft probabilities are exact softmaxes, and calibration lowers the ECE. The shared
+equivalence tests (tests/test_speculative.py) run over conftest.make_dspark: Markov head and
+scheduler on."""
 
 import torch
 
@@ -56,6 +57,23 @@ def test_a_round_verifies_only_the_scheduled_prefix(target):
     d.schedule, d.threshold = "threshold", 2.0  # nothing reaches it: one draft
     assert d.propose(8, Sampler("greedy"))[0].numel() == 1
     assert d.mean_verify_len == (draft.numel() + 8 + 1) / 3
+
+
+@torch.inference_mode()
+def test_rounds_measure_what_a_round_costs_besides_its_verify(target, monkeypatch):
+    import draft_dspark
+    d = make_dspark(target)
+    hid = target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2]
+    d.begin(torch.tensor([[1, 2, 3]]), hid)
+    clock = iter([10.0, 10.0 + d.t_verify[d.max_k + 1] + 3.0])
+    monkeypatch.setattr(draft_dspark.time, "perf_counter", lambda: next(clock))
+    d.schedule, d.measured, d.t_draft = "full", True, 1.0
+    d.propose(d.max_k, Sampler("greedy"))  # the first round has nothing to measure
+    assert d.t_draft == 1.0
+    d.propose(d.max_k, Sampler("greedy"))  # 3 s besides its verify: 10% of the way from 1 to 3
+    assert abs(d.t_draft - 1.2) < 1e-12
+    d.begin(torch.tensor([[1, 2, 3]]), hid)  # a new text: its first round measures nothing
+    assert d._last is None
 
 
 @torch.inference_mode()
