@@ -244,7 +244,7 @@ class DSparkDrafter(DFlashDrafter):
         # draft is the first guess; with profile on, the rounds then measure it (measure_round):
         # inside the loop a draft runs slower than alone (on the README's CPU the target and the
         # drafter evict each other from the cache), and the commit and the loop add to it
-        self.measured, self._last = False, None
+        self.measured, self._last = False, None  # not while profiling: no verify between drafts
         if profile:
             self.t_draft = self.profile_draft()
         self.measured = profile

@@ -143,8 +143,8 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
         loss = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1)) if distill < 1 else 0.0
         if distill > 0:
             teacher = F.log_softmax(target_logits[:, k:].detach(), dim=-1)
-            logq = F.log_softmax(lg, dim=-1)
-            kl = (teacher.exp() * (teacher - logq)).sum(-1) + total_variation(logq, teacher.exp())
+            p, logq = teacher.exp(), F.log_softmax(lg, dim=-1)
+            kl = (p * (teacher - logq)).sum(-1) + total_variation(logq, p)
             loss = (1 - distill) * loss + distill * kl.mean()
         total = total + loss
     return total / len(logits)

@@ -272,10 +272,9 @@ def total_variation(logq, p):
     as often as the two distributions overlap (exactly 1 - TV under rejection sampling), and TV,
     unlike cross-entropy, spends nothing on tokens neither model would pick. Measured on the
     README's CPU (greedy tau, validation prompts): DFlash at 1,500 steps 3.37 -> 3.56, MTP at k = 5
-    3.96 -> 4.02, the small model 3.28 -> 3.34, DSpark (with 0.1 CE + 0.9 TV, its paper's mix,
-    instead of CE + TV) 4.33 -> 4.46; a DFlash step costs ~10% more."""
+    3.96 -> 4.02, the small model 3.28 -> 3.34, DSpark 4.33 with its paper's 0.1 CE + 0.9 TV ->
+    4.46 with CE + TV; a DFlash step costs ~10% more."""
     return 0.5 * (logq.float().exp() - p.float()).abs().sum(-1)
-
 
 
 class Drafter:
