@@ -2,9 +2,10 @@
 bench.py -- proves equivalence and measures the speedup of every drafter.
 
 speculative.py made the loop; this file runs it honestly. The baseline is plain decoding
-with the same model, KV cache, dtype, device and process; methods are interleaved
-(A B C A B C ...) after a warm-up so drift hits all of them alike, and every figure is a
-median over repeats of the same run. Absolute CPU times are noisy: read the ratios.
+with the same model, KV cache, dtype, device and process; methods are interleaved prompt
+by prompt (A B C on prompt 1, A B C on prompt 2, ...) after a warm-up so drift hits all of
+them alike, and every figure is a median over repeats of the same run. Absolute CPU times
+are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
 acceptance, tokens/s, speedup over plain decoding, the draft/verify time split and the
@@ -51,8 +52,8 @@ import data
 import plot
 from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
                  ArgumentParser, synchronize)
-from speculative import (DRAFTERS, Sampler, add_sampling_flags, parse_args, Stats, generate_plain,
-                         generate_speculative, load_drafter)
+from speculative import (DRAFTERS, Sampler, Stats, add_sampling_flags, generate_plain,
+                         generate_speculative, k_for, load_drafter, parse_args)
 
 # -----------------------------------------------------------------------------
 # what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
@@ -352,9 +353,9 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
                 raise
             print(f"skipping {name}: {e}")
             continue
-        drafters[name] = (d, args.k or d.default_k)
+        drafters[name] = (d, args.k or k_for(d, args.sampling))
         for vname, vd in (d.variants() if hasattr(d, "variants") else {}).items():
-            drafters[vname] = (vd, args.k or vd.default_k)
+            drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
     if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
         drafters["mtp-k1"] = (drafters["mtp"][0], 1)
@@ -370,17 +371,25 @@ def run_method(name, target, drafters, prompts, args, cache):
 
 
 def run(target, prompts, drafters, args, device, cache):
-    """Every method over every prompt, interleaved, `repeats` times -> (res, divergences)."""
+    """Every method over every prompt, `repeats` times -> (res, divergences). Interleaved prompt
+    by prompt: each prompt runs under every method before the next one starts, so the drift of
+    a shared machine (its speed moves over seconds) hits every method alike."""
     names = ["ar", *drafters]
     for name in names:  # warm-up: first calls allocate and pick kernels
         run_method(name, target, drafters, prompts[:2], args, cache)
     times = {n: [] for n in names}
-    outs, stats = {}, {}
+    outs = {n: [None] * len(prompts) for n in names}
     for rep in range(args.repeats):
-        for name in names:  # interleaved, so drift hits every method alike
-            t, (outs[name], stats[name]) = timed(
-                lambda: run_method(name, target, drafters, prompts, args, cache), device)
-            times[name].append(t)
+        stats = {n: Stats() for n in names}  # the last repeat's are reported (tau repeats)
+        for n in names:
+            times[n].append(0.0)
+        for i, p in enumerate(prompts):
+            for name in names:
+                t, (out, st) = timed(
+                    lambda: run_method(name, target, drafters, [p], args, cache), device)
+                times[name][-1] += t
+                outs[name][i] = out[0]
+                stats[name].add(st)
         print(f"repeat {rep + 1}/{args.repeats}: "
               + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
 

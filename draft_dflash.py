@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import MLP
+from gpt import MLP, Linear
 from speculative import Drafter, total_variation
 
 # -----------------------------------------------------------------------------
@@ -134,9 +134,9 @@ class InjectedAttention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_q = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_kv = Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head = cfg.n_head
 
     def heads(self, t):
@@ -198,7 +198,7 @@ class DFlash(nn.Module):
             raise ValueError(f"taps {cfg.taps} must be target layers in 1..{target.config.n_layer}")
         self.config = cfg
         self.__dict__["target"] = target  # plain attribute, not a submodule (see above)
-        self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
+        self.fc = Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
         self.ctx_norm = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         # one learned mask embedding per block offset 1..block-1. A single shared mask (the paper's)
         # leaves RoPE as the only thing telling slot 3 from slot 9; in our few hundred training
@@ -398,6 +398,10 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(cfg.taps)
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
+        # sampling (coupled, T = 0.8): acceptance falls fast by position, so shorter blocks pay;
+        # k = 3 was the best of the sweep, for DSpark too (0.98x DFlash, 1.02x DSpark; k = 7:
+        # 0.87x and 0.90x)
+        self.sampled_k = min(3, self.max_k)
         p = net.fc.weight
         # (n_layer, 1, nh, Tmax, hs): Tmax = the target's context window plus one block
         shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size + cfg.block, cfg.n_embd // cfg.n_head)
@@ -405,24 +409,16 @@ class DFlashDrafter(Drafter):
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
         self.n_ctx = 0
-        # every layer's c_kv in one (n_layer * 2d, d) matrix for the commit's single product, and
-        # each layer's own weight a view into it: the weights are held once, not twice, and the
-        # commit leaves them in the CPU's cache for the propose that follows (measured: a round
-        # 1-2% faster than with a copy)
+        # every layer's c_kv stacked into one Linear, for the commit's single product (a commit is
+        # a few dozen tiny ops on a CPU: one product pays, not one per layer). A copy, taken here:
+        # a drafter is built after training, never trained itself
         c_kvs = [layer.attn.c_kv for layer in net.layers]
-        self.ctx_kv = (self._stacked([c.weight for c in c_kvs]),
-                       self._stacked([c.bias for c in c_kvs]) if cfg.bias else None)
-
-    @staticmethod
-    def _stacked(params):
-        """One tensor holding these parameters one after the other (along dim 0); each parameter
-        then becomes a view into it, so training it later updates the stack too."""
-        stack = torch.cat([p.detach() for p in params])
-        offset = 0
-        for p in params:
-            p.data = stack[offset:offset + p.size(0)]
-            offset += p.size(0)
-        return stack
+        self.ctx_kv = Linear(cfg.n_embd, cfg.n_layer * 2 * cfg.n_embd, bias=cfg.bias,
+                             device=p.device, dtype=p.dtype).requires_grad_(False)
+        with torch.no_grad():
+            self.ctx_kv.weight.copy_(torch.cat([c.weight for c in c_kvs]))
+            if cfg.bias:
+                self.ctx_kv.bias.copy_(torch.cat([c.bias for c in c_kvs]))
 
     def _extend(self, hidden):
         """Append the context K/V of the positions whose target states just arrived: every draft
@@ -431,7 +427,7 @@ class DFlashDrafter(Drafter):
         ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})[0]  # (m, d)
         n, m = self.n_ctx, ctx.size(0)
         n_layer, _, nh, _, hs = self.k_cache.shape
-        kv = F.linear(ctx, *self.ctx_kv).view(m, n_layer, 2, nh, hs)
+        kv = self.ctx_kv(ctx).view(m, n_layer, 2, nh, hs)
         kv = kv.permute(1, 2, 3, 0, 4)  # (n_layer, 2, nh, m, hs)
         cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
         self.k_cache[:, 0, :, n:n + m] = rope(kv[:, 0], cos[n:n + m], sin[n:n + m])

@@ -1,4 +1,5 @@
-"""The target's KV cache: cached == uncached in float64, and rollback is exact."""
+"""The target's KV cache: cached == uncached in float64, and rollback is exact; gpt.Linear's fast
+path computes what nn.Linear does."""
 
 import os
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
-from gpt import CheckpointError, load_checkpoint, load_target, save_checkpoint, state_hash
+from gpt import (CheckpointError, Linear, load_checkpoint, load_target, pack_weight,
+                 save_checkpoint, state_hash)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +122,52 @@ def test_checkpoint_errors(tmp_path):
     save_checkpoint({"kind": "small", "config": {}, "state_dict": {}}, str(other))
     with pytest.raises(CheckpointError, match="not a target checkpoint"):
         load_checkpoint(str(other), "target")
+
+
+# gpt.Linear: a packed oneDNN product at float32 CPU inference, torch's own everywhere else
+
+
+def linear_pair(bias=True, dtype=torch.float32):
+    torch.manual_seed(3)
+    lin = Linear(48, 80, bias=bias).to(dtype)
+    ref = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    ref.load_state_dict(lin.state_dict())
+    return lin, ref
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (8, 48), (2, 5, 48)])
+def test_linear_inference_matches_torch(bias, shape):
+    lin, ref = linear_pair(bias)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        y = lin(x)
+        if pack_weight(lin.weight) is not None:  # where this torch has oneDNN, it was used
+            assert lin._packed is not None
+        assert y.shape == ref(x).shape
+        assert torch.allclose(y, ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_repacks_after_the_weight_changes():
+    """A packed copy must never go stale: after a load or an optimizer step the inference path
+    computes with the new weight."""
+    lin, ref = linear_pair()
+    x = torch.randn(4, 48)
+    with torch.no_grad():
+        lin(x)  # packs
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(x).square().sum().backward()  # the training path: autograd works
+    opt.step()
+    ref.load_state_dict(lin.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(lin(x), ref(x), atol=1e-5, rtol=1e-5)
+        lin.weight.copy_(torch.randn(80, 48))
+        ref.weight.copy_(lin.weight)
+        assert torch.allclose(lin(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_other_dtypes_use_torch_exactly():
+    lin, ref = linear_pair(dtype=torch.float64)
+    x = torch.randn(3, 48, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref(x))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import DRAFTER_FACTORIES, tiny_gpt
-from speculative import NOISE_CHUNK, Sampler, generate_plain, generate_speculative, keyed_gumbel
+from speculative import (NOISE_CHUNK, Drafter, Sampler, generate_plain, generate_speculative, k_for,
+                         keyed_gumbel)
 
 
 def prompts(n, vocab, seed=0):
@@ -231,3 +232,15 @@ def test_bad_arguments(target):
         Sampler("coupled", top_k=0)
     with pytest.raises(ValueError, match="unknown sampling"):
         Sampler("beam")
+
+
+def test_k_for_uses_the_sampling_default_only_when_sampling():
+    class Both(Drafter):
+        default_k, sampled_k = 5, 2
+
+    class GreedyOnly(Drafter):
+        default_k = 4
+
+    assert k_for(Both(), "greedy") == 5
+    assert k_for(Both(), "coupled") == k_for(Both(), "rejection") == 2
+    assert k_for(GreedyOnly(), "coupled") == 4
