@@ -17,6 +17,10 @@ three things added, all of which speculative decoding needs:
 3. Hidden states of any requested layers come back with the logits (DFlash taps several
    layers, MTP needs the last one).
 
+And one thing that is only about speed: `Linear`, an nn.Linear that at float32 inference on a
+CPU multiplies by a copy of its weight packed for oneDNN, which is much faster at the few rows
+a decode step or a verify pass has. Every model here uses it, plain decoding included.
+
 Parameter names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ...), so a
 state_dict maps onto other GPT-2 implementations.
 
@@ -120,9 +124,9 @@ def packed_linear(x, packed, bias):
 class Linear(nn.Linear):
     """nn.Linear, except at float32 inference on a CPU, where it multiplies by a copy of its
     weight packed for oneDNN. Why: torch's default CPU matmul (MKL) is slow at the few rows a
-    decode step or a verify pass has: on the README's CPU every Linear of the target costs
-    0.6-1.0 ms a one-token step and 1.7 ms an 8-token verify, against 0.6 and 0.7 ms packed
-    (measured, weights cycled as in a forward). Plain decoding and every drafter use this same
+    decode step or a verify pass has: on the README's CPU all the target's Linears together
+    cost 0.6-1.0 ms in a one-token step and 1.7 ms in an 8-token verify, against 0.6 and 0.7 ms
+    packed (measured, weights cycled as in a forward). Plain decoding and every drafter use this same
     class, so the baseline gets the same speed-up as the speculative paths.
     The copy is made on the first inference call and again whenever the weight has changed
     (an optimizer step, a load, a .to()): training itself never uses it."""
