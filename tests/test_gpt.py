@@ -148,6 +148,15 @@ def test_linear_inference_matches_torch(bias, shape):
         assert torch.allclose(y, ref(x), atol=1e-5, rtol=1e-5)
 
 
+def test_linear_inference_on_strided_input():
+    """Views, as the model passes them (the last position of a batch, a transposed block)."""
+    lin, ref = linear_pair()
+    x = torch.randn(3, 7, 48)
+    with torch.inference_mode():
+        for view in (x[:, -1:], x.transpose(0, 1), x[:, ::2]):
+            assert torch.allclose(lin(view), ref(view), atol=1e-5, rtol=1e-5)
+
+
 def test_linear_repacks_after_the_weight_changes():
     """A packed copy must never go stale: after a load or an optimizer step the inference path
     computes with the new weight."""
