@@ -125,8 +125,8 @@ class Linear(nn.Linear):
     """nn.Linear, except at float32 inference on a CPU, where it multiplies by a copy of its
     weight packed for oneDNN. Why: torch's default CPU matmul (MKL) is slow at the few rows a
     decode step or a verify pass has: on the README's CPU all the target's Linears together
-    cost 0.6-1.0 ms in a one-token step and 1.7 ms in an 8-token verify, against 0.6 and 0.7 ms
-    packed (measured, weights cycled as in a forward). Plain decoding and every drafter use this same
+    cost 0.6-1.5 ms in a one-token step and 1.6-1.8 ms in an 8-token verify, against 0.6-0.7 and
+    0.7 ms packed (measured, weights cycled as in a forward). Plain decoding and every drafter use this same
     class, so the baseline gets the same speed-up as the speculative paths.
     The copy is made on the first inference call and again whenever the weight has changed
     (an optimizer step, a load, a .to()): training itself never uses it."""
