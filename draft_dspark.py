@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import Linear, synchronize
+from gpt import synchronize
 from speculative import total_variation
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights,
                           soft_labels)
