@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import MLP, Linear
+from gpt import MLP, Linear, attention
 from speculative import Drafter, total_variation
 
 # -----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class InjectedAttention(nn.Module):
             kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
             k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
         # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attention(q, k, v, mask)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -258,12 +258,13 @@ class DFlash(nn.Module):
     def run(self, x, pos, ctx_kvs, visible):
         """Training: blocks at positions pos (B, Tq) over context positions 0..Tc-1, each query
         seeing only the keys `visible` (B, 1, Tq, Tc + Tq) allows, ALiBi on top."""
-        mask = visible
         if self.config.alibi:
             ctx_pos = torch.arange(ctx_kvs[0][0].size(2), device=pos.device).expand(pos.size(0), -1)
             k_pos = torch.cat([ctx_pos, pos], 1)
-            mask = alibi_bias(pos, k_pos, self.config.n_head, x.dtype)
-            mask.masked_fill_(~visible, float("-inf"))  # in place: no second (B, nh, Tq, Tk) copy
+            mask = alibi_bias(pos, k_pos, self.config.n_head, x.dtype)  # (B, nh, Tq, Tk)
+        else:
+            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device)  # (B, 1, Tq, Tk)
+        mask.masked_fill_(~visible, float("-inf"))  # in place: no second (B, nh, Tq, Tk) copy
         cs = self.cs(pos, x.dtype)
         for layer, ckv in zip(self.layers, ctx_kvs):
             x = layer(x, cs, ckv, None, mask)

@@ -55,7 +55,7 @@ CPU = dict(
     mtp_distill=1.0, mtp_text="gen",
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
     dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
-    dflash_iters=3300, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
+    dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
     dspark_rank=64, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
 )
 
@@ -78,7 +78,7 @@ PRESETS = {
         target_iters=30, target_lr=3e-3, warmup=5,
         small_embd=16, small_heads=2, small_iters=10, mtp_iters=10, mtp_lr=3e-3, gen_seqs=8,
         dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=10, dflash_lr=3e-3,
-        dspark_rank=8, dspark_iters=10, dspark_lr=3e-3, dspark_calib_seqs=4)},
+        dspark_rank=8, dspark_iters=6, dspark_lr=3e-3, dspark_calib_seqs=4)},
 }
 PRESETS["mps"] = PRESETS["cuda"]
 
@@ -136,7 +136,9 @@ FIELD_HELP = {
     "dspark_lr": "dspark: peak learning rate",
     "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration "
                          "(0: none)",
-    "dspark_init": "dspark: 'dflash' (start the backbone from out/dflash.pt) or 'scratch'",
+    "dspark_init": "dspark: 'dflash' (the backbone starts from DFlash's own training at step "
+                   "dflash_iters - dspark_iters, out/dflash.branch.pt: both drafters then get the "
+                   "same number of steps) or 'scratch'",
 }
 
 # the allowed values of every preset field, checked by argparse before anything loads. The rest
@@ -308,10 +310,12 @@ def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, resume_path):
                         f"Try a lower learning rate (--{name}-lr).")
 
 
-def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step):
+def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step,
+               after_step=None):
     """Runs `iters` AdamW steps of loss_fn(step) on module's trainable parameters and returns
     (final val loss, optimizer state). Resumes from out/<name>.resume.pt if it was
-    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds."""
+    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds.
+    after_step(n), if given, is called after the n-th optimizer step."""
     params, opt = make_optimizer(module, lr)
     resume_path = os.path.join(args.out_dir, f"{name}.resume.pt")
     start = resume(name, module, opt, resume_path, fingerprint, iters)
@@ -341,6 +345,8 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         opt.step()
         opt.zero_grad(set_to_none=True)
         done = step + 1
+        if after_step is not None:
+            after_step(done)
         if done % args.log_interval == 0 or done == iters:
             now = time.time()
             n_steps = (args.log_interval if done % args.log_interval == 0
@@ -747,8 +753,18 @@ def block_config(ctx):
                         taps=parse_taps(a.dflash_taps, tcfg.n_layer), block=a.dflash_block)
 
 
+def branch_step(a):
+    """Where DSpark branches off DFlash's training (--dspark-init dflash): after dflash_iters -
+    dspark_iters steps, so DSpark's steps (the backbone's from DFlash, then its own) equal
+    DFlash's and the two compare at an equal budget. None: no branch (DSpark starts from scratch,
+    or it is given as many steps as DFlash or more and starts from DFlash's final weights)."""
+    n = a.dflash_iters - a.dspark_iters
+    return n if a.dspark_init == "dflash" and n >= 1 else None
+
+
 def stage_dflash(ctx):
-    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py)."""
+    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py). Also
+    writes out/dflash.branch.pt, its state at branch_step(): DSpark's starting point."""
     a = ctx.args
     target, target_ckpt = ctx.target()
     cfg = block_config(ctx)
@@ -764,16 +780,50 @@ def stage_dflash(ctx):
     fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.dflash_iters, "lr": a.dflash_lr, "text": a.dflash_text,
                    "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
-                   "gamma": a.dflash_gamma, "seed": a.seed}
+                   "gamma": a.dflash_gamma, "seed": a.seed, "branch": branch_step(a)}
+
+    def after_step(n):
+        if n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
+            save_checkpoint({"kind": "dflash-branch", "fingerprint": fingerprint,
+                             "state_dict": cpu_state_dict(net),
+                             "budget": {"steps": n, "seconds": round(time.time() - ctx.stage_t0)}},
+                            ctx.path("dflash.branch"))
     # val: corpus windows, fixed anchors
     val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dflash_iters, a.dflash_lr, a, fingerprint,
-                        a.batch_size * a.dflash_anchors * cfg.block)
+                        a.batch_size * a.dflash_anchors * cfg.block, after_step)
     sd = cpu_state_dict(net)
     save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd,
-                                     {"val_loss": val, "text": a.dflash_text}), ctx.path("dflash"))
+                                     {"val_loss": val, "text": a.dflash_text,
+                                      "fingerprint": fingerprint}), ctx.path("dflash"))
     return val
+
+
+def dspark_start(ctx, backbone_cfg):
+    """--dspark-init dflash: DSpark's backbone weights and the budget they cost, from DFlash's
+    branch (out/dflash.branch.pt, see branch_step) or, without one, its final out/dflash.pt."""
+    dfl = load_checkpoint(ctx.path("dflash"), "dflash")
+    same_target = dfl.get("target_hash") == ctx.target()[1]["model_hash"]
+    if not same_target or dfl["config"] != backbone_cfg.to_dict():
+        raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this "
+                         "target with the same --dflash-* shape: run "
+                         "`python train.py --only dflash` first, or use --dspark-init scratch")
+    branch = (dfl.get("fingerprint") or {}).get("branch")
+    if branch is None:
+        print(f"dspark: backbone initialised from {ctx.path('dflash')} (its final weights)")
+        return dfl["state_dict"], dfl.get("budget")
+    br = load_checkpoint(ctx.path("dflash.branch"), "dflash-branch", "dflash")
+    if br.get("fingerprint") != dfl["fingerprint"]:
+        raise ValueError(f"{ctx.path('dflash.branch')} is not from the run that wrote "
+                         f"{ctx.path('dflash')}: run `python train.py --only dflash --force`")
+    if branch != branch_step(ctx.args):
+        print(f"dspark: note: DFlash branched at step {branch}, not at --dflash-iters - "
+              f"--dspark-iters = {ctx.args.dflash_iters - ctx.args.dspark_iters}: the budgets "
+              "differ (retrain dflash to match them)")
+    print(f"dspark: backbone initialised from DFlash's state at step {branch} "
+          f"({ctx.path('dflash.branch')})")
+    return br["state_dict"], br["budget"]
 
 
 def stage_dspark(ctx):
@@ -790,15 +840,8 @@ def stage_dspark(ctx):
     print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {backbone_cfg}, {cfg}")
     init_budget = None
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
-        dfl = load_checkpoint(ctx.path("dflash"), "dflash")
-        same_target = dfl.get("target_hash") == target_ckpt["model_hash"]
-        if not same_target or dfl["config"] != backbone_cfg.to_dict():
-            raise ValueError(f"--dspark-init dflash needs {ctx.path('dflash')} trained on this "
-                             "target with the same --dflash-* shape: run "
-                             "`python train.py --only dflash` first, or use --dspark-init scratch")
-        net.backbone.load_state_dict(dfl["state_dict"])
-        init_budget = dfl.get("budget")
-        print(f"dspark: backbone initialised from {ctx.path('dflash')}")
+        state, init_budget = dspark_start(ctx, backbone_cfg)
+        net.backbone.load_state_dict(state)
     elif a.dspark_init != "scratch":
         raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
     batches = drafter_batches(ctx, a.dflash_text)
@@ -811,7 +854,8 @@ def stage_dspark(ctx):
                    "target": target_ckpt["model_hash"], "init": a.dspark_init,
                    "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text,
                    "gen": distill_key(ctx, a.dflash_text),
-                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed}
+                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed,
+                   "init_budget": init_budget}
     val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dspark_iters, a.dspark_lr, a, fingerprint,
@@ -903,7 +947,7 @@ def resolve_args(argv=None):
 def check_out_dir(out_dir):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
     names = [*datamod.BUILT, "distill.pt",
-             *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt"))]
+             *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt")), "dflash.branch.pt"]
     for p in (os.path.join(out_dir, n) for n in names):
         if os.path.isdir(p):
             raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")

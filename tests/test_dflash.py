@@ -3,6 +3,8 @@ the same block, cached context K/V equal a recomputation, k is bounded by the tr
 and the drafter can actually learn (a tiny overfit reaches near-full acceptance).
 The shared equivalence tests cover dflash through conftest.make_dflash."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -49,10 +51,15 @@ def test_a_block_never_sees_past_its_anchor_or_another_block(target):
     assert not torch.allclose(h[0, 1], h2[0, 1])
 
 
+@pytest.mark.parametrize("alibi", [True, False])
 @torch.inference_mode()
-def test_training_path_equals_inference_path(target):
-    """block_states (all anchors at once, masked) == the drafter's cached one-block forward."""
+def test_training_path_equals_inference_path(target, alibi):
+    """block_states (all anchors at once, masked, draft_dflash.biased_attention) == the drafter's
+    cached one-block forward (SDPA), with the ALiBi bias and without (random weights)."""
     d = make_dflash(target)
+    if not alibi:
+        torch.manual_seed(4)
+        d = DFlashDrafter(DFlash(replace(d.net.config, alibi=False), target).double())
     T = 25
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)

@@ -117,3 +117,14 @@ def test_calibration_lowers_the_ece(target):
     finally:
         net.conf_temp.copy_(saved)  # the fitted net is shared with other tests
     assert ece(torch.tensor([0.9, 0.9, 0.1, 0.1]), torch.tensor([1, 1, 0, 0])) < 0.11
+
+
+@torch.inference_mode()
+def test_the_confidence_table_is_the_confidence_head(target):
+    """Drafting scores with DSpark.confidence_table (h . w_h + c[x]); training with the head."""
+    net = fit_block_drafter(target, "dspark")
+    assert net.conf.weight.abs().sum() > 0 and net.w1.weight.abs().sum() > 0
+    w_h, c = net.confidence_table()
+    h = torch.randn(5, net.backbone.config.n_embd, dtype=torch.float64)
+    x = torch.tensor([0, 3, 7, 1, 2])
+    assert torch.allclose(h @ w_h + c[x], net.confidence_logit(h, net.w1(x)), atol=1e-12, rtol=0)

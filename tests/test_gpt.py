@@ -180,3 +180,27 @@ def test_linear_other_dtypes_use_torch_exactly():
     x = torch.randn(3, 48, dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(lin(x), ref(x))
+
+
+@pytest.mark.parametrize("case", ["causal", "none", "mask per head", "mask for all heads"])
+def test_training_attention_is_sdpa(case):
+    """gpt.attention writes attention out by hand when training on a CPU (gradients on); it must
+    compute what F.scaled_dot_product_attention does, values and gradients, in float64."""
+    import torch.nn.functional as F
+    from gpt import attention
+    g = torch.Generator().manual_seed(5)
+    B, nh, Tq, Tk, hs = 2, 3, 5, 5 if case == "causal" else 9, 4
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64, requires_grad=True)
+               for T in (Tq, Tk, Tk))
+    mask = None
+    if case.startswith("mask"):
+        mask = torch.randn(B, nh if case == "mask per head" else 1, Tq, Tk, generator=g,
+                           dtype=torch.float64)
+        mask[..., :2, -3:] = float("-inf")  # some keys invisible
+    causal = case == "causal"
+    got = attention(q, k, v, mask, causal)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, want_grads))

@@ -163,3 +163,24 @@ def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, co
         ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
         assert ck["budget"]["steps"] == train.PRESETS["tiny"][f"{stage}_iters"]
         assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
+
+
+def test_dspark_branches_off_dflash_at_an_equal_step_budget(trained, corpus, tmp_path):
+    """--dspark-init dflash: DFlash saves its state after dflash_iters - dspark_iters steps
+    (out/dflash.branch.pt) and DSpark starts there, so both have trained the same number of
+    steps; a branch from another DFlash run is refused, naming the fix."""
+    P = train.PRESETS["tiny"]
+    branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
+    assert branch["budget"]["steps"] == P["dflash_iters"] - P["dspark_iters"] >= 1
+    dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
+    assert branch["fingerprint"] == dflash["fingerprint"]
+    # an earlier state, not the final one
+    assert any(not torch.equal(branch["state_dict"][k], v)
+               for k, v in dflash["state_dict"].items())
+    dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
+    assert dspark["init_budget"]["steps"] + dspark["budget"]["steps"] == P["dflash_iters"]
+    out = shutil.copytree(trained, tmp_path / "out")
+    branch["fingerprint"] = {**branch["fingerprint"], "seed": -1}
+    torch.save(branch, out / "dflash.branch.pt")
+    with pytest.raises(ValueError, match="not from the run.*--only dflash --force"):
+        train.main(tiny_args(corpus, out, "--only", "dspark", "--force"))
