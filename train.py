@@ -56,7 +56,7 @@ CPU = dict(
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
     dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
     dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
-    dspark_rank=64, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+    dspark_rank=128, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
 )
 
 PRESETS = {
@@ -71,7 +71,7 @@ PRESETS = {
         mtp_iters=2000, mtp_lr=1e-3, gen_seqs=2048, feature_cache=0,
         dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
         dflash_iters=2000, dflash_lr=1e-3,
-        dspark_rank=128, dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
+        dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": {**CPU, **dict(
         n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
