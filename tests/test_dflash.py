@@ -51,11 +51,12 @@ def test_a_block_never_sees_past_its_anchor_or_another_block(target):
     assert not torch.allclose(h[0, 1], h2[0, 1])
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("alibi", [True, False])
-@torch.inference_mode()
-def test_training_path_equals_inference_path(target, alibi):
-    """block_states (all anchors at once, masked, draft_dflash.biased_attention) == the drafter's
-    cached one-block forward (SDPA), with the ALiBi bias and without (random weights)."""
+def test_training_path_equals_inference_path(target, alibi, grad):
+    """block_states (all anchors at once, masked) == the drafter's cached one-block forward, with
+    the ALiBi bias and without (random weights). With gradients on, as in training, the masked
+    attention is gpt.attention's written-out form; without, and in the drafter, it is SDPA."""
     d = make_dflash(target)
     if not alibi:
         torch.manual_seed(4)
@@ -63,13 +64,17 @@ def test_training_path_equals_inference_path(target, alibi):
     T = 25
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)
-    hid = target(x, hidden_layers=d.hidden_layers)[2]
+    with torch.no_grad():
+        hid = target(x, hidden_layers=d.hidden_layers)[2]
     anchors = torch.tensor([[3, 11, 16]])
-    h, _ = block_states(d.net, x, hid, anchors)
-    for i, a in enumerate(anchors[0].tolist()):
-        d.begin(x[:, :a + 1], {l: v[:, :a] for l, v in hid.items()})
-        hb = d.cached_block_states(d.net.config.block)[1:]
-        assert torch.allclose(h[0, i], hb, atol=1e-10, rtol=0)
+    with torch.set_grad_enabled(grad):
+        h, _ = block_states(d.net, x, hid, anchors)
+    assert h.requires_grad == grad
+    with torch.inference_mode():
+        for i, a in enumerate(anchors[0].tolist()):
+            d.begin(x[:, :a + 1], {l: v[:, :a] for l, v in hid.items()})
+            hb = d.cached_block_states(d.net.config.block)[1:]
+            assert torch.allclose(h[0, i].detach(), hb, atol=1e-10, rtol=0)
 
 
 @torch.inference_mode()
