@@ -85,10 +85,9 @@ class DSpark(nn.Module):
         """B(x_{k-1}, .) = W1[x_{k-1}] W2: prev (...) token ids -> (..., V)."""
         return self.w1(prev) @ self.w2
 
-    def confidence_logit(self, h, code):
-        """w . [h_k; W1[x_{k-1}]] (before the sigmoid): h (..., d), code = W1[x_{k-1}] (..., r)
-        -> (...)."""
-        return self.conf(torch.cat([h, code], dim=-1)).squeeze(-1)
+    def confidence_logit(self, h, prev):
+        """w . [h_k; W1[x_{k-1}]] (before the sigmoid): h (..., d), prev (...) -> (...)."""
+        return self.conf(torch.cat([h, self.w1(prev)], dim=-1)).squeeze(-1)
 
     @torch.no_grad()
     def confidence_table(self):
@@ -119,7 +118,7 @@ def dspark_terms(net, x, hidden, t_logits, anchors):
     tv = total_variation(logp, p_t)
     ce = -(p_t * logp).sum(-1)
     # the confidence head is a probe on the backbone: its BCE does not pull the drafting features
-    z = net.confidence_logit(h.detach(), net.w1(prev))
+    z = net.confidence_logit(h.detach(), prev)
     hit = (logp.argmax(-1) == p_t.argmax(-1)).float()
     return ce, tv, z, hit
 

@@ -127,4 +127,4 @@ def test_the_confidence_table_is_the_confidence_head(target):
     w_h, c = net.confidence_table()
     h = torch.randn(5, net.backbone.config.n_embd, dtype=torch.float64)
     x = torch.tensor([0, 3, 7, 1, 2])
-    assert torch.allclose(h @ w_h + c[x], net.confidence_logit(h, net.w1(x)), atol=1e-12, rtol=0)
+    assert torch.allclose(h @ w_h + c[x], net.confidence_logit(h, x), atol=1e-12, rtol=0)
