@@ -354,7 +354,7 @@ class DSparkDrafter(DFlashDrafter):
             toks.append(prev)
             qs.append(q)
         toks, qs = torch.cat(toks), (torch.cat(qs) if qs[0] is not None else None)
-        length = self.schedule_round(h, torch.cat([self.seq[-1:], toks[:-1]]))
+        length = self.schedule_round(h, toks)
         self.verified += length
         self.rounds += 1
         self._last = (now, length)
@@ -364,16 +364,17 @@ class DSparkDrafter(DFlashDrafter):
         """The drafter's forward alone (block states and base logits), for profile_verify."""
         return self.net.head(self.draft_states(k))
 
-    def schedule_round(self, h, prev):
+    def schedule_round(self, h, toks):
         """How many of the k drafts to verify: every confidence c_j at once, the prefix survival
         a_j = prod c_i, then the rule on the host (one sync per round, not one per draft).
-        Drafting all k first costs only the cheap Markov steps past the cut. prev (k,): the token
-        before each draft, x_{j-1}."""
+        Drafting all k first costs only the cheap Markov steps past the cut. toks (k,): the
+        drafts."""
         rule = {"auto": lambda: Throughput(self.t_draft, self.t_verify),
                 "threshold": lambda: Threshold(self.threshold),
                 "full": lambda: None}[self.schedule]()
         if rule is None and self.log is None:
             return h.size(0)
+        prev = torch.cat([self.seq[-1:], toks[:-1]])  # x_{j-1}: the token before each draft
         z = (h @ self.conf_h + self.conf_code[prev]).tolist()  # (k,) logits: the host sync
         survival, a = [], 1.0
         for z_j, temp in zip(z, self.conf_temp):  # on the host: k tiny steps, not k more ops
