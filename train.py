@@ -56,7 +56,7 @@ CPU = dict(
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
     dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=4.0, dflash_anchors=16,
     dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
-    dspark_rank=128, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+    dspark_rank=256, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
 )
 
 PRESETS = {

@@ -4,6 +4,9 @@ head's draft probabilities are exact softmaxes, and calibration lowers the ECE. 
 equivalence tests (tests/test_speculative.py) run over conftest.make_dspark: Markov head and
 scheduler on."""
 
+import copy
+
+import pytest
 import torch
 
 from conftest import fit_block_drafter, make_dspark
@@ -76,11 +79,17 @@ def test_rounds_measure_what_a_round_costs_besides_its_verify(target, monkeypatc
     assert d._last is None
 
 
+@pytest.mark.parametrize("table", [True, False], ids=["table", "product"])
 @torch.inference_mode()
-def test_markov_head_probabilities_are_exact_softmaxes(target):
+def test_markov_head_probabilities_are_exact_softmaxes(target, table):
+    """Both ways of drafting the bias: the (V, V) table (a small vocabulary) and W1[x] W2."""
     d = make_dspark(target)
     net = d.spark
     assert net.w2.abs().sum() > 0  # the head is not a no-op after fitting
+    assert d.markov_table is not None  # the test vocabulary is small
+    if not table:
+        d = copy.copy(d)
+        d.markov_table = None
     d.schedule = "full"
     seq = torch.tensor([[4, 9, 16, 25]])
     d.begin(seq, target(seq[:, :-1], hidden_layers=d.hidden_layers)[2])
