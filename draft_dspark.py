@@ -51,8 +51,8 @@ from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, pos
 @dataclass
 class DSparkConfig:
     # Markov head rank r (the paper's 256; its vocabulary is 100k+, ours 4096). Measured on the
-    # README's CPU, equal steps: tau 4.95 at rank 256, 4.82 at 128, 4.68 at 64 (DFlash: 4.13).
-    # Drafting from the (V x V) table costs the same at any rank; a training step ~15% more
+    # README's CPU, equal steps, gamma 4: tau 4.95 at rank 256, 4.82 at 128, 4.68 at 64 (DFlash:
+    # 4.13). Drafting from the (V x V) table costs the same at any rank; a training step ~15% more
     rank: int = 256
 
     def to_dict(self):
