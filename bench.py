@@ -3,9 +3,9 @@ bench.py -- proves equivalence and measures the speedup of every drafter.
 
 speculative.py made the loop; this file runs it honestly. The baseline is plain decoding
 with the same model, KV cache, dtype, device and process; methods are interleaved prompt
-by prompt (A B C on prompt 1, A B C on prompt 2, ...) after a warm-up so drift hits all of
-them alike, and every figure is a median over repeats of the same run. Absolute CPU times
-are noisy: read the ratios.
+by prompt (A B C on prompt 1, C A B on prompt 2, ..., the order shuffled) after a warm-up
+so drift hits all of them alike, and every figure is a median over repeats of the same run.
+Absolute CPU times are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
 acceptance, tokens/s, speedup over plain decoding, the draft/verify time split and the
@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -373,7 +374,11 @@ def run_method(name, target, drafters, prompts, args, cache):
 def run(target, prompts, drafters, args, device, cache):
     """Every method over every prompt, `repeats` times -> (res, divergences). Interleaved prompt
     by prompt: each prompt runs under every method before the next one starts, so the drift of
-    a shared machine (its speed moves over seconds) hits every method alike."""
+    a shared machine (its speed moves over seconds) hits every method alike. The order is
+    shuffled from prompt to prompt (seeded): in a fixed order a method always runs after the
+    same one and finds that one's weights in the cache (on the README's CPU, DSpark's full-block
+    variant ran 0.3-0.9% faster right after DSpark, whose weights it shares, than after
+    DFlash)."""
     names = ["ar", *drafters]
     for name in names:  # warm-up: first calls allocate and pick kernels
         run_method(name, target, drafters, prompts[:2], args, cache)
@@ -384,7 +389,8 @@ def run(target, prompts, drafters, args, device, cache):
         for n in names:
             times[n].append(0.0)
         for i, p in enumerate(prompts):
-            for name in names:
+            order = random.Random(rep * len(prompts) + i).sample(names, len(names))
+            for name in order:
                 t, (out, st) = timed(
                     lambda: run_method(name, target, drafters, [p], args, cache), device)
                 times[name][-1] += t

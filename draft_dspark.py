@@ -19,7 +19,11 @@ for the expensive part and adds two cheap pieces on top:
    `survival`). A scheduler, with the target's verify latency profiled once at load, verifies
    only the prefix that maximises expected tokens per second,
    (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)), where t_draft is the rest of a round
-   (draft, commit, loop): profiled at load, then measured as the rounds run.
+   (draft, commit, loop): profiled at load, then measured as the rounds run. Scoring the drafts
+   costs time too, so the scheduler watches itself: when the cuts it makes save less than its
+   scoring costs (on the README's CPU its rule kept every draft: a longer verify costs little
+   next to a round), it verifies whole blocks unscored and scores one round in SCORE_EVERY to
+   keep watching.
 
 The paper lets the anchor slot predict too (anchor + B-1 masks -> B drafts); here the backbone
 is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from the trained DFlash
@@ -212,6 +216,14 @@ class Threshold:
         return True
 
 
+def expected_saving(survival, length, t_draft, t_verify):
+    """Seconds a round that verifying `length` of the k drafts is expected to save against
+    verifying all k: (seconds per token at k - at length) x the tokens a round then yields."""
+    def per_token(m):
+        return (t_draft + t_verify[m + 1]) / (1 + sum(survival[:m]))
+    return (per_token(len(survival)) - per_token(length)) * (1 + sum(survival[:length]))
+
+
 def schedule_length(survival, t_draft, t_verify):
     """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
     rule = Throughput(t_draft, t_verify)
@@ -264,6 +276,9 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
 # the 7 Markov steps of a block-8 round from 0.59 ms (rank 256; 0.44 at rank 128) to 0.12 ms.
 # GPT-2's vocabulary (50,257) would need 10 GB and takes the product
 MARKOV_TABLE_BYTES = 256 * 2**20
+# while scoring does not pay (DSparkDrafter.idle), one round in this many is still scored, so a
+# change (a longer context, a busier device) is seen
+SCORE_EVERY = 16
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -293,6 +308,10 @@ class DSparkDrafter(DFlashDrafter):
         fits = V * V * net.w2.element_size() <= MARKOV_TABLE_BYTES
         self.markov_table = net.markov_table() if fits else None  # (V, V) or None
         self.t_verify = None
+        # the scheduler's own account (auto only): seconds a round its cuts save and seconds its
+        # scoring takes, running averages over scored rounds (None: nothing scored yet)
+        self.saved, self.t_score, self.round_no = None, 0.0, 0
+        self.scored = 0  # rounds whose drafts were scored (each one host sync)
         if profile:
             self.t_draft = self.profile_draft()  # leaves a dummy context begun
             self.t_verify = profile_verify(net.backbone.target, self.max_k + 1,
@@ -309,7 +328,7 @@ class DSparkDrafter(DFlashDrafter):
         for name, changes in rows.items():
             v = copy.copy(self)
             v.__dict__.update(changes)
-            v.verified, v.rounds = 0, 0
+            v.verified, v.rounds, v.scored = 0, 0, 0
             out[name] = v
         return out
 
@@ -337,7 +356,7 @@ class DSparkDrafter(DFlashDrafter):
             synchronize(self.k_cache.device)
             ts.append(time.perf_counter() - t0)
         self.schedule, self.threshold = saved
-        self.verified, self.rounds = 0, 0
+        self.verified, self.rounds, self.scored = 0, 0, 0
         return min(ts)
 
     def begin(self, tokens, hidden):
@@ -389,25 +408,46 @@ class DSparkDrafter(DFlashDrafter):
         a_j = prod c_i, then the rule on the host (one sync per round, not one per draft).
         Drafting all k first costs only the cheap Markov steps past the cut. toks (k,): the
         drafts."""
-        rule = {"auto": lambda: Throughput(self.t_draft, self.t_verify),
-                "threshold": lambda: Threshold(self.threshold),
-                "full": lambda: None}[self.schedule]()
-        if rule is None and self.log is None:
-            return h.size(0)
+        k, auto = h.size(0), self.schedule == "auto"
+        if self.log is None and (self.schedule == "full" or (auto and self.idle())):
+            return k
+        t0 = time.perf_counter()
+        self.scored += 1
         prev = torch.cat([self.seq[-1:], toks[:-1]])  # x_{j-1}: the token before each draft
         z = (h @ self.conf_h + self.conf_code[prev]).tolist()  # (k,) logits: the host sync
         survival, a = [], 1.0
         for z_j, temp in zip(z, self.conf_temp):  # on the host: k tiny steps, not k more ops
             a *= 0.5 * (1 + math.tanh(0.5 * z_j / temp))  # sigmoid(z_j / T_j)
             survival.append(a)
-        length = h.size(0)
-        if rule is not None:
+        length = k
+        if self.schedule != "full":
+            rule = (Throughput(self.t_draft, self.t_verify) if auto
+                    else Threshold(self.threshold))
             for s in survival:
                 if not rule.admit(s):
                     break  # the first drop: verify nothing past it
             length = rule.l
+        if auto:
+            self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
+                       time.perf_counter() - t0)
         self._survival = survival[:length]
         return length
+
+    def idle(self):
+        """Whether this round goes unscored (the whole block verified): scoring has cost more than
+        the cuts it made saved, and this is not one of the rounds that keep watching."""
+        self.round_no += 1
+        return (self.saved is not None and self.saved < self.t_score
+                and self.round_no % SCORE_EVERY != 0)
+
+    def watch(self, saved, spent):
+        """After a scored round: the seconds its cut is expected to save and the seconds scoring
+        took move the running averages (10% a round; the first round sets them)."""
+        if self.saved is None:
+            self.saved, self.t_score = saved, spent
+        else:
+            self.saved += 0.1 * (saved - self.saved)
+            self.t_score += 0.1 * (spent - self.t_score)
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):

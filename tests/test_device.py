@@ -169,7 +169,8 @@ def counting_calls(obj, name):
 
 
 # what a drafter itself reads back or uploads per propose()/commit(), declared honestly:
-# DSpark's scheduler reads its k confidences once (a rule that runs on the host); prompt lookup
+# DSpark's scheduler reads its k confidences once in each round it scores (a rule that runs on
+# the host; DSparkDrafter.idle skips scoring where it does not pay); prompt lookup
 # keeps the text on the host, so it reads the prompt at begin, the new tokens at commit, and
 # uploads its draft. (reads, uploads) per call:
 OWN = {"dspark": {"propose": (1, 0)},
@@ -189,9 +190,13 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
                                       Sampler(mode, 0.9, None, 0))
     monkeypatch.undo()
     own = {what: OWN.get(drafter_name, {}).get(what, (0, 0)) for what in CALLS}
+    calls = dict(drafter.calls)
+    if drafter_name == "dspark":
+        assert 1 <= drafter.scored <= calls["propose"]
+        calls["propose"] = drafter.scored
     # 1: the token after the prefill
-    reads = 1 + stats.rounds + sum(own[w][0] * drafter.calls[w] for w in own)
-    uploads = 1 + sum(own[w][1] * drafter.calls[w] for w in own)  # 1: the prompt
+    reads = 1 + stats.rounds + sum(own[w][0] * calls[w] for w in own)
+    uploads = 1 + sum(own[w][1] * calls[w] for w in own)  # 1: the prompt
     assert stats.rounds > 3 and len(out) == 40
     counted = (syncs.reads, syncs.uploads, waits)
     assert counted == (reads, uploads, []), (stats.rounds, drafter.calls)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import fit_block_drafter, make_dspark
-from draft_dspark import calibrate, ece, schedule_length
+from draft_dspark import SCORE_EVERY, calibrate, ece, expected_saving, schedule_length
 from speculative import Sampler, generate_plain, generate_speculative
 
 
@@ -60,6 +60,35 @@ def test_a_round_verifies_only_the_scheduled_prefix(target):
     d.schedule, d.threshold = "threshold", 2.0  # nothing reaches it: one draft
     assert d.propose(8, Sampler("greedy"))[0].numel() == 1
     assert d.mean_verify_len == (draft.numel() + 8 + 1) / 3
+
+
+def test_expected_saving_of_a_cut():
+    a = [0.9, 0.5, 0.1]
+    t_verify = [0, 1.0, 1.0, 2.0, 3.0]
+    assert expected_saving(a, 3, 1.0, t_verify) == 0.0  # no cut, no saving
+    # verify 1 of 3: 2 s for 1.9 tokens against 4 s for 2.5 tokens, over 1.9 tokens
+    assert abs(expected_saving(a, 1, 1.0, t_verify) - (4.0 / 2.5 - 2.0 / 1.9) * 1.9) < 1e-12
+
+
+@torch.inference_mode()
+def test_the_scheduler_scores_only_while_its_cuts_pay(target):
+    """A flat latency table: no cut saves anything, so after one scored round the drafter verifies
+    whole blocks unscored, scoring one round in SCORE_EVERY; a dear one: the cuts pay again, and
+    it scores (and cuts) every round."""
+    d = make_dspark(target)
+    hid = target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2]
+    d.begin(torch.tensor([[1, 2, 3]]), hid)
+    scored, watch = [], d.watch
+    d.watch = lambda saved, spent: (scored.append(saved), watch(saved, spent))
+    dear = d.t_verify
+    d.t_verify = [0.0] + [1.0] * (d.max_k + 1)
+    lengths = [d.propose(8, Sampler("greedy"))[0].numel() for _ in range(2 * SCORE_EVERY)]
+    assert lengths == [8] * (2 * SCORE_EVERY)
+    assert scored == [0.0] * 3  # rounds 1, SCORE_EVERY and 2 * SCORE_EVERY
+    d.t_verify = dear
+    lengths = [d.propose(8, Sampler("greedy"))[0].numel() for _ in range(2 * SCORE_EVERY)]
+    assert d.saved > d.t_score and len(scored) > 3 + SCORE_EVERY
+    assert max(lengths[-SCORE_EVERY:]) < 8
 
 
 @torch.inference_mode()
