@@ -3,9 +3,9 @@ bench.py -- proves equivalence and measures the speedup of every drafter.
 
 speculative.py made the loop; this file runs it honestly. The baseline is plain decoding
 with the same model, KV cache, dtype, device and process; methods are interleaved prompt
-by prompt (A B C on prompt 1, C A B on prompt 2, ..., the order shuffled) after a warm-up
-so drift hits all of them alike, and every figure is a median over repeats of the same run.
-Absolute CPU times are noisy: read the ratios.
+by prompt (A B C on prompt 1, then B C A, C B A, ...: a seeded shuffle for each prompt)
+after a warm-up so drift hits all of them alike, and every figure is a median over repeats
+of the same run. Absolute CPU times are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
 acceptance, tokens/s, speedup over plain decoding, the draft/verify time split and the

@@ -217,8 +217,8 @@ class Threshold:
 
 
 def expected_saving(survival, length, t_draft, t_verify):
-    """Seconds a round that verifying `length` of the k drafts is expected to save against
-    verifying all k: (seconds per token at k - at length) x the tokens a round then yields."""
+    """Seconds per round that verifying only `length` of the k drafts is expected to save against
+    verifying all k: (seconds per token at k - at length) x the tokens such a round yields."""
     def per_token(m):
         return (t_draft + t_verify[m + 1]) / (1 + sum(survival[:m]))
     return (per_token(len(survival)) - per_token(length)) * (1 + sum(survival[:length]))
@@ -284,7 +284,8 @@ SCORE_EVERY = 16
 class DSparkDrafter(DFlashDrafter):
     """schedule: 'auto' (the throughput scheduler), 'threshold' (verify while a_j >= threshold)
     or 'full' (always all k), so bench can ablate. markov=False drops the Markov bias (ablation).
-    mean_verify_len: average number of drafts actually sent to verification."""
+    profile=False skips the start-up profile: set t_draft and t_verify before an 'auto' round
+    (the tests do). mean_verify_len: average number of drafts actually sent to verification."""
     name = "dspark"
 
     def __init__(self, net, schedule="auto", threshold=0.5, markov=True, profile=True):
@@ -329,6 +330,7 @@ class DSparkDrafter(DFlashDrafter):
             v = copy.copy(self)
             v.__dict__.update(changes)
             v.verified, v.rounds, v.scored = 0, 0, 0
+            v.saved, v.t_score, v.round_no = None, 0.0, 0  # its own account of scoring
             out[name] = v
         return out
 
@@ -405,12 +407,13 @@ class DSparkDrafter(DFlashDrafter):
 
     def schedule_round(self, h, toks):
         """How many of the k drafts to verify: every confidence c_j at once, the prefix survival
-        a_j = prod c_i, then the rule on the host (one sync per round, not one per draft).
-        Drafting all k first costs only the cheap Markov steps past the cut. toks (k,): the
-        drafts."""
+        a_j = prod c_i, then the rule on the host (one sync per scored round, not one per
+        draft; an idle round scores nothing and verifies all k). Drafting all k first costs only
+        the cheap Markov steps past the cut. toks (k,): the drafts."""
         k, auto = h.size(0), self.schedule == "auto"
         if self.log is None and (self.schedule == "full" or (auto and self.idle())):
             return k
+        synchronize(h.device)  # on a GPU: the draft's queued work is not scoring's cost
         t0 = time.perf_counter()
         self.scored += 1
         prev = torch.cat([self.seq[-1:], toks[:-1]])  # x_{j-1}: the token before each draft
@@ -435,7 +438,9 @@ class DSparkDrafter(DFlashDrafter):
 
     def idle(self):
         """Whether this round goes unscored (the whole block verified): scoring has cost more than
-        the cuts it made saved, and this is not one of the rounds that keep watching."""
+        the cuts it made saved, and this is not one of the rounds that keep watching. Counts the
+        round; the count and the averages carry over from one generation to the next, like
+        t_draft: they describe the machine, not the text."""
         self.round_no += 1
         return (self.saved is not None and self.saved < self.t_score
                 and self.round_no % SCORE_EVERY != 0)

@@ -89,6 +89,8 @@ def test_the_scheduler_scores_only_while_its_cuts_pay(target):
     lengths = [d.propose(8, Sampler("greedy"))[0].numel() for _ in range(2 * SCORE_EVERY)]
     assert d.saved > d.t_score and len(scored) > 3 + SCORE_EVERY
     assert max(lengths[-SCORE_EVERY:]) < 8
+    # bench's ablation rows, copies of this drafter, keep their own account from scratch
+    assert all(v.saved is None and v.round_no == 0 for v in d.variants().values())
 
 
 @torch.inference_mode()
