@@ -224,13 +224,18 @@ def expected_saving(survival, length, t_draft, t_verify):
     return (per_token(len(survival)) - per_token(length)) * (1 + sum(survival[:length]))
 
 
-def schedule_length(survival, t_draft, t_verify):
-    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
-    rule = Throughput(t_draft, t_verify)
+def admitted(rule, survival):
+    """How many of the drafts with prefix survivals a_1..a_K `rule` verifies: it is fed them in
+    order until its first refusal, and verifies nothing past it."""
     for s in survival:
         if not rule.admit(s):
             break
     return rule.l
+
+
+def schedule_length(survival, t_draft, t_verify):
+    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
+    return admitted(Throughput(t_draft, t_verify), survival)
 
 
 def profile_verify(target, m_max, context=None, reps=9, between=None):
@@ -311,7 +316,7 @@ class DSparkDrafter(DFlashDrafter):
         self.t_verify = None
         # the scheduler's own account (auto only): seconds a round its cuts save and seconds its
         # scoring takes, running averages over scored rounds (None: nothing scored yet)
-        self.saved, self.t_score, self.round_no = None, 0.0, 0
+        self.saved, self.t_score = None, 0.0
         self.scored = 0  # rounds whose drafts were scored (each one host sync)
         if profile:
             self.t_draft = self.profile_draft()  # leaves a dummy context begun
@@ -330,7 +335,7 @@ class DSparkDrafter(DFlashDrafter):
             v = copy.copy(self)
             v.__dict__.update(changes)
             v.verified, v.rounds, v.scored = 0, 0, 0
-            v.saved, v.t_score, v.round_no = None, 0.0, 0  # its own account of scoring
+            v.saved, v.t_score = None, 0.0  # its own account of scoring
             out[name] = v
         return out
 
@@ -424,12 +429,8 @@ class DSparkDrafter(DFlashDrafter):
             survival.append(a)
         length = k
         if self.schedule != "full":
-            rule = (Throughput(self.t_draft, self.t_verify) if auto
-                    else Threshold(self.threshold))
-            for s in survival:
-                if not rule.admit(s):
-                    break  # the first drop: verify nothing past it
-            length = rule.l
+            length = admitted(Throughput(self.t_draft, self.t_verify) if auto
+                              else Threshold(self.threshold), survival)
         if auto:
             self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
                        time.perf_counter() - t0)
@@ -438,12 +439,11 @@ class DSparkDrafter(DFlashDrafter):
 
     def idle(self):
         """Whether this round goes unscored (the whole block verified): scoring has cost more than
-        the cuts it made saved, and this is not one of the rounds that keep watching. Counts the
-        round; the count and the averages carry over from one generation to the next, like
+        the cuts it made saved, and this is not one of the rounds that keep watching (this is
+        round self.rounds + 1). The averages carry over from one generation to the next, like
         t_draft: they describe the machine, not the text."""
-        self.round_no += 1
         return (self.saved is not None and self.saved < self.t_score
-                and self.round_no % SCORE_EVERY != 0)
+                and (self.rounds + 1) % SCORE_EVERY != 0)
 
     def watch(self, saved, spent):
         """After a scored round: the seconds its cut is expected to save and the seconds scoring

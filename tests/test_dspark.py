@@ -90,7 +90,7 @@ def test_the_scheduler_scores_only_while_its_cuts_pay(target):
     assert d.saved > d.t_score and len(scored) > 3 + SCORE_EVERY
     assert max(lengths[-SCORE_EVERY:]) < 8
     # bench's ablation rows, copies of this drafter, keep their own account from scratch
-    assert all(v.saved is None and v.round_no == 0 for v in d.variants().values())
+    assert all(v.saved is None and v.rounds == 0 for v in d.variants().values())
 
 
 @torch.inference_mode()
