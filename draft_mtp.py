@@ -23,9 +23,12 @@ sees the module's own history. The module is thereby free of absolute positions.
 
 It trains two ways (train.py --mtp-mode). `joint` adds λ·L_mtp to the target's own loss while
 the target trains (DeepSeek-V3, λ = 0.3) and writes out/mtp.pt with the target. `posthoc` (the
-default) trains the module alone on the frozen target, distilling the target's own distribution
-of the token after next on text the target wrote itself: a drafter is judged by agreeing with
-the target, not the data. The README has the measured comparison of the two modes.
+default) trains the module alone on the frozen target, on text the target wrote itself: half
+distillation of the target's own distribution of the token after next (KL + TV), half
+cross-entropy on that text's own token after next, which on the greedy three quarters of the
+set is the target's own choice. A drafter is judged by agreeing with the target, not the data;
+the hard half puts weight on the one token greedy decoding accepts. The README has the measured
+comparisons (the two modes; pure distillation against the mix).
 
     python train.py --only mtp && python speculative.py --method mtp --k 2
 """

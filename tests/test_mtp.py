@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import fit_mtp, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, head, mtp_loss
-from speculative import Sampler, load_drafter
+from speculative import Sampler, load_drafter, total_variation
 from gpt import CheckpointError, load_target
 
 
@@ -158,6 +158,24 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
 
 # -----------------------------------------------------------------------------
 # training: the mtp loss is the mean of the modules' losses, and joint mode pairs head and target
+
+
+@torch.no_grad()
+def test_distill_mixes_ce_on_the_text_with_kl_and_tv_to_the_target(target):
+    """The posthoc default (--mtp-distill 0.5): half CE on the text's token after next, half
+    KL + TV to the target's own distribution of it (its logits one position on)."""
+    mtp = fit_mtp(target, n_modules=1)
+    x = seq_of(target, 16, 6)
+    t_logits, _, hid = target(x[:, :-1], hidden_layers=(target.config.n_layer,))
+    h = hid[target.config.n_layer]
+    out = mtp.mods[0](h[:, :-1], target.transformer.wte(x[:, 1:-1]))
+    logq = F.log_softmax(head(target, out), -1)[0]
+    logp = F.log_softmax(t_logits[0, 1:], -1)
+    ce = F.nll_loss(logq, x[0, 2:])
+    kl_tv = ((logp.exp() * (logp - logq)).sum(-1) + total_variation(logq, logp.exp())).mean()
+    for d in (0.0, 0.5, 1.0):
+        loss = mtp_loss(mtp, target, h, x[:, :-1], x[:, 1:], t_logits, d)
+        assert torch.allclose(loss, (1 - d) * ce + d * kl_tv, atol=1e-12, rtol=0), d
 
 
 def test_loss_is_ce_on_the_token_after_next(target):
