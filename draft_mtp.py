@@ -143,10 +143,11 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
     logits, targets = mtp(target, hidden, x, y[:, -1:])
     total = 0.0
     for k, (lg, tg) in enumerate(zip(logits, targets), start=1):
-        loss = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1)) if distill < 1 else 0.0
+        logq = F.log_softmax(lg, dim=-1)  # (B, T-k, V), once for both terms: the largest tensor
+        loss = F.nll_loss(logq.flatten(0, 1), tg.flatten()) if distill < 1 else 0.0
         if distill > 0:
             teacher = F.log_softmax(target_logits[:, k:].detach(), dim=-1)
-            p, logq = teacher.exp(), F.log_softmax(lg, dim=-1)
+            p = teacher.exp()
             kl = (p * (teacher - logq)).sum(-1) + total_variation(logq, p)
             loss = (1 - distill) * loss + distill * kl.mean()
         total = total + loss
