@@ -44,7 +44,7 @@ from speculative import total_variation
 # notebook; train.py always passes every field from the preset.) The CPU preset is the base; the
 # others say only how they differ from it.
 
-# measured on 2 CPU cores with fast bfloat16: ~17 minutes in all, the target a quarter, DFlash and
+# measured on 2 CPU cores with fast bfloat16: ~19 minutes in all, the target a quarter, DFlash and
 # DSpark together a half
 CPU = dict(
     n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
