@@ -300,7 +300,8 @@ class DSparkDrafter(DFlashDrafter):
         self.spark, self.schedule, self.threshold, self.markov = net, schedule, threshold, markov
         # set to a list to record (a_1..a_l, n survived) per round (calibration checks)
         self.log = None
-        self.verified, self.rounds, self.t_draft = 0, 0, 0.0
+        self.reset_account()
+        self.t_draft = 0.0
         # t_draft: what a round costs besides its verify forward. The start-up profile of one
         # draft is the first guess; with profile on, the rounds then measure it (measure_round):
         # inside the loop a draft runs slower than alone (on the README's CPU the target and the
@@ -314,10 +315,6 @@ class DSparkDrafter(DFlashDrafter):
         fits = V * V * net.w2.element_size() <= MARKOV_TABLE_BYTES
         self.markov_table = net.markov_table() if fits else None  # (V, V) or None
         self.t_verify = None
-        # the scheduler's own account (auto only): seconds a round its cuts save and seconds its
-        # scoring takes, running averages over scored rounds (None: nothing scored yet)
-        self.saved, self.t_score = None, 0.0
-        self.scored = 0  # rounds whose drafts were scored (each one host sync)
         if profile:
             self.t_draft = self.profile_draft()  # leaves a dummy context begun
             self.t_verify = profile_verify(net.backbone.target, self.max_k + 1,
@@ -334,10 +331,18 @@ class DSparkDrafter(DFlashDrafter):
         for name, changes in rows.items():
             v = copy.copy(self)
             v.__dict__.update(changes)
-            v.verified, v.rounds, v.scored = 0, 0, 0
-            v.saved, v.t_score = None, 0.0  # its own account of scoring
+            v.reset_account()  # its own counts and its own account of scoring
             out[name] = v
         return out
+
+    def reset_account(self):
+        """Counts from zero: drafts verified, rounds, rounds whose drafts were scored (each one
+        host sync); and the scheduler's own account (auto only): the seconds a round its cuts
+        save and the seconds its scoring takes, running averages over scored rounds (None:
+        nothing scored yet). For a new drafter, each of bench's ablation copies, and after the
+        start-up profile."""
+        self.verified, self.rounds, self.scored = 0, 0, 0
+        self.saved, self.t_score = None, 0.0
 
     @property
     def mean_verify_len(self):
@@ -363,7 +368,7 @@ class DSparkDrafter(DFlashDrafter):
             synchronize(self.k_cache.device)
             ts.append(time.perf_counter() - t0)
         self.schedule, self.threshold = saved
-        self.verified, self.rounds, self.scored = 0, 0, 0
+        self.reset_account()
         return min(ts)
 
     def begin(self, tokens, hidden):
