@@ -170,7 +170,7 @@ def counting_calls(obj, name):
 
 # what a drafter itself reads back or uploads per propose()/commit(), declared honestly:
 # DSpark's scheduler reads its k confidences once in each round it scores (a rule that runs on
-# the host; DSparkDrafter.idle skips scoring where it does not pay); prompt lookup
+# the host; DSparkDrafter.closed skips scoring where it does not pay); prompt lookup
 # keeps the text on the host, so it reads the prompt at begin, the new tokens at commit, and
 # uploads its draft. (reads, uploads) per call:
 OWN = {"dspark": {"propose": (1, 0)},

@@ -74,7 +74,8 @@ def test_expected_saving_of_a_cut():
 def test_the_scheduler_scores_only_while_its_cuts_pay(target):
     """A flat latency table: no cut saves anything, so after one scored round the drafter verifies
     whole blocks unscored, scoring one round in SCORE_EVERY; a dear one: the cuts pay again, and
-    it scores (and cuts) every round."""
+    it scores (and cuts) every round; a dear scoring: whole blocks again, and the rounds that watch
+    cut nothing."""
     d = make_dspark(target)
     hid = target(torch.tensor([[1, 2]]), hidden_layers=d.hidden_layers)[2]
     d.begin(torch.tensor([[1, 2, 3]]), hid)
@@ -89,6 +90,11 @@ def test_the_scheduler_scores_only_while_its_cuts_pay(target):
     lengths = [d.propose(8, Sampler("greedy"))[0].numel() for _ in range(2 * SCORE_EVERY)]
     assert d.saved > d.t_score and len(scored) > 3 + SCORE_EVERY
     assert max(lengths[-SCORE_EVERY:]) < 8
+    # scoring made dear: the same cuts no longer pay for it, and the watch rounds cut nothing
+    d.t_score, n_scored = 1e9, len(scored)
+    lengths = [d.propose(8, Sampler("greedy"))[0].numel() for _ in range(2 * SCORE_EVERY)]
+    assert lengths == [8] * (2 * SCORE_EVERY)
+    assert len(scored) == n_scored + 2 and min(scored[-2:]) > 0  # each would have cut
     # bench's ablation rows, copies of this drafter, keep their own account from scratch
     assert all(v.saved is None and v.rounds == 0 for v in d.variants().values())
 
