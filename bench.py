@@ -451,10 +451,10 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     against plain decoding timed once at the start, the drift of a shared machine went into
     the ratios (DSpark's scheduler 2.14x against its full block's 2.34x at k = 7, where both
     verified the same blocks and the main table, interleaved, had them 2.19x and 2.23x)."""
-    if not args.sweep:
+    swept = {n: d for n, (d, _) in drafters.items() if "-" not in n or n.endswith("-full")}
+    if not args.sweep or not swept:
         return {}
     sp = prompts[:args.sweep_prompts]
-    swept = {n: d for n, (d, _) in drafters.items() if "-" not in n or n.endswith("-full")}
     sweep = {n: [] for n in swept}
     for k in args.sweep:
         names = [n for n, d in swept.items() if d.max_k is None or k <= d.max_k]

@@ -2,9 +2,11 @@
 documented schema, and in float64 every drafter reproduces plain decoding exactly."""
 
 import json
+import time
+from types import SimpleNamespace
 
 import bench
-from speculative import DRAFTERS
+from speculative import DRAFTERS, Stats
 
 
 def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
@@ -39,3 +41,37 @@ def test_bench_with_coupled_sampling_matches_plain_sampling(trained):
                       "--sampling", "coupled", "--temperature", "0.9",
                       "--methods", "ar,small,dflash"])
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
+
+
+def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypatch):
+    """At each k, prompt by prompt, plain decoding runs once among the drafters that draft that k
+    (ablations aside but the full block), and each speedup is against those runs: timed once up
+    front, the drift of a shared machine went into the ratios."""
+    calls = []
+
+    def fake_ar(target, prompts, args, cache):
+        calls.append("ar")
+        time.sleep(1e-4)
+        return None, Stats()
+
+    def fake_spec(target, drafter, k, prompts, args, cache):
+        calls.append(f"{drafter.name}{k}")
+        time.sleep(1e-4)
+        return None, Stats(tokens=2, target_forwards=1, rounds=1)
+
+    monkeypatch.setattr(bench, "run_ar", fake_ar)
+    monkeypatch.setattr(bench, "run_spec", fake_spec)
+    fake = lambda name, max_k: (SimpleNamespace(name=name, max_k=max_k), 1)
+    drafters = {"a": fake("a", None), "b": fake("b", 1), "b-full": fake("f", 1),
+                "b-threshold": fake("t", 1)}
+    args = SimpleNamespace(sweep=[1, 3], sweep_prompts=2)
+    out = bench.sweep_k(None, [[1], [2], [3]], drafters, args, "cpu", None)
+    assert {n: [r["k"] for r in rows] for n, rows in out.items()} == {
+        "a": [1, 3], "b": [1], "b-full": [1]}
+    assert all(r["speedup"] > 0 for rows in out.values() for r in rows)
+    per_prompt = [calls[0:4], calls[4:8], calls[8:10], calls[10:12]]  # k = 1 twice, k = 3 twice
+    assert [sorted(g) for g in per_prompt] == [["a1", "ar", "b1", "f1"]] * 2 + [["a3", "ar"]] * 2
+    assert len(calls) == 12
+    calls.clear()  # nothing to sweep: nothing runs, not even plain decoding
+    assert bench.sweep_k(None, [[1]], {"b-threshold": fake("t", 1)}, args, "cpu", None) == {}
+    assert calls == []
