@@ -443,7 +443,7 @@ class DSparkDrafter(DFlashDrafter):
         if auto:
             self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
                        time.perf_counter() - t0)
-        if closed and self.log is None:
+        if watching and self.log is None:
             # a watch round cuts nothing: it only asks whether cuts pay yet. When it cut, DSpark
             # verified 6.845 drafts a round against its full block's 6.869 (k = 7, the README's
             # CPU, 32 prompts), 0.35% fewer, while its own account said they saved less than
