@@ -299,7 +299,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--repeats", type=number(int, 1), default=3,
                    help="timed passes over all prompts per method")
-    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10",
+    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10,15",
                    help="k values for the draft-latency sweep ('' to skip)")
     p.add_argument("--sweep-prompts", type=number(int, 1), default=8,
                    help="prompts used by the sweep")

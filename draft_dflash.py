@@ -16,9 +16,10 @@ concatenated, projected d*n -> d and normalised into a context, and in EVERY dra
 context is injected as extra keys/values in front of the block ("KV injection"). Queries come
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
-Two departures from the paper, both because we train for minutes, not GPU-days (see
-DFlash.__init__ and alibi_bias): one mask embedding per block offset instead of one shared
-mask, and an ALiBi distance penalty on top of RoPE.
+Three departures from the paper, all because we train for minutes, not GPU-days (see
+DFlash.__init__, alibi_bias and load_narrower): one mask embedding per block offset instead of
+one shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block first: train.py
+trains block 8, then widens it to 16, which keeps the first slot as good as block 8's.
 
 Bookkeeping at inference: the context is the target's hidden states of every confirmed token
 BEFORE the anchor t*; t* itself enters the block as a token at its absolute position. Each draft
@@ -28,8 +29,9 @@ never recomputed (the target's states of a position never change).
 Cost. On a small CPU target a drafter pays per ATen call, not per FLOP, so a round does only
 what changes: RoPE angles and ALiBi biases are tables built once and sliced; the block's K/V go
 into the cache after the context (no concatenation), and the LM head runs on the draft slots
-only. With the CPU preset on the README's 2-core CPU, a block-8 round (anchor + 7 masks) costs
-about 60% of a one-token target step.
+only. With the CPU preset on the README's 2-core CPU, a block-16 round (anchor + 15 masks)
+costs about three quarters of a one-token target step inside the decoding loop (block 8: about
+60%).
 
     python train.py --only dflash && python speculative.py --method dflash
 """
@@ -57,8 +59,8 @@ class DFlashConfig:
     # target layers read as context (train.py picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
-    #                          (the paper: 16; train.py's CPU preset: 8, measured faster there, see
-    #                          README)
+    #                          (the paper's 16; train.py's CPU preset trains block 8 first, then
+    #                          widens to 16: load_narrower)
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
@@ -214,6 +216,18 @@ class DFlash(nn.Module):
             elif pn.endswith(".bias"):
                 nn.init.zeros_(p)
         self._tables = {}  # position tables, built once per device and dtype (see tables())
+
+    def load_narrower(self, state_dict):
+        """Load a DFlash trained at this block or a narrower one (train.py's narrow phase). Every
+        weight has the same shape at any block but the mask embeddings, one per block offset:
+        offsets 1..b-1 take the narrower network's, the later ones keep their initialisation."""
+        sd = dict(state_dict)
+        m, own = sd["mask_emb"], self.mask_emb.detach()
+        if m.size(0) > own.size(0):
+            raise ValueError(f"a block-{m.size(0) + 1} DFlash does not fit a block-"
+                             f"{own.size(0) + 1} one")
+        sd["mask_emb"] = torch.cat([m.to(own), own[m.size(0):]])
+        self.load_state_dict(sd)
 
     def tables(self, device, dtype):
         """RoPE cos/sin for every position a block can reach (float32 angles, then cast), and the

@@ -21,6 +21,7 @@ prompts, written once to out/distill.pt (a quarter of them sampled, the rest gre
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -45,7 +46,7 @@ from speculative import total_variation
 # others say only how they differ from it.
 
 # measured on 2 CPU cores with fast bfloat16: ~19 minutes in all, the target a quarter, DFlash and
-# DSpark together a half
+# DSpark together a half. DFlash drafts at block 16 but learns block 8 first (stage_dflash: why)
 CPU = dict(
     n_layer=6, n_head=8, n_embd=256, block_size=256, batch_size=8,
     target_iters=1300, target_lr=2e-3, warmup=60,
@@ -54,9 +55,11 @@ CPU = dict(
     mtp_mode="posthoc", mtp_modules=1, mtp_lambda=0.3, mtp_iters=2000, mtp_lr=2e-3,
     mtp_distill=0.5, mtp_text="gen",
     gen_seqs=1024, gen_sampled=0.25, gen_temperature=0.8, feature_cache=1,
-    dflash_layers=2, dflash_heads=8, dflash_block=8, dflash_gamma=3.0, dflash_anchors=16,
-    dflash_iters=5500, dflash_lr=2e-3, dflash_text="gen", dflash_taps="auto",
-    dspark_rank=256, dspark_iters=1700, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+    dflash_layers=2, dflash_heads=8, dflash_block=16, dflash_gamma=3.0, dflash_anchors=8,
+    dflash_iters=1000, dflash_lr=1e-3, dflash_text="gen", dflash_taps="auto",
+    dflash_narrow_block=8, dflash_narrow_anchors=16, dflash_narrow_iters=5000,
+    dflash_narrow_lr=2e-3,
+    dspark_rank=256, dspark_iters=1000, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
 )
 
 PRESETS = {
@@ -70,15 +73,16 @@ PRESETS = {
         small_layers=2, small_embd=256, small_iters=2000, small_lr=2e-3,
         mtp_iters=2000, mtp_lr=1e-3, gen_seqs=2048, feature_cache=0,
         dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
-        dflash_iters=2000, dflash_lr=1e-3,
+        dflash_iters=2000, dflash_lr=1e-3, dflash_narrow_iters=0,
         dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": {**CPU, **dict(
         n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
         target_iters=30, target_lr=3e-3, warmup=5,
         small_embd=16, small_heads=2, small_iters=10, mtp_iters=10, mtp_lr=3e-3, gen_seqs=8,
-        dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=10, dflash_lr=3e-3,
-        dspark_rank=8, dspark_iters=6, dspark_lr=3e-3, dspark_calib_seqs=4)},
+        dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=6, dflash_lr=3e-3,
+        dflash_narrow_anchors=4, dflash_narrow_iters=8, dflash_narrow_lr=3e-3,
+        dspark_rank=8, dspark_iters=8, dspark_lr=3e-3, dspark_calib_seqs=4)},
 }
 PRESETS["mps"] = PRESETS["cuda"]
 
@@ -120,12 +124,18 @@ FIELD_HELP = {
     "dflash_layers": "dflash: draft layers",
     "dflash_heads": "dflash: attention heads (width is the target's)",
     "dflash_block": "dflash: trained block size (anchor + block-1 masks); drafts up to block-1 "
-                    "tokens",
+                    "tokens (dspark: the same)",
     "dflash_gamma": "dflash and dspark: position weight decay, w_k = exp(-(k-1)/gamma) (paper: 4 "
-                    "for block 8, 7 for 16; at block 8 the CPU preset's 3 drafted best here)",
-    "dflash_anchors": "dflash: random anchors (blocks) per training sequence",
-    "dflash_iters": "dflash: optimizer steps",
-    "dflash_lr": "dflash: peak learning rate",
+                    "for block 8, 7 for 16; the CPU preset's 3 drafted best here at block 8)",
+    "dflash_anchors": "dflash and dspark: random anchors (blocks) per training sequence",
+    "dflash_iters": "dflash: optimizer steps at the full block (after the narrow phase, if any)",
+    "dflash_lr": "dflash: peak learning rate at the full block",
+    "dflash_narrow_block": "dflash: the block of the narrow phase it trains first (see "
+                           "--dflash-narrow-iters)",
+    "dflash_narrow_anchors": "dflash: anchors per training sequence in the narrow phase",
+    "dflash_narrow_iters": "dflash: optimizer steps at --dflash-narrow-block before the full "
+                           "block (0: no narrow phase)",
+    "dflash_narrow_lr": "dflash: peak learning rate of the narrow phase",
     "dflash_text": "dflash and dspark: training text, 'gen' (the shared set the target wrote, see "
                    "--gen-seqs) or 'data' (the corpus); soft labels from the target either way",
     "dflash_taps": "dflash: target layers read as context, e.g. '1,2,3,4,5' ('auto': every block "
@@ -137,7 +147,8 @@ FIELD_HELP = {
     "dspark_calib_seqs": "dspark: held-out target continuations for the confidence calibration "
                          "(0: none)",
     "dspark_init": "dspark: 'dflash' (the backbone starts from DFlash's own training at step "
-                   "dflash_iters - dspark_iters, out/dflash.branch.pt: both drafters then get the "
+                   "dflash_narrow_iters + dflash_iters - dspark_iters, out/dflash.branch.pt, "
+                   "widened to the full block if it is narrower: both drafters then get the "
                    "same number of steps) or 'scratch'",
 }
 
@@ -148,6 +159,8 @@ FIELD_TYPES = {
     "dspark_calib_seqs": number(int, 0),
     "feature_cache": number(int, 0, 1),
     "dflash_block": number(int, 2),
+    "dflash_narrow_block": number(int, 2),
+    "dflash_narrow_iters": number(int, 0),
     "small_distill": number(float, 0, 1),
     "mtp_distill": number(float, 0, 1),
     "gen_sampled": number(float, 0, 1),
@@ -734,13 +747,13 @@ def parse_taps(spec, n_layer):
                          f"1,3,5 (got {spec!r})") from None
 
 
-def block_batch(ctx, x, t_logits, hid, step, cfg):
+def block_batch(ctx, x, t_logits, hid, step, cfg, n_anchors=None):
     """What DFlash and DSpark train on: windows x, the target's logits on them (the soft labels)
-    and its hidden states (the context); the anchors of step s come from a generator seeded with
-    (seed, s), so a resumed run replays them."""
+    and its hidden states (the context); the anchors (n_anchors a row, default --dflash-anchors)
+    of step s come from a generator seeded with (seed, s), so a resumed run replays them."""
     g = torch.Generator().manual_seed(ctx.args.seed * 7_919 + step)
-    anchors = sample_anchors(x.size(0), x.size(1), ctx.args.dflash_anchors, cfg.block, cfg.shift,
-                             g, ctx.device)
+    anchors = sample_anchors(x.size(0), x.size(1), n_anchors or ctx.args.dflash_anchors,
+                             cfg.block, cfg.shift, g, ctx.device)
     return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
 
 
@@ -755,51 +768,97 @@ def block_config(ctx):
                         taps=parse_taps(a.dflash_taps, tcfg.n_layer), block=a.dflash_block)
 
 
+def dflash_phases(a):
+    """DFlash's training, as phases (block, anchors a sequence, steps, peak lr): with
+    --dflash-narrow-iters, a narrow block first, then the full block (stage_dflash says why)."""
+    full = (a.dflash_block, a.dflash_anchors, a.dflash_iters, a.dflash_lr)
+    if a.dflash_narrow_iters == 0:
+        return [full]
+    if a.dflash_narrow_block >= a.dflash_block:
+        raise ValueError(f"--dflash-narrow-block ({a.dflash_narrow_block}) must be smaller than "
+                         f"--dflash-block ({a.dflash_block}), or use --dflash-narrow-iters 0")
+    return [(a.dflash_narrow_block, a.dflash_narrow_anchors, a.dflash_narrow_iters,
+             a.dflash_narrow_lr), full]
+
+
+def dflash_steps(a):
+    """DFlash's optimizer steps, every phase's."""
+    return sum(iters for _, _, iters, _ in dflash_phases(a))
+
+
 def branch_step(a):
-    """Where DSpark branches off DFlash's training (--dspark-init dflash): after dflash_iters -
-    dspark_iters steps, so DSpark's steps (the backbone's from DFlash, then its own) equal
-    DFlash's and the two compare at an equal budget. None: no branch (DSpark starts from scratch,
-    or it is given as many steps as DFlash or more and starts from DFlash's final weights)."""
-    n = a.dflash_iters - a.dspark_iters
+    """Where DSpark branches off DFlash's training (--dspark-init dflash): after dflash_steps -
+    dspark_iters steps (counted across the phases), so DSpark's steps (the backbone's from
+    DFlash, then its own) equal DFlash's and the two compare at an equal budget. None: no branch
+    (DSpark starts from scratch, or it is given as many steps as DFlash or more and starts from
+    DFlash's final weights)."""
+    n = dflash_steps(a) - a.dspark_iters
     return n if a.dspark_init == "dflash" and n >= 1 else None
 
 
 def stage_dflash(ctx):
-    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py). Also
-    writes out/dflash.branch.pt, its state at branch_step(): DSpark's starting point."""
+    """DFlash: a block-diffusion drafter on the target's hidden states (draft_dflash.py), trained
+    in phases (dflash_phases). The first slots of a block decide whether a round goes on, and a
+    narrow block (8) teaches them with twice the anchors per step; the full block (16) then
+    starts from that network (DFlash.load_narrower) and learns its later slots. Trained at block
+    16 from the start, the first slot stayed at 0.77-0.82 acceptance (see README). Also writes
+    out/dflash.branch.pt, its state at branch_step(): DSpark's starting point."""
     a = ctx.args
     target, target_ckpt = ctx.target()
     cfg = block_config(ctx)
-    torch.manual_seed(a.seed + 3)
-    net = DFlash(cfg, target).to(ctx.device)
-    n_params = sum(p.numel() for p in net.parameters())
-    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}")
     batches = drafter_batches(ctx, a.dflash_text)
+    phases = dflash_phases(a)
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
+                   "phases": phases, "text": a.dflash_text,
+                   "gen": distill_key(ctx, a.dflash_text), "gamma": a.dflash_gamma,
+                   "seed": a.seed, "branch": branch_step(a)}
+    state, done = None, 0
+    for i, (block, n_anchors, iters, lr) in enumerate(phases):
+        net, opt_state, val = dflash_phase(ctx, fingerprint, batches, i, state, done)
+        state, done = cpu_state_dict(net), done + iters
+        if i < len(phases) - 1:  # kept as a finished resume file: a rerun skips this phase
+            save_checkpoint({"kind": "resume", "fingerprint": {**fingerprint, "phase": i},
+                             "step": iters, "state_dict": net.state_dict(),
+                             "optimizer": opt_state}, ctx.path("dflash-narrow.resume"))
+    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), state,
+                                     {"val_loss": val, "text": a.dflash_text,
+                                      "fingerprint": fingerprint}, steps=done), ctx.path("dflash"))
+    if os.path.exists(ctx.path("dflash-narrow.resume")):
+        os.remove(ctx.path("dflash-narrow.resume"))
+    return val
+
+
+def dflash_phase(ctx, fingerprint, batches, i, state, done):
+    """Phase i of DFlash's training, from `state` (the previous phase's weights, or None), after
+    `done` steps of the earlier phases -> (net, optimizer state, val loss)."""
+    a = ctx.args
+    block, n_anchors, iters, lr = fingerprint["phases"][i]
+    cfg = dataclasses.replace(block_config(ctx), block=block)
+    torch.manual_seed(a.seed + 3)
+    net = DFlash(cfg, ctx.target()[0]).to(ctx.device)
+    if state is not None:
+        net.load_narrower(state)
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
 
     def loss_of(x, t_logits, hid, step):
-        return dflash_loss(net, *block_batch(ctx, x, t_logits, hid, step, cfg), a.dflash_gamma)
-
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "iters": a.dflash_iters, "lr": a.dflash_lr, "text": a.dflash_text,
-                   "gen": distill_key(ctx, a.dflash_text), "anchors": a.dflash_anchors,
-                   "gamma": a.dflash_gamma, "seed": a.seed, "branch": branch_step(a)}
+        batch = block_batch(ctx, x, t_logits, hid, step, cfg, n_anchors)
+        return dflash_loss(net, *batch, a.dflash_gamma)
 
     def after_step(n):
-        if n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
+        if done + n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
             save_checkpoint({"kind": "dflash-branch", "fingerprint": fingerprint,
                              "state_dict": cpu_state_dict(net),
-                             "budget": {"steps": n, "seconds": round(time.time() - ctx.stage_t0)}},
+                             "budget": {"steps": done + n,
+                                        "seconds": round(time.time() - ctx.stage_t0)}},
                             ctx.path("dflash.branch"))
+    name = "dflash" if i == len(fingerprint["phases"]) - 1 else "dflash-narrow"
     # val: corpus windows, fixed anchors
-    val, _ = train_loop("dflash", net, lambda s: loss_of(*batches(s), s),
-                        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-                        a.dflash_iters, a.dflash_lr, a, fingerprint,
-                        a.batch_size * a.dflash_anchors * cfg.block, after_step)
-    sd = cpu_state_dict(net)
-    save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), sd,
-                                     {"val_loss": val, "text": a.dflash_text,
-                                      "fingerprint": fingerprint}), ctx.path("dflash"))
-    return val
+    val, opt_state = train_loop(
+        name, net, lambda s: loss_of(*batches(s), s),
+        lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
+        iters, lr, a, {**fingerprint, "phase": i}, a.batch_size * n_anchors * block, after_step)
+    return net, opt_state, val
 
 
 def dspark_start(ctx, backbone_cfg):
@@ -820,8 +879,8 @@ def dspark_start(ctx, backbone_cfg):
         raise ValueError(f"{ctx.path('dflash.branch')} is not from the run that wrote "
                          f"{ctx.path('dflash')}: run `python train.py --only dflash --force`")
     if branch != branch_step(ctx.args):
-        print(f"dspark: note: DFlash branched at step {branch}, not at --dflash-iters - "
-              f"--dspark-iters = {ctx.args.dflash_iters - ctx.args.dspark_iters}: the budgets "
+        print(f"dspark: note: DFlash branched at step {branch}, not at its steps - "
+              f"--dspark-iters = {dflash_steps(ctx.args) - ctx.args.dspark_iters}: the budgets "
               "differ (retrain dflash to match them)")
     print(f"dspark: backbone initialised from DFlash's state at step {branch} "
           f"({ctx.path('dflash.branch')})")
@@ -843,7 +902,7 @@ def stage_dspark(ctx):
     init_budget = None
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         state, init_budget = dspark_start(ctx, backbone_cfg)
-        net.backbone.load_state_dict(state)
+        net.backbone.load_narrower(state)  # a branch from the narrow phase: widened
     elif a.dspark_init != "scratch":
         raise ValueError(f"--dspark-init must be dflash or scratch (got {a.dspark_init!r})")
     batches = drafter_batches(ctx, a.dflash_text)
@@ -863,22 +922,31 @@ def stage_dspark(ctx):
                         a.dspark_iters, a.dspark_lr, a, fingerprint,
                         a.batch_size * a.dflash_anchors * backbone_cfg.block)
     extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
-    if a.dspark_calib_seqs > 0:  # held-out: the target's own continuations of validation prompts
-        held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
-        held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
-        # a generator, not a list: one batch's target logits at a time
-        # (8 x 268 MB on the cuda preset)
-        held_batches = (block_batch(ctx, x, *target_features(ctx, x), -1 - i, backbone_cfg)
-                        for i, x in enumerate(held))
-        before, after = calibrate(net, held_batches)
-        print(f"dspark: confidence ECE (teacher-forced, held-out) {before:.3f} before calibration, "
-              f"{after:.3f} after; per-position temperatures "
-              f"{[round(t, 2) for t in net.conf_temp.tolist()]}")
+    if a.dspark_calib_seqs > 0:
+        before, after = calibrate_dspark(ctx, net, backbone_cfg)
         extra.update(ece_before=before, ece_after=after)
     sd = cpu_state_dict(net)
     config = {"backbone": backbone_cfg.to_dict(), "dspark": cfg.to_dict()}
     save_checkpoint(ctx.drafter_meta("dspark", config, sd, extra), ctx.path("dspark"))
     return val
+
+
+def calibrate_dspark(ctx, net, backbone_cfg):
+    """DSpark's confidence calibration (draft_dspark.calibrate) on held-out text: the target's
+    own greedy continuations of validation prompts, with 4x the training anchors a sequence (the
+    late positions are fitted only on blocks that got that far). -> ECE before, after."""
+    a = ctx.args
+    held = write_text(ctx, a.dspark_calib_seqs, 0, a.seed, "val")
+    n_anchors = min(4 * a.dflash_anchors, held.size(1) - backbone_cfg.block - backbone_cfg.shift)
+    held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
+    # a generator, not a list: one batch's target logits at a time (8 x 268 MB on the cuda preset)
+    held_batches = (block_batch(ctx, x, *target_features(ctx, x), -1 - i, backbone_cfg, n_anchors)
+                    for i, x in enumerate(held))
+    before, after = calibrate(net, held_batches)
+    print(f"dspark: confidence ECE (teacher-forced, held-out, drafts whose prefix matched) "
+          f"{before:.3f} before calibration, {after:.3f} after; per-position temperatures "
+          f"{[round(t, 2) for t in net.conf_temp.tolist()]}")
+    return before, after
 
 
 STAGES = {
@@ -914,9 +982,9 @@ def build_parser():
                    help="seed for initialisation and batch sampling")
     p.add_argument("--log-interval", type=number(int, 1), default=25,
                    help="steps between progress lines")
-    # 1000: a DFlash validation pass costs ~1.6-2 s on the README's CPU (35 s of its stage at
+    # 2500: a DFlash validation pass costs ~1.6-2 s on the README's CPU (35 s of its stage at
     # 250), and the drafters are judged by tau in bench.py, not by this loss on corpus text
-    p.add_argument("--eval-interval", type=number(int, 1), default=1000,
+    p.add_argument("--eval-interval", type=number(int, 1), default=2500,
                    help="steps between validation losses (the last step always has one)")
     p.add_argument("--ckpt-interval", type=number(float, 0), default=60.0,
                    help="seconds between resume checkpoints")
@@ -943,13 +1011,15 @@ def resolve_args(argv=None):
     args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
     if args.only is not None and args.only not in STAGES:
         raise ValueError(f"unknown stage {args.only!r}: choose one of {', '.join(STAGES)}")
+    dflash_phases(args)  # checks the phases now, not after the stages before DFlash have run
     return args
 
 
 def check_out_dir(out_dir):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
     names = [*datamod.BUILT, "distill.pt",
-             *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt")), "dflash.branch.pt"]
+             *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt")), "dflash.branch.pt",
+             "dflash-narrow.resume.pt"]
     for p in (os.path.join(out_dir, n) for n in names):
         if os.path.isdir(p):
             raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")

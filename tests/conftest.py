@@ -193,9 +193,11 @@ def corpus(tmp_path_factory):
 def tiny_args(corpus, out, *extra):
     """train.py flags for a tiny run, on the CPU: the tests that use it prove CPU facts (same
     seed, bit-identical checkpoints). A later --device in `extra` wins (tests/test_device.py's
-    device mode)."""
+    device mode). bfloat16 autocast is set, not measured: measured on a busy machine, one run of
+    a pair could train in float32 and the other in bfloat16, and their weights would differ."""
     return ["--preset", "tiny", "--data", corpus, "--vocab-size", "384", "--out-dir", str(out),
-            "--log-interval", "10", "--eval-interval", "1000", "--device", "cpu", *extra]
+            "--log-interval", "10", "--eval-interval", "1000", "--device", "cpu", "--bf16", "on",
+            *extra]
 
 
 @pytest.fixture(scope="session")

@@ -165,6 +165,30 @@ def test_calibration_lowers_the_ece(target):
     assert ece(torch.tensor([0.9, 0.9, 0.1, 0.1]), torch.tensor([1, 1, 0, 0])) < 0.11
 
 
+def test_temperatures_are_fitted_on_blocks_whose_prefix_matched():
+    """c_k means 'draft k survives, given drafts 1..k-1 did': a block whose draft 1 missed says
+    nothing about position 2. Here position 2 always matches when position 1 did, and never
+    otherwise; its fitted confidence must follow the first kind only, and whatever the blocks
+    with a missed prefix hold must not move it."""
+    from draft_dspark import fit_temperatures
+    g = torch.Generator().manual_seed(0)
+    N = 400
+    z = torch.full((N, 2), 1.0)
+    hit1 = (torch.rand(N, generator=g) < 0.5).float()
+    hit = torch.stack([hit1, hit1], 1)  # position 2 matches exactly when position 1 did
+    alive = torch.stack([torch.ones(N), hit1], 1).bool()
+    temps = fit_temperatures(z, hit, alive)
+    assert torch.sigmoid(1.0 / temps[1]) > 0.95  # all its live blocks matched: confident
+    assert 0.4 < torch.sigmoid(1.0 / temps[0]) < 0.6  # half of all blocks matched at 1
+    hit_dead = hit.clone()
+    hit_dead[hit1 == 0, 1] = 1.0  # change only blocks whose prefix missed
+    assert torch.equal(fit_temperatures(z, hit_dead, alive), temps)
+    few = alive.clone()
+    few[20:, 1] = False  # 19 live blocks left at position 2: too few, its temperature stays 1
+    few[:1, 1] = False
+    assert fit_temperatures(z, hit, few)[1] == 1.0
+
+
 @torch.inference_mode()
 def test_the_confidence_table_is_the_confidence_head(target):
     """Drafting scores with DSpark.confidence_table (h . w_h + c[x]); training with the head."""

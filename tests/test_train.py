@@ -161,26 +161,67 @@ def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, co
     train.main(tiny_args(corpus, out, "--only", "mtp", "--force", "--mtp-text", "data"))
     for stage in ("dflash", "mtp"):
         ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
-        assert ck["budget"]["steps"] == train.PRESETS["tiny"][f"{stage}_iters"]
+        P = train.PRESETS["tiny"]
+        assert ck["budget"]["steps"] == P[f"{stage}_iters"] + P.get(f"{stage}_narrow_iters", 0)
         assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
 
 
 def test_dspark_branches_off_dflash_at_an_equal_step_budget(trained, corpus, tmp_path):
-    """--dspark-init dflash: DFlash saves its state after dflash_iters - dspark_iters steps
+    """--dspark-init dflash: DFlash saves its state after dflash_steps - dspark_iters steps
     (out/dflash.branch.pt) and DSpark starts there, so both have trained the same number of
     steps; a branch from another DFlash run is refused, naming the fix."""
     P = train.PRESETS["tiny"]
     branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
-    assert branch["budget"]["steps"] == P["dflash_iters"] - P["dspark_iters"] >= 1
+    steps = P["dflash_narrow_iters"] + P["dflash_iters"]
+    assert branch["budget"]["steps"] == steps - P["dspark_iters"] >= 1
     dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
     assert branch["fingerprint"] == dflash["fingerprint"]
     # an earlier state, not the final one
     assert any(not torch.equal(branch["state_dict"][k], v)
                for k, v in dflash["state_dict"].items())
     dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
-    assert dspark["init_budget"]["steps"] + dspark["budget"]["steps"] == P["dflash_iters"]
+    assert dspark["init_budget"]["steps"] + dspark["budget"]["steps"] == steps
     out = shutil.copytree(trained, tmp_path / "out")
     branch["fingerprint"] = {**branch["fingerprint"], "seed": -1}
     torch.save(branch, out / "dflash.branch.pt")
     with pytest.raises(ValueError, match="not from the run.*--only dflash --force"):
         train.main(tiny_args(corpus, out, "--only", "dspark", "--force"))
+
+
+def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_path, monkeypatch,
+                                                        capsys):
+    """--dflash-narrow-iters: DFlash trains at the narrow block, then at the full block from
+    those weights. DSpark's branch, taken in the narrow phase here, is widened when DSpark loads
+    it. A process that dies after the narrow phase reruns only the full block, to the same
+    weights."""
+    P = train.PRESETS["tiny"]
+    dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
+    assert dflash["config"]["block"] == P["dflash_block"]
+    assert dflash["state_dict"]["mask_emb"].size(0) == P["dflash_block"] - 1
+    branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
+    assert branch["budget"]["steps"] < P["dflash_narrow_iters"]  # this test's premise
+    assert branch["state_dict"]["mask_emb"].size(0) == P["dflash_narrow_block"] - 1
+    dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
+    assert dspark["state_dict"]["backbone.mask_emb"].size(0) == P["dflash_block"] - 1
+
+    out = shutil.copytree(trained, tmp_path / "out")
+    real_loop = train.train_loop
+
+    def dying_loop(name, *args, **kw):  # dies as the full block starts
+        if name == "dflash":
+            raise Interrupt
+        return real_loop(name, *args, **kw)
+    monkeypatch.setattr(train, "train_loop", dying_loop)
+    with pytest.raises(Interrupt):
+        train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
+    monkeypatch.setattr(train, "train_loop", real_loop)
+    assert (out / "dflash-narrow.resume.pt").exists()
+    capsys.readouterr()
+    train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
+    n = P["dflash_narrow_iters"]
+    assert f"dflash-narrow: resuming an interrupted run at step {n}/{n}" in capsys.readouterr().out
+    again = load_checkpoint(str(out / "dflash.pt"), "dflash")["state_dict"]
+    assert all(torch.equal(again[k], v) for k, v in dflash["state_dict"].items())
+    assert not (out / "dflash-narrow.resume.pt").exists()
+    with pytest.raises(ValueError, match="--dflash-narrow-block .* must be smaller"):
+        train.main(tiny_args(corpus, out, "--dflash-narrow-block", str(P["dflash_block"])))
