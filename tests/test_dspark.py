@@ -140,6 +140,25 @@ def test_markov_head_probabilities_are_exact_softmaxes(target, table):
     assert not torch.allclose(q, torch.softmax(base_logits, -1))
 
 
+@torch.inference_mode()
+def test_greedy_drafting_on_the_host_picks_what_the_torch_chain_picks(target):
+    """DSparkDrafter.greedy_on_host (numpy over the Markov table) against markov_chain, on many
+    contexts, and the path greedy propose() takes on a CPU."""
+    d = make_dspark(target)
+    assert d.markov_host is not None
+    d.schedule = "full"
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        seq = torch.randint(0, target.config.vocab_size, (1, 12), generator=g)
+        d.begin(seq, target(seq[:, :-1], hidden_layers=d.hidden_layers)[2])
+        base_logits = d.net.head(d.draft_states(d.max_k))
+        chain, _ = d.markov_chain(base_logits, Sampler("greedy"))
+        assert torch.equal(d.greedy_on_host(base_logits), chain)
+        assert torch.equal(d.propose(d.max_k, Sampler("greedy"))[0], chain)
+    # the Markov bias changes the picks: the test compares two paths that have work to do
+    assert not torch.equal(chain, base_logits.argmax(-1))
+
+
 def test_threshold_schedule_stays_token_identical(target):
     d = make_dspark(target)
     d.schedule, d.threshold = "threshold", 0.5
