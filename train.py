@@ -326,10 +326,11 @@ def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, resume_path):
 
 
 def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tokens_per_step,
-               after_step=None):
+               after_step=None, keep_resume=False):
     """Runs `iters` AdamW steps of loss_fn(step) on module's trainable parameters and returns
     (final val loss, optimizer state). Resumes from out/<name>.resume.pt if it was
-    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds.
+    interrupted with the same fingerprint; saves that file every --ckpt-interval seconds, and at
+    the last step too with keep_resume (a finished phase that a rerun then skips).
     after_step(n), if given, is called after the n-th optimizer step."""
     params, opt = make_optimizer(module, lr)
     resume_path = os.path.join(args.out_dir, f"{name}.resume.pt")
@@ -381,6 +382,8 @@ def train_loop(name, module, loss_fn, eval_fn, iters, lr, args, fingerprint, tok
         if time.time() - last_save > args.ckpt_interval and done < iters:
             save_resume(done)
             last_save = time.time()
+    if keep_resume and start < iters:
+        save_resume(iters)
     module.eval()
     if start == iters:
         val = eval_fn()
@@ -804,7 +807,7 @@ def stage_dflash(ctx):
     16 from the start, the first slot stayed at 0.77-0.82 acceptance (see README). Also writes
     out/dflash.branch.pt, its state at branch_step(): DSpark's starting point."""
     a = ctx.args
-    target, target_ckpt = ctx.target()
+    target_ckpt = ctx.target()[1]
     cfg = block_config(ctx)
     batches = drafter_batches(ctx, a.dflash_text)
     phases = dflash_phases(a)
@@ -813,13 +816,9 @@ def stage_dflash(ctx):
                    "gen": distill_key(ctx, a.dflash_text), "gamma": a.dflash_gamma,
                    "seed": a.seed, "branch": branch_step(a)}
     state, done = None, 0
-    for i, (block, n_anchors, iters, lr) in enumerate(phases):
-        net, opt_state, val = dflash_phase(ctx, fingerprint, batches, i, state, done)
+    for i, (_, _, iters, _) in enumerate(phases):
+        net, val = dflash_phase(ctx, fingerprint, batches, i, state, done)
         state, done = cpu_state_dict(net), done + iters
-        if i < len(phases) - 1:  # kept as a finished resume file: a rerun skips this phase
-            save_checkpoint({"kind": "resume", "fingerprint": {**fingerprint, "phase": i},
-                             "step": iters, "state_dict": net.state_dict(),
-                             "optimizer": opt_state}, ctx.path("dflash-narrow.resume"))
     save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), state,
                                      {"val_loss": val, "text": a.dflash_text,
                                       "fingerprint": fingerprint}, steps=done), ctx.path("dflash"))
@@ -830,7 +829,8 @@ def stage_dflash(ctx):
 
 def dflash_phase(ctx, fingerprint, batches, i, state, done):
     """Phase i of DFlash's training, from `state` (the previous phase's weights, or None), after
-    `done` steps of the earlier phases -> (net, optimizer state, val loss)."""
+    `done` steps of the earlier phases -> (net, val loss). Every phase but the last keeps its
+    resume file when finished (out/dflash-narrow.resume.pt): a rerun skips it."""
     a = ctx.args
     block, n_anchors, iters, lr = fingerprint["phases"][i]
     cfg = dataclasses.replace(block_config(ctx), block=block)
@@ -852,13 +852,14 @@ def dflash_phase(ctx, fingerprint, batches, i, state, done):
                              "budget": {"steps": done + n,
                                         "seconds": round(time.time() - ctx.stage_t0)}},
                             ctx.path("dflash.branch"))
-    name = "dflash" if i == len(fingerprint["phases"]) - 1 else "dflash-narrow"
+    last = i == len(fingerprint["phases"]) - 1
     # val: corpus windows, fixed anchors
-    val, opt_state = train_loop(
-        name, net, lambda s: loss_of(*batches(s), s),
+    val, _ = train_loop(
+        "dflash" if last else "dflash-narrow", net, lambda s: loss_of(*batches(s), s),
         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
-        iters, lr, a, {**fingerprint, "phase": i}, a.batch_size * n_anchors * block, after_step)
-    return net, opt_state, val
+        iters, lr, a, {**fingerprint, "phase": i}, a.batch_size * n_anchors * block, after_step,
+        keep_resume=not last)
+    return net, val
 
 
 def dspark_start(ctx, backbone_cfg):
@@ -879,7 +880,7 @@ def dspark_start(ctx, backbone_cfg):
         raise ValueError(f"{ctx.path('dflash.branch')} is not from the run that wrote "
                          f"{ctx.path('dflash')}: run `python train.py --only dflash --force`")
     if branch != branch_step(ctx.args):
-        print(f"dspark: note: DFlash branched at step {branch}, not at its steps - "
+        print(f"dspark: note: DFlash branched at step {branch}, not at DFlash's steps - "
               f"--dspark-iters = {dflash_steps(ctx.args) - ctx.args.dspark_iters}: the budgets "
               "differ (retrain dflash to match them)")
     print(f"dspark: backbone initialised from DFlash's state at step {branch} "
