@@ -348,7 +348,7 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
         if name == "ar":
             continue
         try:
-            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype)
+            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype, args.sampling)
         except CheckpointError as e:
             if args.methods:  # asked for by name: that's an error
                 raise

@@ -488,9 +488,12 @@ def load_small(ckpt, target, device, dtype):
     return DraftModel(model.to(device=device, dtype=dtype).eval())
 
 
-def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32):
+def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32,
+                 sampling="greedy"):
     """Load a drafter: a trained one is checked to belong to this very target and tokenizer;
-    one without weights (prompt lookup) is simply built for this target."""
+    one without weights (prompt lookup) is simply built for this target. sampling: the mode it
+    will draft in; a checkpoint with sampling weights (DSpark's 'sampled' entry, see train.py's
+    dspark_sampling_weights) loads those for coupled and rejection sampling."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
     module, fname, stage = DRAFTERS[name]
@@ -504,6 +507,9 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
             raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} "
                                   f"but the current {what} is {str(want)[:16]}: "
                                   f"run `python train.py --only {stage} --force` to retrain it")
+    tuned = ckpt.get("sampled") if sampling != "greedy" else None
+    if tuned:
+        ckpt = {**ckpt, "state_dict": tuned["state_dict"]}
     try:
         load = getattr(importlib.import_module(module), f"load_{name}")
         drafter = load(ckpt, target, device, dtype)
@@ -511,7 +517,8 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
         raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
                               f"run `python train.py --only {stage} --force`") from None
     # what its training cost
-    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget")) if b]
+    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget"),
+                                  tuned and tuned["budget"]) if b]
     return drafter
 
 
@@ -601,7 +608,7 @@ def main(argv=None):
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
     enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
-    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device)
+    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = data.encode(enc, a.prompt)
     trace = []

@@ -60,6 +60,7 @@ CPU = dict(
     dflash_narrow_block=8, dflash_narrow_anchors=16, dflash_narrow_iters=5000,
     dflash_narrow_lr=2e-3,
     dspark_rank=256, dspark_iters=1000, dspark_lr=2e-3, dspark_calib_seqs=32, dspark_init="dflash",
+    dspark_sampled_iters=400, dspark_sampled_block=5, dspark_sampled_anchors=16,
 )
 
 PRESETS = {
@@ -74,7 +75,8 @@ PRESETS = {
         mtp_iters=2000, mtp_lr=1e-3, gen_seqs=2048, feature_cache=0,
         dflash_layers=3, dflash_block=16, dflash_gamma=7.0, dflash_anchors=32,
         dflash_iters=2000, dflash_lr=1e-3, dflash_narrow_iters=0,
-        dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256)},
+        dspark_iters=2000, dspark_lr=1e-3, dspark_calib_seqs=256, dspark_sampled_iters=800,
+        dspark_sampled_anchors=32)},
     # seconds: for the tests and for trying the pipeline end to end
     "tiny": {**CPU, **dict(
         n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4,
@@ -82,7 +84,8 @@ PRESETS = {
         small_embd=16, small_heads=2, small_iters=10, mtp_iters=10, mtp_lr=3e-3, gen_seqs=8,
         dflash_layers=1, dflash_heads=2, dflash_anchors=4, dflash_iters=6, dflash_lr=3e-3,
         dflash_narrow_anchors=4, dflash_narrow_iters=8, dflash_narrow_lr=3e-3,
-        dspark_rank=8, dspark_iters=8, dspark_lr=3e-3, dspark_calib_seqs=4)},
+        dspark_rank=8, dspark_iters=8, dspark_lr=3e-3, dspark_calib_seqs=4,
+        dspark_sampled_iters=4, dspark_sampled_block=3, dspark_sampled_anchors=4)},
 }
 PRESETS["mps"] = PRESETS["cuda"]
 
@@ -150,6 +153,12 @@ FIELD_HELP = {
                    "dflash_narrow_iters + dflash_iters - dspark_iters, out/dflash.branch.pt, "
                    "widened to the full block if it is narrower: both drafters then get the "
                    "same number of steps) or 'scratch'",
+    "dspark_sampled_iters": "dspark: steps of its sampling weights, a copy fine-tuned on the sampled "
+                            "share of the distillation set only, which speculative.py and bench.py "
+                            "draft with when sampling (0: none; needs --dflash-text gen)",
+    "dspark_sampled_block": "dspark: the block those steps train, anchor included: its first "
+                            "dspark_sampled_block - 1 slots, what a sampled round drafts (k 3-4)",
+    "dspark_sampled_anchors": "dspark: anchors per sequence in those steps",
 }
 
 # the allowed values of every preset field, checked by argparse before anything loads. The rest
@@ -157,6 +166,8 @@ FIELD_HELP = {
 FIELD_TYPES = {
     "warmup": number(int, 0),
     "dspark_calib_seqs": number(int, 0),
+    "dspark_sampled_iters": number(int, 0),
+    "dspark_sampled_block": number(int, 2),
     "feature_cache": number(int, 0, 1),
     "dflash_block": number(int, 2),
     "dflash_narrow_block": number(int, 2),
@@ -613,22 +624,24 @@ def feature_cache(ctx):
     return ctx.features
 
 
-def drafter_batches(ctx, kind):
+def drafter_batches(ctx, kind, sampled_only=False):
     """step -> (x, logits, hidden): batch_size training windows for a drafter with the target's
-    features on them. 'gen': rows of the shared distillation set, features from the cache
-    (--feature-cache 1) or computed per step; 'data': corpus windows, features per step."""
+    features on them. 'gen': rows of the shared distillation set (sampled_only: only its sampled
+    share, the last rows, see write_text), features from the cache (--feature-cache 1) or
+    computed per step; 'data': corpus windows, features per step."""
     a = ctx.args
     if kind not in ("gen", "data"):
         raise ValueError(f"unknown drafter text {kind!r}: use gen or data")
     pool = distill_text(ctx) if kind == "gen" else None
     cache = feature_cache(ctx) if pool is not None and a.feature_cache else None
+    first = len(pool) - distill_settings(ctx)["sampled"] if sampled_only else 0
 
     def batch(step):
         if pool is None:
             x = ctx.batches.get("train", step, ctx.device)[0]
             return (x, *target_features(ctx, x))
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
-        idx = torch.randint(len(pool), (a.batch_size,), generator=g)
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 7_777_777 * sampled_only)
+        idx = first + torch.randint(len(pool) - first, (a.batch_size,), generator=g)
         x = pool[idx.to(ctx.device)]
         if cache is None:
             return (x, *target_features(ctx, x))
@@ -918,18 +931,71 @@ def stage_dspark(ctx):
                    "gen": distill_key(ctx, a.dflash_text),
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed,
                    "init_budget": init_budget}
+    tune = sampling_weights_wanted(ctx)
+    # keep_resume: a run stopped in the sampling steps that follow does not redo these
     val, _ = train_loop("dspark", net, lambda s: loss_of(*batches(s), s),
                         lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
                         a.dspark_iters, a.dspark_lr, a, fingerprint,
-                        a.batch_size * a.dflash_anchors * backbone_cfg.block)
+                        a.batch_size * a.dflash_anchors * backbone_cfg.block, keep_resume=tune)
     extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
     if a.dspark_calib_seqs > 0:
         before, after = calibrate_dspark(ctx, net, backbone_cfg)
         extra.update(ece_before=before, ece_after=after)
-    sd = cpu_state_dict(net)
     config = {"backbone": backbone_cfg.to_dict(), "dspark": cfg.to_dict()}
-    save_checkpoint(ctx.drafter_meta("dspark", config, sd, extra), ctx.path("dspark"))
+    ckpt = ctx.drafter_meta("dspark", config, cpu_state_dict(net), extra)  # its budget ends here
+    if tune:
+        ckpt["sampled"] = dspark_sampling_weights(ctx, net, fingerprint)
+    save_checkpoint(ckpt, ctx.path("dspark"))
+    if os.path.exists(ctx.path("dspark-sampled.resume")):
+        os.remove(ctx.path("dspark-sampled.resume"))
     return val
+
+
+def sampling_weights_wanted(ctx):
+    """Whether DSpark gets sampling weights: --dspark-sampled-iters, and sampled text to learn."""
+    a = ctx.args
+    if not a.dspark_sampled_iters:
+        return False
+    if a.dflash_text != "gen" or distill_settings(ctx)["sampled"] == 0:
+        print("dspark: no sampling weights (they learn from the sampled share of the distillation "
+              "set: --dflash-text gen and --gen-sampled > 0)")
+        return False
+    return True
+
+
+def dspark_sampling_weights(ctx, net, fingerprint):
+    """DSpark's weights for sampling: a copy of the trained network, fine-tuned on the sampled
+    share of the distillation set only, and only on a block's first slots (the anchor and
+    --dspark-sampled-block - 1 masks: a sampled round drafts 3). Why a copy: DSpark's own steps
+    learn from the set as it is (a quarter sampled), and more sampled text there trades greedy tau
+    for sampled tau (the README's "What does not yet hold"); a copy serves each mode. Why the
+    first slots only: at 16 slots a step spends most of its work on slots a sampled round never
+    drafts. The later slots keep their mask embeddings, so any k still drafts, past the trained
+    slots worse. -> the 'sampled' entry of out/dspark.pt (speculative.load_drafter reads it)."""
+    a = ctx.args
+    t0, full = time.time(), net.backbone.config
+    tuned = DSpark(full, net.config, ctx.target()[0]).to(ctx.device)
+    tuned.load_state_dict(net.state_dict())  # the calibrated confidence temperatures too
+    narrow = dataclasses.replace(full, block=a.dspark_sampled_block)
+    batches = drafter_batches(ctx, "gen", sampled_only=True)
+
+    def loss_of(x, t_logits, hid, step):
+        batch = block_batch(ctx, x, t_logits, hid, step, narrow, a.dspark_sampled_anchors)
+        return dspark_loss(tuned, *batch, a.dflash_gamma)
+
+    fingerprint = {**fingerprint, "sampled": [a.dspark_sampled_iters, a.dspark_sampled_block,
+                                              a.dspark_sampled_anchors]}
+    tuned.backbone.config = narrow  # block_states reads the block from the config
+    try:
+        val, _ = train_loop(
+            "dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
+            lambda: ctx.val_loss(lambda x, y: loss_of(x, *target_features(ctx, x), -1)),
+            a.dspark_sampled_iters, a.dspark_lr, a, fingerprint,
+            a.batch_size * a.dspark_sampled_anchors * narrow.block)
+    finally:
+        tuned.backbone.config = full
+    return {"state_dict": cpu_state_dict(tuned), "val_loss": val, "block": narrow.block,
+            "budget": {"steps": a.dspark_sampled_iters, "seconds": round(time.time() - t0)}}
 
 
 def calibrate_dspark(ctx, net, backbone_cfg):
@@ -1013,6 +1079,9 @@ def resolve_args(argv=None):
     if args.only is not None and args.only not in STAGES:
         raise ValueError(f"unknown stage {args.only!r}: choose one of {', '.join(STAGES)}")
     dflash_phases(args)  # checks the phases now, not after the stages before DFlash have run
+    if args.dspark_sampled_iters and args.dspark_sampled_block > args.dflash_block:
+        raise ValueError(f"--dspark-sampled-block ({args.dspark_sampled_block}) must be at most "
+                         f"--dflash-block ({args.dflash_block})")
     return args
 
 
@@ -1020,7 +1089,7 @@ def check_out_dir(out_dir):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
     names = [*datamod.BUILT, "distill.pt",
              *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt")), "dflash.branch.pt",
-             "dflash-narrow.resume.pt"]
+             "dflash-narrow.resume.pt", "dspark-sampled.resume.pt"]
     for p in (os.path.join(out_dir, n) for n in names):
         if os.path.isdir(p):
             raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")

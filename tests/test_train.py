@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import data
+import speculative
 import train
 from conftest import tiny_args
 from gpt import load_checkpoint, load_target
@@ -225,3 +226,54 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     assert not (out / "dflash-narrow.resume.pt").exists()
     with pytest.raises(ValueError, match="--dflash-narrow-block .* must be smaller"):
         train.main(tiny_args(corpus, out, "--dflash-narrow-block", str(P["dflash_block"])))
+
+
+def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_path, monkeypatch,
+                                                          capsys):
+    """DSpark's sampling weights: a copy fine-tuned on the sampled rows of the distillation set
+    only, stored in out/dspark.pt beside the greedy ones; load_drafter hands them out for
+    sampling only, their steps added to the budget. A run that dies in those steps resumes them
+    without redoing DSpark's own, to the same weights; without sampled text there are none."""
+    P = train.PRESETS["tiny"]
+    dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
+    tuned = dspark["sampled"]
+    assert tuned["budget"]["steps"] == P["dspark_sampled_iters"]
+    assert tuned["state_dict"].keys() == dspark["state_dict"].keys()
+    assert any(not torch.equal(tuned["state_dict"][k], v) for k, v in dspark["state_dict"].items())
+    target, target_ckpt = load_target(str(trained / "target.pt"))
+    for mode, want in (("greedy", dspark["state_dict"]), ("coupled", tuned["state_dict"])):
+        d = speculative.load_drafter("dspark", str(trained), target, target_ckpt, sampling=mode)
+        assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
+        assert len(d.budget) == (2 if mode == "greedy" else 3)
+    # the rows it learns from: the last gen_sampled share, the ones written at a temperature
+    ctx = train.Context(train.resolve_args(tiny_args(corpus, trained)))
+    pool, batch = train.distill_text(ctx), train.drafter_batches(ctx, "gen", sampled_only=True)
+    first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
+    for step in range(5):
+        x = batch(step)[0]
+        assert all(any(torch.equal(row, s) for s in pool[first:]) for row in x)
+
+    out = shutil.copytree(trained, tmp_path / "out")
+    real_lr_at = train.lr_at
+
+    def dying_lr_at(step, iters, *args):  # dies in the middle of the sampling steps
+        if iters == P["dspark_sampled_iters"] and step == 2:
+            raise Interrupt
+        return real_lr_at(step, iters, *args)
+    monkeypatch.setattr(train, "lr_at", dying_lr_at)
+    with pytest.raises(Interrupt):
+        train.main(tiny_args(corpus, out, "--only", "dspark", "--force", "--ckpt-interval", "0"))
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    capsys.readouterr()
+    train.main(tiny_args(corpus, out, "--only", "dspark", "--force"))
+    log = capsys.readouterr().out
+    n = P["dspark_iters"]
+    assert f"dspark: resuming an interrupted run at step {n}/{n}" in log
+    assert "dspark-sampled: resuming an interrupted run at step 2/" in log
+    again = load_checkpoint(str(out / "dspark.pt"), "dspark")
+    for k, v in tuned["state_dict"].items():
+        assert torch.equal(again["sampled"]["state_dict"][k], v)
+    assert not [f for f in os.listdir(out) if f.endswith(".resume.pt")]
+    train.main(tiny_args(corpus, out, "--only", "dspark", "--force", "--gen-sampled", "0"))
+    assert "no sampling weights" in capsys.readouterr().out
+    assert "sampled" not in load_checkpoint(str(out / "dspark.pt"), "dspark")
