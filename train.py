@@ -153,9 +153,9 @@ FIELD_HELP = {
                    "dflash_narrow_iters + dflash_iters - dspark_iters, out/dflash.branch.pt, "
                    "widened to the full block if it is narrower: both drafters then get the "
                    "same number of steps) or 'scratch'",
-    "dspark_sampled_iters": "dspark: steps of its sampling weights, a copy fine-tuned on the sampled "
-                            "share of the distillation set only, which speculative.py and bench.py "
-                            "draft with when sampling (0: none; needs --dflash-text gen)",
+    "dspark_sampled_iters": "dspark: steps of its sampling weights, a copy fine-tuned on the "
+                            "sampled share of the distillation set only, which speculative.py and "
+                            "bench.py draft with when sampling (0: none; needs --dflash-text gen)",
     "dspark_sampled_block": "dspark: the block those steps train, anchor included: its first "
                             "dspark_sampled_block - 1 slots, what a sampled round drafts (k 3-4)",
     "dspark_sampled_anchors": "dspark: anchors per sequence in those steps",
