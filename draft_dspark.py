@@ -164,10 +164,12 @@ def calibrate(net, batches):
     z, hit = torch.cat(zs).float(), torch.cat(hits)  # (N, P)
     # (N, P): whether each draft's prefix survived (the first draft's always has)
     alive = torch.cat([torch.ones_like(hit[:, :1]), hit.cumprod(1)[:, :-1]], 1).bool()
-    before = ece(torch.sigmoid(z / net.conf_temp.float())[alive], hit[alive])
+
+    def live_ece():  # at the current temperatures
+        return ece(torch.sigmoid(z / net.conf_temp.float())[alive], hit[alive])
+    before = live_ece()
     net.conf_temp.copy_(fit_temperatures(z, hit, alive))
-    after = ece(torch.sigmoid(z / net.conf_temp.float())[alive], hit[alive])
-    return before, after
+    return before, live_ece()
 
 
 def fit_temperatures(z, hit, alive, min_blocks=20):

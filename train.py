@@ -835,8 +835,6 @@ def stage_dflash(ctx):
     save_checkpoint(ctx.drafter_meta("dflash", cfg.to_dict(), state,
                                      {"val_loss": val, "text": a.dflash_text,
                                       "fingerprint": fingerprint}, steps=done), ctx.path("dflash"))
-    if os.path.exists(ctx.path("dflash-narrow.resume")):
-        os.remove(ctx.path("dflash-narrow.resume"))
     return val
 
 
@@ -946,8 +944,6 @@ def stage_dspark(ctx):
     if tune:
         ckpt["sampled"] = dspark_sampling_weights(ctx, net, fingerprint)
     save_checkpoint(ckpt, ctx.path("dspark"))
-    if os.path.exists(ctx.path("dspark-sampled.resume")):
-        os.remove(ctx.path("dspark-sampled.resume"))
     return val
 
 
@@ -1023,6 +1019,9 @@ STAGES = {
     "dflash": stage_dflash,
     "dspark": stage_dspark,
 }
+# the train_loop phases a stage runs besides its own (train_loop name -> out/<name>.resume.pt):
+# their resume files go when the stage is done, with the stage's own
+PHASES = {"dflash": ["dflash-narrow"], "dspark": ["dspark-sampled"]}
 
 # -----------------------------------------------------------------------------
 # command line
@@ -1089,7 +1088,7 @@ def check_out_dir(out_dir):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
     names = [*datamod.BUILT, "distill.pt",
              *(f"{s}{end}" for s in STAGES for end in (".pt", ".resume.pt")), "dflash.branch.pt",
-             "dflash-narrow.resume.pt", "dspark-sampled.resume.pt"]
+             *(f"{n}.resume.pt" for names in PHASES.values() for n in names)]
     for p in (os.path.join(out_dir, n) for n in names):
         if os.path.isdir(p):
             raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")
@@ -1127,9 +1126,10 @@ def run_stages(ctx, args):
             continue
         ts = ctx.stage_t0 = time.time()
         val = fn(ctx)
-        resume = os.path.join(args.out_dir, f"{stage}.resume.pt")
-        if os.path.exists(resume):
-            os.remove(resume)
+        for name in (stage, *PHASES.get(stage, [])):
+            resume = os.path.join(args.out_dir, f"{name}.resume.pt")
+            if os.path.exists(resume):
+                os.remove(resume)
         print(f"{stage}: done in {time.time() - ts:.0f}s, val loss {val:.4f}, "
               f"wrote {ctx.path(stage)}")
         if stage == "target":
