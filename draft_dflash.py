@@ -44,7 +44,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt import MLP, Linear, attention
-from speculative import Drafter, total_variation
+from gpt import cpu_state_dict, number, save_checkpoint, setting
+from draft_small import total_variation
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 # config
@@ -303,99 +305,6 @@ class DFlash(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# training: many random anchors per sequence, each block sees only the context before it
-
-
-def sample_anchors(B, T, A, block, shift, gen=None, device="cpu"):
-    """(B, A) distinct anchor positions per row. An anchor a needs >= 1 context position (a >= 1;
-    at inference the prompt always gives one) and its last target a+block-1+shift inside the
-    window."""
-    hi = T - block - shift  # largest valid anchor
-    if hi < 1 or A > hi:
-        raise ValueError(f"a window of {T} tokens holds at most {max(0, hi)} anchors for block "
-                         f"{block}; asked for {A}")
-    return (torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :A] + 1).to(device)
-
-
-def training_mask(anchors, T, block):
-    """(B, 1, A*block, T + A*block) boolean attention mask, True = may attend. A query in the
-    block of anchor a sees context position i iff i < a: the context is the target's states of
-    the tokens BEFORE the anchor (the anchor's own state is not known at inference: it is the
-    first input of the next verify). It sees every slot of its own block (bidirectional) and
-    no slot of any other block."""
-    B, A = anchors.shape
-    anchor_of = anchors.repeat_interleave(block, dim=1)  # (B, A*block): the anchor of each query
-    ctx_ok = torch.arange(T, device=anchors.device) < anchor_of[..., None]  # (B, A*block, T)
-    blk = torch.arange(A, device=anchors.device).repeat_interleave(block)
-    blk_ok = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # (B, A*block, A*block)
-    return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
-
-
-def block_states(net, x, hidden, anchors):
-    """Draft-layer outputs for every prediction of every anchor's block, all in one pass.
-    x (B, T) tokens, hidden {layer: (B, T, d)} the target's states on x, anchors (B, A).
-    Returns h (B, A, P, d) and the positions they predict (B, A, P): prediction i targets the
-    token at anchor + 1 + i, read from slot i + 1 - shift."""
-    cfg = net.config
-    B, T = x.shape
-    A, blk = anchors.size(1), cfg.block
-    ctx_kvs = net.context_kv(net.context(hidden), torch.arange(T, device=x.device))
-    pos = (anchors[..., None] + torch.arange(blk, device=x.device)).view(B, A * blk)
-    x_blocks = net.block_input(x.gather(1, anchors), blk)  # (B, A * blk, d)
-    h = net.run(x_blocks, pos, ctx_kvs, training_mask(anchors, T, blk))
-    P = blk - 1 + cfg.shift
-    h = h.view(B, A, blk, -1)[:, :, 1 - cfg.shift:]
-    return h, anchors[..., None] + 1 + torch.arange(P, device=x.device)
-
-
-def position_weights(P, gamma, device=None):
-    """w_k = exp(-(k-1)/gamma): early positions matter most, a miss there ends the round."""
-    return torch.exp(-torch.arange(P, device=device, dtype=torch.float32) / gamma)
-
-
-def soft_labels(t_logits, tpos):
-    """The target's distribution for the token at each position tpos (B, A, P): the target's
-    logits at tpos - 1, as computed on the training text. -> (B, A, P, V)."""
-    b = torch.arange(t_logits.size(0), device=t_logits.device)[:, None, None]
-    return F.softmax(t_logits[b, tpos - 1].float(), dim=-1)
-
-
-def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
-    """Position-weighted cross-entropy against the target's own distributions (soft labels),
-    plus their total variation distance (speculative.total_variation: why, and what it gained).
-    The paper's loss is the cross-entropy alone; with it, 1,500 steps gave tau 3.37 at block 8,
-    with DSpark's 0.1 CE + 0.9 TV 3.44, with CE + TV 3.56."""
-    h, tpos = block_states(net, x, hidden, anchors)
-    logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
-    p_t = soft_labels(t_logits, tpos)
-    loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
-    w = position_weights(loss.size(-1), gamma, loss.device)
-    return (loss * w).sum(-1).mean() / w.sum()
-
-
-@torch.no_grad()
-def target_continuations(target, prompts, T, temperature=0.0, gen=None):
-    """Let the target write the training text itself (the paper regenerates its data with the
-    target). prompts (N, P) -> (N, T) tokens, the first P given, the rest the target's own
-    (greedy at temperature 0, else sampled). Batched decoding with the target's KV cache."""
-    N, P = prompts.shape
-    cache = target.new_cache(batch_size=N)
-    out = torch.empty(N, T, dtype=torch.long, device=prompts.device)
-    out[:, :P] = prompts
-    logits = target(prompts, cache=cache, last_only=True)[0][:, -1]  # (N, V)
-    for t in range(P, T):
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = F.softmax(logits.float() / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=gen).view(-1)
-        out[:, t] = nxt
-        if t + 1 < T:
-            logits = target(nxt.view(N, 1), cache=cache)[0][:, -1]
-    return out
-
-
-# -----------------------------------------------------------------------------
 # the Drafter: one forward per round, context K/V cached per draft layer
 
 
@@ -490,3 +399,234 @@ def load_dflash(ckpt, target, device, dtype):
     net = DFlash(DFlashConfig.from_dict(ckpt["config"]), target)
     net.load_state_dict(ckpt["state_dict"])
     return DFlashDrafter(net.to(device=device, dtype=dtype).eval())
+
+
+# -----------------------------------------------------------------------------
+# how it learns (1): many random anchors per sequence, each block sees only the context before
+# its anchor, every block in one pass
+
+
+def sample_anchors(B, T, A, block, shift, gen=None, device="cpu"):
+    """(B, A) distinct anchor positions per row. An anchor a needs >= 1 context position (a >= 1;
+    at inference the prompt always gives one) and its last target a+block-1+shift inside the
+    window."""
+    hi = T - block - shift  # largest valid anchor
+    if hi < 1 or A > hi:
+        raise ValueError(f"a window of {T} tokens holds at most {max(0, hi)} anchors for block "
+                         f"{block}; asked for {A}")
+    return (torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :A] + 1).to(device)
+
+
+def training_mask(anchors, T, block):
+    """(B, 1, A*block, T + A*block) boolean attention mask, True = may attend. A query in the
+    block of anchor a sees context position i iff i < a: the context is the target's states of
+    the tokens BEFORE the anchor (the anchor's own state is not known at inference: it is the
+    first input of the next verify). It sees every slot of its own block (bidirectional) and
+    no slot of any other block."""
+    B, A = anchors.shape
+    anchor_of = anchors.repeat_interleave(block, dim=1)  # (B, A*block): the anchor of each query
+    ctx_ok = torch.arange(T, device=anchors.device) < anchor_of[..., None]  # (B, A*block, T)
+    blk = torch.arange(A, device=anchors.device).repeat_interleave(block)
+    blk_ok = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # (B, A*block, A*block)
+    return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
+
+
+def block_states(net, x, hidden, anchors, block=None):
+    """Draft-layer outputs for every prediction of every anchor's block, all in one pass.
+    x (B, T) tokens, hidden {layer: (B, T, d)} the target's states on x, anchors (B, A); block:
+    the slots a block has (default: the network's own; fewer train only its first slots).
+    Returns h (B, A, P, d) and the positions they predict (B, A, P): prediction i targets the
+    token at anchor + 1 + i, read from slot i + 1 - shift."""
+    cfg = net.config
+    B, T = x.shape
+    A, blk = anchors.size(1), block or cfg.block
+    ctx_kvs = net.context_kv(net.context(hidden), torch.arange(T, device=x.device))
+    pos = (anchors[..., None] + torch.arange(blk, device=x.device)).view(B, A * blk)
+    x_blocks = net.block_input(x.gather(1, anchors), blk)  # (B, A * blk, d)
+    h = net.run(x_blocks, pos, ctx_kvs, training_mask(anchors, T, blk))
+    P = blk - 1 + cfg.shift
+    h = h.view(B, A, blk, -1)[:, :, 1 - cfg.shift:]
+    return h, anchors[..., None] + 1 + torch.arange(P, device=x.device)
+
+
+def position_weights(P, gamma, device=None):
+    """w_k = exp(-(k-1)/gamma): early positions matter most, a miss there ends the round."""
+    return torch.exp(-torch.arange(P, device=device, dtype=torch.float32) / gamma)
+
+
+def soft_labels(t_logits, tpos):
+    """The target's distribution for the token at each position tpos (B, A, P): the target's
+    logits at tpos - 1, as computed on the training text. -> (B, A, P, V)."""
+    b = torch.arange(t_logits.size(0), device=t_logits.device)[:, None, None]
+    return F.softmax(t_logits[b, tpos - 1].float(), dim=-1)
+
+
+def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
+    """Position-weighted cross-entropy against the target's own distributions (soft labels),
+    plus their total variation distance (draft_small.total_variation: why). The paper's loss is
+    the cross-entropy alone; adding TV drafted better (docs/experiments.md: the TV term)."""
+    h, tpos = block_states(net, x, hidden, anchors)
+    logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
+    p_t = soft_labels(t_logits, tpos)
+    loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
+    w = position_weights(loss.size(-1), gamma, loss.device)
+    return (loss * w).sum(-1).mean() / w.sum()
+
+
+# -----------------------------------------------------------------------------
+# how it learns (2): train.py runs train_dflash(trainer) as its "dflash" stage.
+#
+# The recipe: a narrow block first, then the full block. The first slots of a block decide
+# whether a round goes on at all, and a narrow block (8) teaches them with twice the anchors a
+# step; the full block (16) then starts from that network (DFlash.load_narrower) and learns its
+# later slots. Trained at block 16 from the start, the first slot stayed worse
+# (docs/experiments.md: DFlash, narrow block first). On the way, the stage saves its state at
+# the step where DSpark branches off (out/dflash.branch.pt): draft_dspark.py starts there, so the
+# two drafters train the same number of steps.
+
+SETTINGS = {
+    "dflash_layers": setting(2, "dflash: draft layers (the paper: 5 at 8B scale)",
+                             cuda=3, tiny=1),
+    "dflash_heads": setting(8, "dflash: attention heads (its width is the target's)", tiny=2),
+    "dflash_block": setting(16, "dflash and dspark: the block they draft with, anchor + "
+                            "block-1 masks (so up to block-1 drafts a round)",
+                            type=number(int, 2), quick=8),
+    "dflash_gamma": setting(3.0, "dflash and dspark: position weight decay, w_k = "
+                            "exp(-(k-1)/gamma) (the paper: 4 at block 8, 7 at 16)", cuda=7.0),
+    "dflash_anchors": setting(8, "dflash and dspark: random anchors (blocks) per training "
+                              "sequence at the full block", cuda=32, quick=16, tiny=4),
+    "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
+                            "(DFlash trains --dflash-narrow-iters + these in all)",
+                            cuda=2000, quick=1000, tiny=6),
+    "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
+                         quick=2e-3, tiny=3e-3),
+    "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",
+                                   type=number(int, 2)),
+    "dflash_narrow_anchors": setting(16, "dflash: anchors per training sequence in the narrow "
+                                     "phase", tiny=4),
+    "dflash_narrow_iters": setting(5000, "dflash: steps at --dflash-narrow-block before the "
+                                   "full block (0: no narrow phase)", type=number(int, 0),
+                                   cuda=0, quick=0, tiny=8),
+    "dflash_narrow_lr": setting(2e-3, "dflash: peak learning rate of the narrow phase",
+                                tiny=3e-3),
+    "dflash_text": setting("gen", "dflash and dspark: training text, 'gen' (the distillation set "
+                           "the target wrote) or 'data' (the corpus); soft labels from the "
+                           "target either way", choices=["gen", "data"]),
+    "dflash_taps": setting("auto", "dflash and dspark: target layers read as context, e.g. "
+                           "'1,2,3,4,5' ('auto': every block but the last)"),
+}
+
+
+def training_phases(a):
+    """DFlash's training as phases (train_loop name, block, anchors a sequence, steps, peak lr):
+    with --dflash-narrow-iters, the narrow block first, then the full block."""
+    full = ("dflash", a.dflash_block, a.dflash_anchors, a.dflash_iters, a.dflash_lr)
+    if a.dflash_narrow_iters == 0:
+        return [full]
+    if a.dflash_narrow_block >= a.dflash_block:
+        raise ValueError(f"--dflash-narrow-block ({a.dflash_narrow_block}) must be smaller than "
+                         f"--dflash-block ({a.dflash_block}), or use --dflash-narrow-iters 0")
+    return [("dflash-narrow", a.dflash_narrow_block, a.dflash_narrow_anchors,
+             a.dflash_narrow_iters, a.dflash_narrow_lr), full]
+
+
+def phases(a):
+    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
+    return [(name, steps) for name, _, _, steps, _ in training_phases(a)]
+
+
+def total_steps(a):
+    return sum(steps for _, steps in phases(a))
+
+
+def branch_step(a):
+    """Where DSpark branches off DFlash's training (--dspark-init dflash): after total_steps -
+    dspark_iters steps, counted across the phases, so that DSpark's steps (the backbone's from
+    DFlash, then its own) equal DFlash's. None: no branch (DSpark starts from scratch, or it
+    gets as many steps as DFlash or more and starts from DFlash's final weights)."""
+    n = total_steps(a) - a.dspark_iters
+    return n if a.dspark_init == "dflash" and n >= 1 else None
+
+
+def parse_taps(spec, n_layer):
+    """'auto' or '1,3,5' -> a list of target layers."""
+    if spec == "auto":
+        return default_taps(n_layer)
+    try:
+        return [int(t) for t in spec.split(",")]
+    except ValueError:
+        raise ValueError("--dflash-taps must be 'auto' or comma-separated layer numbers like "
+                         f"1,3,5 (got {spec!r})") from None
+
+
+def network_config(a, target_cfg, block=None):
+    """The DFlash network the settings ask for (also DSpark's backbone: the same shape, so DSpark
+    can start from it). The mask slots predict (shift 0), as in the DFlash paper
+    (docs/experiments.md: DFlash, which slots predict)."""
+    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
+                        taps=parse_taps(a.dflash_taps, target_cfg.n_layer),
+                        block=block or a.dflash_block)
+
+
+def anchored(tr, x, t_logits, hid, step, cfg, n_anchors):
+    """A training batch for a block drafter: windows x, the target's tapped states on them (the
+    context), its logits (the soft labels) and n_anchors random anchors a row. The anchors of
+    step s come from a generator seeded with (seed, s), so a resumed run replays them."""
+    g = torch.Generator().manual_seed(tr.args.seed * 7_919 + step)
+    anchors = sample_anchors(x.size(0), x.size(1), n_anchors, cfg.block, cfg.shift, g, tr.device)
+    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
+
+
+def train_dflash(tr):
+    """Every phase of training_phases, each starting from the one before -> out/dflash.pt (and
+    out/dflash.branch.pt, DSpark's starting point)."""
+    a = tr.args
+    target, target_ckpt = tr.target()
+    cfg = network_config(a, target.config)
+    batches = tr.batches(a.dflash_text)
+    plan = training_phases(a)
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
+                   "phases": [p[1:] for p in plan], "text": a.dflash_text,
+                   "gen": tr.text_key(a.dflash_text), "gamma": a.dflash_gamma,
+                   "seed": a.seed, "branch": branch_step(a)}
+    net, done = None, 0
+    for i, phase in enumerate(plan):
+        net, val = train_phase(tr, fingerprint, batches, i, phase, net, done)
+        done += phase[3]
+    tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": a.dflash_text,
+                                           "fingerprint": fingerprint}, steps=done)
+    return val
+
+
+def train_phase(tr, fingerprint, batches, i, phase, before, done):
+    """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
+    the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
+    file when finished: a rerun skips it."""
+    a = tr.args
+    name, block, n_anchors, steps, lr = phase
+    target = tr.target()[0]
+    cfg = network_config(a, target.config, block)
+    torch.manual_seed(a.seed + 3)
+    net = DFlash(cfg, target).to(tr.device)
+    if before is not None:
+        net.load_narrower(cpu_state_dict(before))
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
+
+    def loss_of(x, t_logits, hid, step):
+        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, cfg, n_anchors),
+                           a.dflash_gamma)
+
+    def after_step(n):
+        if done + n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
+            save_checkpoint({"kind": "dflash-branch", "fingerprint": fingerprint,
+                             "state_dict": cpu_state_dict(net),
+                             "budget": {"steps": done + n, "seconds": tr.elapsed()}},
+                            tr.path("dflash.branch"))
+    last = i == len(fingerprint["phases"]) - 1
+    val, _ = tr.fit(name, net, lambda s: loss_of(*batches(s), s),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
+                    tokens_per_step=a.batch_size * n_anchors * block, after_step=after_step,
+                    keep_resume=not last)
+    return net, val

@@ -35,6 +35,7 @@ block, the network is widened first), so the two take the same number of optimiz
 """
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -43,10 +44,11 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import synchronize
-from speculative import total_variation
-from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, position_weights,
-                          soft_labels)
+from gpt import cpu_state_dict, load_checkpoint, number, setting, synchronize
+from draft_small import total_variation
+import draft_dflash
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, anchored, block_states,
+                          network_config, position_weights, soft_labels)
 
 # -----------------------------------------------------------------------------
 # the network: a DFlash backbone + Markov head + confidence head
@@ -117,11 +119,12 @@ class DSpark(nn.Module):
 # DFlash's own loss, drafted better (tau 4.46 vs 4.33, 1,500 steps from the 5,500-step DFlash)
 
 
-def dspark_terms(net, x, hidden, t_logits, anchors):
+def dspark_terms(net, x, hidden, t_logits, anchors, block=None):
     """Teacher-forced block predictions on text x. Returns per-prediction (B, A, P) tensors:
     the cross-entropy against p_target, TV(p_draft, p_target), the confidence logit, and whether
-    the greedy draft equals the target's argmax (what calibration fits)."""
-    h, tpos = block_states(net.backbone, x, hidden, anchors)  # (B, A, P, d), (B, A, P)
+    the greedy draft equals the target's argmax (what calibration fits). block: as in
+    draft_dflash.block_states."""
+    h, tpos = block_states(net.backbone, x, hidden, anchors, block)  # (B, A, P, d), (B, A, P)
     b = torch.arange(x.size(0), device=x.device)[:, None, None]
     prev = x[b, tpos - 1]  # x_{k-1}: the anchor for the first slot, then the text's own tokens
     logp = F.log_softmax((net.backbone.head(h) + net.markov(prev)).float(), dim=-1)  # (B, A, P, V)
@@ -134,8 +137,8 @@ def dspark_terms(net, x, hidden, t_logits, anchors):
     return ce, tv, z, hit
 
 
-def dspark_loss(net, x, hidden, t_logits, anchors, gamma):
-    ce, tv, z, _ = dspark_terms(net, x, hidden, t_logits, anchors)
+def dspark_loss(net, x, hidden, t_logits, anchors, gamma, block=None):
+    ce, tv, z, _ = dspark_terms(net, x, hidden, t_logits, anchors, block)
     # soft label 1 - TV: the chance that a draft sampled from p_draft survives rejection
     # sampling against p_target
     bce = F.binary_cross_entropy_with_logits(z.float(), (1 - tv).detach(), reduction="none")
@@ -531,3 +534,174 @@ def load_dspark(ckpt, target, device, dtype):
     net = DSpark(backbone_cfg, DSparkConfig(**ckpt["config"]["dspark"]), target)
     net.load_state_dict(ckpt["state_dict"])
     return DSparkDrafter(net.to(device=device, dtype=dtype).eval())
+
+
+# -----------------------------------------------------------------------------
+# how it learns (2): train.py runs train_dspark(trainer) as its "dspark" stage. The backbone
+# takes DFlash's shape and text (the --dflash-* settings) and, by default, starts from DFlash's
+# own training where it branched (draft_dflash.branch_step); then DSpark's own steps, the
+# calibration of its confidences, and its weights for sampling.
+
+SETTINGS = {
+    "dspark_rank": setting(256, "dspark: rank r of the Markov head W1[x] W2 (the paper's 256)",
+                           tiny=8),
+    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, quick=300,
+                            tiny=8),
+    "dspark_lr": setting(2e-3, "dspark: peak learning rate", cuda=1e-3, tiny=3e-3),
+    "dspark_init": setting("dflash", "dspark: 'dflash' (the backbone starts from DFlash's own "
+                           "training dspark_iters steps before its end, so both drafters get "
+                           "the same number of steps) or 'scratch'", choices=["dflash", "scratch"]),
+    "dspark_calib_seqs": setting(32, "dspark: held-out target continuations for the confidence "
+                                 "calibration (0: none)", type=number(int, 0),
+                                 cuda=256, quick=16, tiny=4),
+    "dspark_sampled_iters": setting(400, "dspark: steps of its sampling weights, a copy "
+                                    "fine-tuned on the sampled share of the distillation set, "
+                                    "which bench.py and speculative.py draft with when sampling "
+                                    "(0: none)", type=number(int, 0), cuda=800, quick=100, tiny=4),
+    "dspark_sampled_block": setting(5, "dspark: the block those steps train, anchor included "
+                                    "(what a sampled round drafts is its first slots)",
+                                    type=number(int, 2), tiny=3),
+    "dspark_sampled_anchors": setting(16, "dspark: anchors per sequence in those steps",
+                                      cuda=32, tiny=4),
+}
+
+
+def phases(a):
+    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
+    if a.dspark_sampled_iters and a.dspark_sampled_block > a.dflash_block:
+        raise ValueError(f"--dspark-sampled-block ({a.dspark_sampled_block}) must be at most "
+                         f"--dflash-block ({a.dflash_block})")
+    out = [("dspark", a.dspark_iters)]
+    return out + ([("dspark-sampled", a.dspark_sampled_iters)] if a.dspark_sampled_iters else [])
+
+
+def train_dspark(tr):
+    """The backbone (from DFlash's branch), the Markov and confidence heads, then calibration and
+    the sampling weights -> out/dspark.pt."""
+    a = tr.args
+    target, target_ckpt = tr.target()
+    backbone_cfg = network_config(a, target.config)
+    cfg = DSparkConfig(rank=a.dspark_rank)
+    torch.manual_seed(a.seed + 4)
+    net = DSpark(backbone_cfg, cfg, target).to(tr.device)
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {backbone_cfg}, {cfg}")
+    init_budget = None
+    if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
+        state, init_budget = start_from_dflash(tr, backbone_cfg)
+        net.backbone.load_narrower(state)  # a branch from the narrow phase: widened
+    batches = tr.batches(a.dflash_text)
+
+    def loss_of(x, t_logits, hid, step):
+        batch = anchored(tr, x, t_logits, hid, step, backbone_cfg, a.dflash_anchors)
+        return dspark_loss(net, *batch, a.dflash_gamma)
+
+    fingerprint = {"stage": "dspark", "backbone": backbone_cfg.to_dict(), "config": cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "init": a.dspark_init,
+                   "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text,
+                   "gen": tr.text_key(a.dflash_text),
+                   "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed,
+                   "init_budget": init_budget}
+    tune = sampling_weights_wanted(tr)
+    # keep_resume: a run stopped in the sampling steps that follow does not redo these
+    val, _ = tr.fit("dspark", net, lambda s: loss_of(*batches(s), s),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    steps=a.dspark_iters, lr=a.dspark_lr, fingerprint=fingerprint,
+                    tokens_per_step=a.batch_size * a.dflash_anchors * backbone_cfg.block,
+                    keep_resume=tune)
+    extra = {"val_loss": val, "text": a.dflash_text, "init_budget": init_budget}
+    if a.dspark_calib_seqs > 0:
+        extra["ece_before"], extra["ece_after"] = calibrate_on_held_out(tr, net, backbone_cfg)
+    budget = tr.budget()  # DSpark's own: it ends here, before the sampling weights
+    if tune:
+        extra["sampled"] = sampling_weights(tr, net, fingerprint)
+    config = {"backbone": backbone_cfg.to_dict(), "dspark": cfg.to_dict()}
+    tr.save("dspark", config, net, extra, budget=budget)
+    return val
+
+
+def start_from_dflash(tr, backbone_cfg):
+    """--dspark-init dflash: DSpark's backbone weights and the budget they cost, from DFlash's
+    branch (out/dflash.branch.pt, see draft_dflash.branch_step) or, without one, its final
+    out/dflash.pt."""
+    a = tr.args
+    dfl = load_checkpoint(tr.path("dflash"), "dflash")
+    same_target = dfl.get("target_hash") == tr.target()[1]["model_hash"]
+    if not same_target or dfl["config"] != backbone_cfg.to_dict():
+        raise ValueError(f"--dspark-init dflash needs {tr.path('dflash')} trained on this "
+                         "target with the same --dflash-* shape: run "
+                         "`python train.py --only dflash` first, or use --dspark-init scratch")
+    branch = (dfl.get("fingerprint") or {}).get("branch")
+    if branch is None:
+        print(f"dspark: backbone initialised from {tr.path('dflash')} (its final weights)")
+        return dfl["state_dict"], dfl.get("budget")
+    br = load_checkpoint(tr.path("dflash.branch"), "dflash-branch", "dflash")
+    if br.get("fingerprint") != dfl["fingerprint"]:
+        raise ValueError(f"{tr.path('dflash.branch')} is not from the run that wrote "
+                         f"{tr.path('dflash')}: run `python train.py --only dflash --force`")
+    if branch != draft_dflash.branch_step(a):
+        print(f"dspark: note: DFlash branched at step {branch}, not at DFlash's steps - "
+              f"--dspark-iters = {draft_dflash.total_steps(a) - a.dspark_iters}: the budgets "
+              "differ (retrain dflash to match them)")
+    print(f"dspark: backbone initialised from DFlash's state at step {branch} "
+          f"({tr.path('dflash.branch')})")
+    return br["state_dict"], br["budget"]
+
+
+def calibrate_on_held_out(tr, net, backbone_cfg):
+    """calibrate() on held-out text: the target's own greedy continuations of validation
+    prompts, with 4x the training anchors a sequence (the late positions are fitted only on
+    blocks that got that far). -> ECE before, after."""
+    a = tr.args
+    held = tr.continuations(a.dspark_calib_seqs, "val")
+    n_anchors = min(4 * a.dflash_anchors, held.size(1) - backbone_cfg.block - backbone_cfg.shift)
+    held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
+    # a generator, not a list: one batch's target logits at a time (they are large at scale)
+    batches = (anchored(tr, x, *tr.features(x), -1 - i, backbone_cfg, n_anchors)
+               for i, x in enumerate(held))
+    before, after = calibrate(net, batches)
+    print(f"dspark: confidence ECE (teacher-forced, held-out, drafts whose prefix matched) "
+          f"{before:.3f} before calibration, {after:.3f} after; per-position temperatures "
+          f"{[round(t, 2) for t in net.conf_temp.tolist()]}")
+    return before, after
+
+
+def sampling_weights_wanted(tr):
+    """Whether DSpark gets sampling weights: --dspark-sampled-iters, and sampled text to learn."""
+    a = tr.args
+    if not a.dspark_sampled_iters:
+        return False
+    if a.dflash_text != "gen" or tr.sampled_rows() == 0:
+        print("dspark: no sampling weights (they learn from the sampled share of the distillation "
+              "set: --dflash-text gen and --gen-sampled > 0)")
+        return False
+    return True
+
+
+def sampling_weights(tr, net, fingerprint):
+    """DSpark's weights for sampling: a copy of the trained network, fine-tuned on the sampled
+    share of the distillation set only, and only on a block's first slots (the anchor and
+    --dspark-sampled-block - 1 masks), what a sampled round drafts. Why a copy: DSpark's own
+    steps learn from the set as it is (mostly greedy text), and more sampled text there trades
+    greedy tau for sampled tau; a copy serves each mode (docs/experiments.md: DSpark's sampling
+    weights). The later slots keep their weights, so any k still drafts. -> the 'sampled' entry
+    of out/dspark.pt (speculative.load_drafter reads it)."""
+    a = tr.args
+    t0 = time.time()
+    tuned = DSpark(net.backbone.config, net.config, tr.target()[0]).to(tr.device)
+    tuned.load_state_dict(net.state_dict())  # the calibrated confidence temperatures too
+    narrow = dataclasses.replace(net.backbone.config, block=a.dspark_sampled_block)
+    batches = tr.batches("gen", sampled_only=True)
+
+    def loss_of(x, t_logits, hid, step):
+        batch = anchored(tr, x, t_logits, hid, step, narrow, a.dspark_sampled_anchors)
+        return dspark_loss(tuned, *batch, a.dflash_gamma, block=narrow.block)
+
+    fingerprint = {**fingerprint, "sampled": [a.dspark_sampled_iters, a.dspark_sampled_block,
+                                              a.dspark_sampled_anchors]}
+    val, _ = tr.fit("dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    steps=a.dspark_sampled_iters, lr=a.dspark_lr, fingerprint=fingerprint,
+                    tokens_per_step=a.batch_size * a.dspark_sampled_anchors * narrow.block)
+    return {"state_dict": cpu_state_dict(tuned), "val_loss": val, "block": narrow.block,
+            "budget": {"steps": a.dspark_sampled_iters, "seconds": round(time.time() - t0)}}

@@ -40,8 +40,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import Block, GPTConfig, KVCache, Linear, chunk_mask
-from speculative import Drafter, total_variation
+from gpt import Block, GPTConfig, KVCache, Linear, chunk_mask, number, setting
+from draft_small import total_variation
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 # config
@@ -137,7 +138,7 @@ class MTP(nn.Module):
 def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
     """Mean over the D modules of (1 - distill)·CE(data) + distill·(KL(target || module) + TV),
     with CE the cross-entropy against the text's own next tokens, KL the Kullback-Leibler
-    divergence and TV the total variation distance (speculative.total_variation).
+    divergence and TV the total variation distance (draft_small.total_variation).
     The distillation teacher for module k at index i is the target's own distribution at
     position i+k (given the true prefix), which is exactly what greedy acceptance compares to."""
     logits, targets = mtp(target, hidden, x, y[:, -1:])
@@ -258,3 +259,82 @@ def load_mtp(ckpt, target, device, dtype):
     mtp = MTP(cfg)
     mtp.load_state_dict(ckpt["state_dict"])
     return MTPDrafter(mtp.to(device=device, dtype=dtype).eval(), target)
+
+
+# -----------------------------------------------------------------------------
+# how it learns: train.py runs train_mtp(trainer) as its "mtp" stage (posthoc), or trains the
+# head inside its target stage (joint: new_head, then save_head)
+
+SETTINGS = {
+    "mtp_mode": setting("posthoc", "mtp: 'joint' (the target trains with L_main + lambda*L_mtp "
+                        "and writes mtp.pt too) or 'posthoc' (the head trains on the frozen "
+                        "target)", choices=["joint", "posthoc"]),
+    "mtp_modules": setting(1, "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse "
+                           "the last one"),
+    "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
+                          type=number(float, 0)),
+    "mtp_iters": setting(2000, "mtp: optimizer steps in posthoc mode", quick=500, tiny=10),
+    "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
+    "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
+                           "distribution of the token after next (1 = pure distillation, 0 = "
+                           "the text's own tokens only)", type=number(float, 0, 1)),
+    "mtp_text": setting("gen", "mtp: posthoc training text, 'gen' (the distillation set the "
+                        "target wrote) or 'data' (the corpus)", choices=["gen", "data"]),
+}
+
+
+def phases(a):
+    """The train_loop phases this stage runs: (name, steps); none in joint mode, where the head
+    trains inside the target's stage."""
+    return [("mtp", a.mtp_iters)] if a.mtp_mode == "posthoc" else []
+
+
+def new_head(tr, target_cfg):
+    """A freshly initialised MTP for a target of this config."""
+    torch.manual_seed(tr.args.seed + 2)
+    return MTP(MTPConfig.for_target(target_cfg, tr.args.mtp_modules)).to(tr.device)
+
+
+def save_head(tr, mtp, mode):
+    """out/mtp.pt, with the head's own val loss: CE on t_{i+2} (comparable across modes)."""
+    target, _ = tr.target()
+    last = target.config.n_layer  # the MTP head reads the last block's states
+    mtp.eval()
+    val = tr.val_loss(
+        lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(last,))[2][last], x, y))
+    print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
+    steps = tr.args.target_iters if mode == "joint" else None  # joint: it trained with the target
+    tr.save("mtp", mtp.config.to_dict(), mtp, {"val_loss": val, "mode": mode}, steps=steps)
+    return val
+
+
+def train_mtp(tr):
+    """MTP post hoc: the head trains on the frozen target's hidden states. (In joint mode the
+    target stage already wrote out/mtp.pt; this runs only if that target predates it.)"""
+    a = tr.args
+    target, target_ckpt = tr.target()
+    if a.mtp_mode == "joint":
+        print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc "
+              "on it (`python train.py --only target --force` retrains both jointly)")
+    mtp = new_head(tr, target.config)
+    last = target.config.n_layer
+    n_params = sum(p.numel() for p in mtp.parameters())
+    print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
+    batches = tr.batches(a.mtp_text)
+
+    def loss_of(w, t_logits, hid):
+        """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
+        the module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is
+        x's."""
+        return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
+                        a.mtp_distill)
+
+    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
+                   "target": target_ckpt["model_hash"],
+                   "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
+                   "text": a.mtp_text, "gen": tr.text_key(a.mtp_text), "seed": a.seed}
+    tr.fit("mtp", mtp, lambda s: loss_of(*batches(s)),
+           lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x))),  # corpus windows
+           steps=a.mtp_iters, lr=a.mtp_lr, fingerprint=fingerprint,
+           tokens_per_step=a.batch_size * a.block_size)
+    return save_head(tr, mtp, "posthoc")

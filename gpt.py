@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -375,6 +376,23 @@ def load_checkpoint(path, kind, stage=None):
     return ckpt
 
 
+def cpu_state_dict(module):
+    """A plain state_dict on the CPU: what every checkpoint holds, loadable on any device."""
+    return cpu_tree(module.state_dict())
+
+
+def cpu_tree(obj):
+    """obj (e.g. an optimizer's state_dict) with every tensor in it moved to the CPU, so a
+    checkpoint written on a GPU holds nothing that loads back onto that GPU."""
+    if torch.is_tensor(obj):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: cpu_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_tree(v) for v in obj)
+    return obj
+
+
 def load_target(path, device="cpu", dtype=torch.float32):
     """The trained target, in eval mode, plus its checkpoint dict (for the hashes)."""
     check_dtype(device, dtype)
@@ -418,6 +436,39 @@ def pick_device(name="auto"):
         return name
     raise ValueError(f"device {name!r} is not available here: use --device cpu, "
                      "or auto to pick the best one")
+
+
+def fast_bf16(device):
+    """Does bfloat16 autocast speed training up on this device? CUDA: if the GPU has bfloat16.
+    CPU: measured, not assumed -- a (256 x 1024) @ (1024 x 1024) product in both dtypes, the
+    fastest of a few tries each: CPUs with AVX512-BF16 or AMX run it about twice as fast, CPUs
+    without emulate bfloat16 and would be slower (docs/experiments.md: bfloat16). MPS: no."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    if str(device) != "cpu":
+        return False
+    # the two dtypes take turns, so a busy moment slows both alike (timed one after the other, a
+    # burst of other work during the bfloat16 tries once sent a whole run to float32)
+    pairs = {dt: (torch.randn(256, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt))
+             for dt in (torch.bfloat16, torch.float32)}
+    best = {dt: float("inf") for dt in pairs}
+    for _ in range(8):
+        for dt, (a, b) in pairs.items():
+            t0 = time.perf_counter()
+            a @ b
+            best[dt] = min(best[dt], time.perf_counter() - t0)
+    return best[torch.bfloat16] < 0.7 * best[torch.float32]
+
+
+def allow_tf32(device):
+    """On CUDA, let the float32 matmuls autocast leaves in float32 use TF32 tensor cores (what
+    every GPU training recipe does). CPU and MPS: untouched, so CPU runs stay bit-identical.
+    Returns whether it was switched on."""
+    if not str(device).startswith("cuda"):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def check_dtype(device, dtype):
@@ -509,6 +560,26 @@ def path_arg(kind):
         return text
     parse.__name__ = "a path"
     return parse
+
+
+@dataclass
+class Setting:
+    """One training setting in its one home: its value in every preset, its type and its help.
+    Each drafter's file lists its own (SETTINGS) beside the code that uses them; train.py gathers
+    them into its presets and flags. Adding a setting touches that table and the code using it."""
+    default: object       # the cpu preset's value (the base every other preset changes)
+    help: str
+    type: object = None   # the argparse type; None: from the default's (a count >= 1, a rate > 0)
+    choices: list = None
+    presets: dict = None  # {preset: value} where a preset differs from the cpu preset's
+
+    def value(self, preset):
+        return (self.presets or {}).get(preset, self.default)
+
+
+def setting(default, help, type=None, choices=None, **presets):
+    """Setting(...), written the way the tables read: setting(1000, "steps", tiny=6, cuda=2000)."""
+    return Setting(default, help, type, choices, presets)
 
 
 def number_list(kind=int, lo=1):

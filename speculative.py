@@ -15,9 +15,9 @@ Three ways to accept a draft (the `Sampler`):
   rejection  accept d ~ q with prob min(1, p(d)/q(d)), else resample from norm(max(0, p - q)).
              Same *distribution* as plain sampling, not the same tokens.
 
-Every drafter (here: the classic independent small GPT; draft_mtp.py, draft_dflash.py,
-draft_dspark.py and draft_lookup.py add more) implements one interface, `Drafter`, and the
-loop never asks which one it runs. How well a drafter does is measured by τ (tau): tokens per
+Every drafter implements one interface, `Drafter`, and the loop never asks which one it runs:
+draft_small.py (an independent small GPT), draft_mtp.py, draft_dflash.py, draft_dspark.py and
+draft_lookup.py each add one. How well a drafter does is measured by τ (tau): tokens per
 target forward, the target's own token included -- plain decoding has τ = 1.
 
     python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpt import (GPT, GPTConfig, CheckpointError, load_checkpoint, load_target, number, path_arg,
+from gpt import (CheckpointError, load_checkpoint, load_target, number, path_arg,
                  pick_device, ArgumentParser, synchronize)
 
 # -----------------------------------------------------------------------------
@@ -262,19 +262,7 @@ def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
 
 
 # -----------------------------------------------------------------------------
-# the drafter interface, and the term every drafter's training loss shares
-
-
-def total_variation(logq, p):
-    """TV(q, p) = 1/2 sum_v |q_v - p_v| over the last axis: logq the drafter's log-probabilities,
-    p the target's probabilities -> one distance per row. Every drafter trains on the target's
-    soft labels (cross-entropy, or KL: the same gradient) plus this. Why: a draft survives about
-    as often as the two distributions overlap (exactly 1 - TV under rejection sampling), and TV,
-    unlike cross-entropy, spends nothing on tokens neither model would pick. Measured on the
-    README's CPU (greedy tau, validation prompts): DFlash at 1,500 steps 3.37 -> 3.56, MTP at k = 5
-    3.96 -> 4.02, the small model 3.28 -> 3.34, DSpark 4.33 with its paper's 0.1 CE + 0.9 TV ->
-    4.46 with CE + TV; a DFlash step costs ~10% more."""
-    return 0.5 * (logq.float().exp() - p.float()).abs().sum(-1)
+# the drafter interface: what the loop needs from any drafter
 
 
 class Drafter:
@@ -312,48 +300,6 @@ def k_for(drafter, mode):
     """The k a drafter drafts unless told: its best in a bench sweep on the CPU preset, greedy or
     sampled (coupled, temperature 0.8). Sampling lowers acceptance, so long drafts stop paying."""
     return drafter.sampled_k if mode != "greedy" and drafter.sampled_k else drafter.default_k
-
-
-class DraftModel(Drafter):
-    """Classic speculative decoding: an independent small GPT with its own KV cache.
-
-    Cache bookkeeping: after drafting k tokens the cache holds the confirmed tokens plus
-    d1..d_{k-1} (d_k was predicted, never fed). On commit with n < k it is cut back to the
-    confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
-    with the target's token, at the start of the next propose."""
-    name = "small"
-    # the best of the bench sweep on the CPU preset (k = 4 and 5 within noise, 7 slower)
-    default_k = 5
-    sampled_k = 1  # coupled at T = 0.8: 1.00x at k = 1, 0.89x at 2, 0.84x at 3 (one pass)
-
-    def __init__(self, model):
-        self.model = model
-        self.cache = model.new_cache()
-
-    def begin(self, tokens, hidden):
-        self.cache.reset()
-        self.seq = tokens.view(-1).clone()
-
-    @torch.inference_mode()
-    def propose(self, k, sampler):
-        S = self.seq.numel()
-        # the confirmed tokens not yet in the cache (at least one)
-        pending = self.seq[self.cache.length:].view(1, -1)
-        drafts, qs = [], []
-        for j in range(k):
-            logits = self.model(pending, cache=self.cache, last_only=True)[0][0]  # (1, V)
-            tok, q = sampler.draft(logits, [S + j])
-            drafts.append(tok)
-            qs.append(q)
-            if j + 1 < k:
-                pending = tok.view(1, 1)
-        return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
-
-    def commit(self, n, new, hidden):
-        S = self.seq.numel()
-        k_minus_1 = self.cache.length - S  # how many drafts were fed
-        self.cache.rollback(S + min(n, k_minus_1))
-        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
 
 
 # -----------------------------------------------------------------------------
@@ -474,18 +420,12 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
 # loading drafters by name: the one place that knows which file makes which
 
 DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that makes it)
-    "small": ("speculative", "small.pt", "small"),
+    "small": ("draft_small", "small.pt", "small"),
     "mtp": ("draft_mtp", "mtp.pt", "mtp"),
     "dflash": ("draft_dflash", "dflash.pt", "dflash"),
     "dspark": ("draft_dspark", "dspark.pt", "dspark"),
     "lookup": ("draft_lookup", None, None),  # prompt lookup: nothing to train, nothing to load
 }
-
-
-def load_small(ckpt, target, device, dtype):
-    model = GPT(GPTConfig.from_dict(ckpt["config"]))
-    model.load_state_dict(ckpt["state_dict"])
-    return DraftModel(model.to(device=device, dtype=dtype).eval())
 
 
 def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32,
@@ -564,7 +504,8 @@ def build_parser():
     p = ArgumentParser(description="Generate text with speculative decoding and show what was "
                                    "drafted and kept.")
     p.add_argument("--prompt", default="def parse(", help="the text to continue")
-    p.add_argument("--method", default="small", help=f"drafter: {', '.join(DRAFTERS)}")
+    p.add_argument("--method", default="small",
+                   help=f"drafter: {', '.join(DRAFTERS)} (default: small)")
     p.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: the drafter's own)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=96,

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import train  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from speculative import DraftModel  # noqa: E402
+from draft_small import DraftModel  # noqa: E402
 
 VOCAB = 64
 

@@ -23,7 +23,8 @@ import torch
 import speculative
 from conftest import DRAFTER_FACTORIES, tiny_args, tiny_gpt
 from gpt import check_dtype, load_target, pick_device, synchronize
-from speculative import (DraftModel, Sampler, generate_plain, generate_speculative, keyed_gumbel,
+from draft_small import DraftModel
+from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,
                          sampling_dtype)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

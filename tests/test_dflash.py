@@ -10,7 +10,8 @@ import torch
 
 from conftest import make_dflash, tiny_gpt
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, dflash_loss,
-                          sample_anchors, target_continuations, training_mask)
+                          sample_anchors, training_mask)
+from distill import target_continuations
 from speculative import Sampler, generate_plain, generate_speculative
 
 

@@ -180,7 +180,7 @@ def test_bad_data_path_in_train_py(tmp_path, kind):
 
 def test_unknown_stage_in_train_py(tmp_path):
     rc, _, err = cli("train.py", "--preset", "tiny", "--only", "warp", "--out-dir", str(tmp_path))
-    one_clear_error(rc, err, "unknown stage 'warp'")
+    one_clear_error(rc, err, "invalid choice: 'warp'")
 
 
 # -----------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
 def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
     damage(out / name, how)
     args = train.resolve_args(fast("train.py", out, corpus))
-    assert not train.is_current(train.Context(args), name[:-3])
+    assert not train.is_current(train.Trainer(args), name[:-3])
     assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from conftest import fit_mtp, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, head, mtp_loss
-from speculative import Sampler, load_drafter, total_variation
+from draft_small import total_variation
+from speculative import Sampler, load_drafter
 from gpt import CheckpointError, load_target
 
 
@@ -196,8 +197,10 @@ def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_p
     joint = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
     assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
-    ctx = train.Context(train.resolve_args(tiny_args(corpus, tmp_path)))
+    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "joint")))
     assert train.is_current(ctx, "mtp")  # so the mtp stage is skipped
+    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc")))
+    assert not train.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert post["mode"] == "posthoc" and post["target_hash"] == target_ckpt["model_hash"]

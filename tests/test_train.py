@@ -25,12 +25,12 @@ def test_target_checkpoint_is_complete_and_learned(trained):
     for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer",
                 "val_loss"):
         assert key in ckpt
-    assert ckpt["step"] == train.PRESETS["tiny"]["target_iters"]
+    assert ckpt["step"] == train.preset_values("tiny")["target_iters"]
     # a random model scores about ln(V); training must have beaten that clearly
     assert ckpt["val_loss"] < math.log(ckpt["config"]["vocab_size"]) - 0.5
     assert not [f for f in os.listdir(trained) if ".tmp" in f or f.endswith(".resume.pt")]
     model, _ = load_target(str(trained / "target.pt"))
-    assert model.config.n_layer == train.PRESETS["tiny"]["n_layer"]
+    assert model.config.n_layer == train.preset_values("tiny")["n_layer"]
 
 
 def test_every_stage_wrote_a_matching_checkpoint(trained):
@@ -79,13 +79,13 @@ def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeyp
 
 
 def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path, monkeypatch):
-    real_loop = train.train_loop
+    real_fit = train.Trainer.fit
 
-    def poisoned_loop(name, module, loss_fn, *args):  # the loss turns NaN from step 12 on
-        return real_loop(name, module, lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0),
-                         *args)
+    def poisoned_fit(self, name, module, loss_fn, *args, **kw):  # the loss turns NaN at step 12
+        return real_fit(self, name, module,
+                        lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0), *args, **kw)
 
-    monkeypatch.setattr(train, "train_loop", poisoned_loop)
+    monkeypatch.setattr(train.Trainer, "fit", poisoned_fit)
     with pytest.raises(train.TrainingError, match="became nan at step 12.*step 12.*kept in"):
         train.main(tiny_args(corpus, tmp_path, "--only", "target", "--ckpt-interval", "0"))
     assert not (tmp_path / "target.pt").exists()
@@ -133,7 +133,7 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
     # a copy: the shared fixture stays as it is
     trained = shutil.copytree(trained, tmp_path / "out")
     ck = load_checkpoint(str(trained / "distill.pt"), "distill")
-    P = train.PRESETS["tiny"]
+    P = train.preset_values("tiny")
     assert tuple(ck["tokens"].shape) == (P["gen_seqs"], P["block_size"])
     target_hash = load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
     assert ck["settings"]["target"] == target_hash
@@ -162,7 +162,7 @@ def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, co
     train.main(tiny_args(corpus, out, "--only", "mtp", "--force", "--mtp-text", "data"))
     for stage in ("dflash", "mtp"):
         ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
-        P = train.PRESETS["tiny"]
+        P = train.preset_values("tiny")
         assert ck["budget"]["steps"] == P[f"{stage}_iters"] + P.get(f"{stage}_narrow_iters", 0)
         assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
 
@@ -171,7 +171,7 @@ def test_dspark_branches_off_dflash_at_an_equal_step_budget(trained, corpus, tmp
     """--dspark-init dflash: DFlash saves its state after dflash_steps - dspark_iters steps
     (out/dflash.branch.pt) and DSpark starts there, so both have trained the same number of
     steps; a branch from another DFlash run is refused, naming the fix."""
-    P = train.PRESETS["tiny"]
+    P = train.preset_values("tiny")
     branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
     steps = P["dflash_narrow_iters"] + P["dflash_iters"]
     assert branch["budget"]["steps"] == steps - P["dspark_iters"] >= 1
@@ -195,7 +195,7 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     those weights. DSpark's branch, taken in the narrow phase here, is widened when DSpark loads
     it. A process that dies after the narrow phase reruns only the full block, to the same
     weights."""
-    P = train.PRESETS["tiny"]
+    P = train.preset_values("tiny")
     dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
     assert dflash["config"]["block"] == P["dflash_block"]
     assert dflash["state_dict"]["mask_emb"].size(0) == P["dflash_block"] - 1
@@ -206,16 +206,16 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     assert dspark["state_dict"]["backbone.mask_emb"].size(0) == P["dflash_block"] - 1
 
     out = shutil.copytree(trained, tmp_path / "out")
-    real_loop = train.train_loop
+    real_fit = train.Trainer.fit
 
-    def dying_loop(name, *args, **kw):  # dies as the full block starts
+    def dying_fit(self, name, *args, **kw):  # dies as the full block starts
         if name == "dflash":
             raise Interrupt
-        return real_loop(name, *args, **kw)
-    monkeypatch.setattr(train, "train_loop", dying_loop)
+        return real_fit(self, name, *args, **kw)
+    monkeypatch.setattr(train.Trainer, "fit", dying_fit)
     with pytest.raises(Interrupt):
         train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
-    monkeypatch.setattr(train, "train_loop", real_loop)
+    monkeypatch.setattr(train.Trainer, "fit", real_fit)
     assert (out / "dflash-narrow.resume.pt").exists()
     capsys.readouterr()
     train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
@@ -234,7 +234,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     only, stored in out/dspark.pt beside the greedy ones; load_drafter hands them out for
     sampling only, their steps added to the budget. A run that dies in those steps resumes them
     without redoing DSpark's own, to the same weights; without sampled text there are none."""
-    P = train.PRESETS["tiny"]
+    P = train.preset_values("tiny")
     dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
     tuned = dspark["sampled"]
     assert tuned["budget"]["steps"] == P["dspark_sampled_iters"]
@@ -246,8 +246,8 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
         assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
-    ctx = train.Context(train.resolve_args(tiny_args(corpus, trained)))
-    pool, batch = train.distill_text(ctx), train.drafter_batches(ctx, "gen", sampled_only=True)
+    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, trained)))
+    pool, batch = ctx.distill.text(), ctx.batches("gen", sampled_only=True)
     first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
     for step in range(5):
         x = batch(step)[0]
@@ -277,3 +277,84 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     train.main(tiny_args(corpus, out, "--only", "dspark", "--force", "--gen-sampled", "0"))
     assert "no sampling weights" in capsys.readouterr().out
     assert "sampled" not in load_checkpoint(str(out / "dspark.pt"), "dspark")
+
+
+# -----------------------------------------------------------------------------
+# the settings: one table per stage, every preset's value valid, --help showing what a run uses
+
+
+def test_every_setting_has_one_home_and_every_preset_value_parses():
+    """Each setting is defined in exactly one table; each preset's value passes the setting's
+    own flag type (so a preset can never hold a value the command line would refuse)."""
+    import draft_dflash
+    import draft_dspark
+    import draft_mtp
+    import draft_small
+    tables = [train.TARGET, train.SHARED, train.DISTILL, draft_small.SETTINGS,
+              draft_mtp.SETTINGS, draft_dflash.SETTINGS, draft_dspark.SETTINGS]
+    names = [n for t in tables for n in t]
+    assert len(names) == len(set(names)) == len(train.SETTINGS)
+    for preset in train.PRESETS:
+        for name, value in train.preset_values(preset).items():
+            s = train.SETTINGS[name]
+            assert s.help, name
+            if s.choices:
+                assert value in s.choices, (preset, name, value)
+            else:
+                assert train.flag_type(s)(str(value)) == value, (preset, name, value)
+
+
+def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
+    def help_of(*argv):
+        out = subprocess.run([sys.executable, "train.py", *argv, "--help"], capture_output=True,
+                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode == 0, out.stderr
+        return " ".join(out.stdout.split())  # argparse wraps lines
+    for preset in ("cpu", "quick", "tiny"):
+        text = help_of("--preset", preset, "--device", "cpu")
+        for name in ("dflash_iters", "target_iters", "gen_seqs"):
+            want = train.preset_values(preset)[name]
+            assert f"(default: {want}, preset {preset})" in text.split(
+                "--" + name.replace("_", "-"))[-1], (preset, name)
+    text = help_of("--device", "cpu")
+    titles = ["start here:", "the run:", "target:", "small (draft_small.py):",
+              "dflash (draft_dflash.py):"]
+    assert all(t in text for t in titles)
+    assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)
+
+
+def test_a_stage_trained_with_other_settings_is_retrained(trained, corpus, tmp_path, capsys):
+    """Not only --force retrains: a checkpoint that records other settings is stale (so the full
+    run after `--preset quick` retrains everything instead of keeping the quick checkpoints)."""
+    out = shutil.copytree(trained, tmp_path / "out")
+    before = load_checkpoint(str(out / "small.pt"), "small")
+    capsys.readouterr()
+    train.main(tiny_args(corpus, out, "--only", "small", "--small-iters", "12"))
+    log = capsys.readouterr().out
+    assert "small_iters 10 -> 12" in log and "retraining it" in log
+    after = load_checkpoint(str(out / "small.pt"), "small")
+    assert after["budget"]["steps"] == 12 != before["budget"]["steps"]
+    train.main(tiny_args(corpus, out, "--only", "target", "--target-iters", "31"))
+    assert "target_iters 30 -> 31" in capsys.readouterr().out
+
+
+def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, capsys):
+    out = shutil.copytree(trained, tmp_path / "out")
+    capsys.readouterr()
+    train.main(tiny_args(corpus, out, "--only", "dflash", "--force", "--log-interval", "2"))
+    log = capsys.readouterr().out
+    assert "left in all (an estimate, updated as it goes)" in log
+    assert log.count("| run ~") >= 4  # every progress line, both phases
+
+
+def test_no_drafter_file_imports_train_py():
+    """Each drafter's training gets what it needs from the Trainer object it is handed."""
+    import ast
+    import glob
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in glob.glob(os.path.join(root, "draft_*.py")):
+        tree = ast.parse(open(path).read())
+        imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for a in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "train" not in imported, path
