@@ -3,7 +3,7 @@ data.py -- the corpus and tokenizer every other file uses: the first link of the
 (data.py, gpt.py, speculative.py, the draft_*.py files, train.py, bench.py).
 
 Data for nanospec: a corpus, a byte-level BPE (byte-pair encoding) tokenizer trained on it,
-and the token streams train.py reads.
+and the token streams train.py reads (as random training windows: Batches).
 
 By default the corpus is the Python standard library that ships with the running
 interpreter (no download needed); --data PATH swaps in a text file or a folder.
@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import tiktoken
+import torch
 
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB = 4096
@@ -518,6 +519,31 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     # round-robin over a shuffled document order, so n <= #documents gives n different documents
     picks = [cands[order[i % len(cands)]] for i in range(n)]
     return [val[(p := int(rng.choice(c))):p + prompt_len].tolist() for c in picks]
+
+
+# -----------------------------------------------------------------------------
+# training batches: random windows of the token files (train.py)
+
+
+class Batches:
+    """Random windows of the corpus's token files. The window offsets of step s come from a
+    generator seeded with (seed, s): training is reproducible and a resumed run replays exactly."""
+
+    def __init__(self, info, block_size, batch_size, seed):
+        self.files = {"train": info["train_bin"], "val": info["val_bin"]}
+        self.T, self.B, self.seed = block_size, batch_size, seed
+
+    def get(self, split, step, device, B=None):
+        arr = np.memmap(self.files[split], dtype=np.uint16, mode="r")
+        if len(arr) <= self.T + 1:
+            raise DataError(f"the {split} split has only {len(arr)} tokens; it needs more than "
+                            f"{self.T + 1}: use more data or a smaller --block-size")
+        offset = 0 if split == "train" else 7_919_000
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + offset)
+        ix = torch.randint(len(arr) - self.T - 1, (B or self.B,), generator=g).tolist()
+        x = torch.stack([torch.from_numpy(arr[i:i + self.T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
+        return x.to(device), y.to(device)
 
 
 # -----------------------------------------------------------------------------

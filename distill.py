@@ -8,8 +8,8 @@ the rest greedy, and keeps the result in out/distill.pt for every drafter stage 
 run. On that text it also computes, once, the target's logits (the soft labels) and hidden
 states (the drafters' inputs), and serves both as training batches.
 
-A drafter's training code never calls this directly: it asks its Trainer (train.py) for
-`batches(text)`, `features(x)` and `continuations(n, split)`.
+A drafter's training reaches it as `trainer.distill` (train.py builds it): batches(text),
+features(x), write(n, n_sampled, split) and key(text), what a resume fingerprint records.
 """
 
 import os
@@ -18,7 +18,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt import CheckpointError, load_checkpoint, save_checkpoint
+from gpt import CheckpointError, load_checkpoint, number, save_checkpoint, setting
+
+
+SETTINGS = {
+    "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
+                        "drafter stage with text 'gen'", cuda=2048, quick=512, tiny=8),
+    "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
+                           "(so drafters see sampled text too)", type=number(float, 0, 1)),
+    "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "
+                               "about 0.7)"),
+    "feature_cache": setting(1, "1: run the target over the distillation set once and keep its "
+                             "logits and states in host memory (bfloat16); 0: every step",
+                             type=number(int, 0, 1), cuda=0),
+}
 
 
 @torch.no_grad()
@@ -59,6 +72,10 @@ class DistillationSet:
         return {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
                 "sampled": round(a.gen_seqs * a.gen_sampled), "temperature": a.gen_temperature,
                 "block_size": a.block_size, "seed": a.seed}
+
+    def key(self, text):
+        """What a stage's resume fingerprint records of its training text."""
+        return self.settings() if text == "gen" else None
 
     def write(self, n_seqs, n_sampled, split):
         """The target continues n_seqs short corpus prompts to full windows: the first

@@ -17,9 +17,12 @@ context is injected as extra keys/values in front of the block ("KV injection").
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
 Three departures from the paper, all because we train for minutes, not GPU-days (see
-DFlash.__init__, alibi_bias and load_narrower): one mask embedding per block offset instead of
-one shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block first: train.py
-trains block 8, then widens it to 16, which keeps the first slot as good as block 8's.
+DFlash.__init__, alibi_bias and the recipe at "how it learns (2)"): one mask embedding per block
+offset instead of one shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block
+first: block 8, then widened to 16, which keeps the first slot as good as block 8's.
+
+The file reads in order: the config, the draft layers, the network, the Drafter (how it drafts),
+then how it learns: anchors and the training mask, the loss, and the stage train.py runs.
 
 Bookkeeping at inference: the context is the target's hidden states of every confirmed token
 BEFORE the anchor t*; t* itself enters the block as a token at its absolute position. Each draft
@@ -29,9 +32,7 @@ never recomputed (the target's states of a position never change).
 Cost. On a small CPU target a drafter pays per ATen call, not per FLOP, so a round does only
 what changes: RoPE angles and ALiBi biases are tables built once and sliced; the block's K/V go
 into the cache after the context (no concatenation), and the LM head runs on the draft slots
-only. With the CPU preset on the README's 2-core CPU, a block-16 round (anchor + 15 masks)
-costs about three quarters of a one-token target step inside the decoding loop (block 8: about
-60%).
+only (docs/experiments.md: DFlash: lean round).
 
     python train.py --only dflash && python speculative.py --method dflash
 """
@@ -56,13 +57,13 @@ from speculative import Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (train.py: 2 on CPU, 3 on
-    #                          CUDA, to fit their budgets)
-    # target layers read as context (train.py picks them with default_taps)
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (SETTINGS: 2 on CPU, 3
+    #                          on CUDA, to fit their budgets)
+    # target layers read as context (network_config picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
-    #                          (the paper's 16; train.py's CPU preset trains block 8 first, then
-    #                          widens to 16: load_narrower)
+    #                          (the paper's 16; the CPU preset trains block 8 first, then widens
+    #                          to 16: load_narrower)
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
@@ -122,7 +123,7 @@ def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
     at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init the queries
     and keys are near zero, so attention is uniform over the whole context and the few states
     that matter (the last ones before the anchor) are drowned, and learning starts slowly
-    (measured, one batch, 40 steps: loss 5.9 with the bias, 6.1 without). The bias gives some
+    (docs/experiments.md: DFlash: ALiBi). The bias gives some
     heads a recency prior from step 0; heads with small slopes stay global.
     Memory: in training this is (batch, nh, Tq, Tk), the largest tensor of a DFlash step, so the
     distances are made in one float tensor (no int64 copies) and only the result is per head."""
@@ -208,7 +209,8 @@ class DFlash(nn.Module):
         # leaves RoPE as the only thing telling slot 3 from slot 9; in our few hundred training
         # steps every slot then made one and the same guess. Initialised at the scale of the
         # target's token embeddings (row norm ~1): at 0.02 the slot identity drowned in the
-        # attention output, and the slots still collapsed (measured on held-out target text).
+        # attention output, and the slots still collapsed (docs/experiments.md: DFlash: mask
+        # embeddings).
         self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) / math.sqrt(cfg.n_embd))
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
         for pn, p in self.named_parameters():
@@ -220,7 +222,7 @@ class DFlash(nn.Module):
         self._tables = {}  # position tables, built once per device and dtype (see tables())
 
     def load_narrower(self, state_dict):
-        """Load a DFlash trained at this block or a narrower one (train.py's narrow phase). Every
+        """Load a DFlash trained at this block or a narrower one (the narrow phase). Every
         weight has the same shape at any block but the mask embeddings, one per block offset:
         offsets 1..b-1 take the narrower network's, the later ones keep their initialisation."""
         sd = dict(state_dict)
@@ -322,9 +324,8 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(cfg.taps)
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
-        # sampling (coupled, T = 0.8): acceptance falls fast by position, so shorter blocks pay;
-        # k = 3 was the best of the sweep, for DSpark too (0.98x DFlash, 1.02x DSpark; k = 7:
-        # 0.87x and 0.90x)
+        # sampling: acceptance falls fast by position, so a short draft pays; 3 was the best of a
+        # coupled sweep (docs/experiments.md: DFlash: k)
         self.sampled_k = min(3, self.max_k)
         p = net.fc.weight
         # (n_layer, 1, nh, Tmax, hs): Tmax = the target's context window plus one block
@@ -464,7 +465,7 @@ def soft_labels(t_logits, tpos):
 def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
     """Position-weighted cross-entropy against the target's own distributions (soft labels),
     plus their total variation distance (draft_small.total_variation: why). The paper's loss is
-    the cross-entropy alone; adding TV drafted better (docs/experiments.md: the TV term)."""
+    the cross-entropy alone; adding TV drafted better (docs/experiments.md: DFlash: loss (CE + TV))."""
     h, tpos = block_states(net, x, hidden, anchors)
     logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
     p_t = soft_labels(t_logits, tpos)
@@ -480,7 +481,7 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
 # whether a round goes on at all, and a narrow block (8) teaches them with twice the anchors a
 # step; the full block (16) then starts from that network (DFlash.load_narrower) and learns its
 # later slots. Trained at block 16 from the start, the first slot stayed worse
-# (docs/experiments.md: DFlash, narrow block first). On the way, the stage saves its state at
+# (docs/experiments.md: DFlash: narrow block first). On the way, the stage saves its state at
 # the step where DSpark branches off (out/dflash.branch.pt): draft_dspark.py starts there, so the
 # two drafters train the same number of steps.
 
@@ -520,6 +521,9 @@ SETTINGS = {
 def training_phases(a):
     """DFlash's training as phases (train_loop name, block, anchors a sequence, steps, peak lr):
     with --dflash-narrow-iters, the narrow block first, then the full block."""
+    if a.n_embd % a.dflash_heads:
+        raise ValueError(f"--dflash-heads ({a.dflash_heads}) must divide the target's width, "
+                         f"--n-embd ({a.n_embd})")
     full = ("dflash", a.dflash_block, a.dflash_anchors, a.dflash_iters, a.dflash_lr)
     if a.dflash_narrow_iters == 0:
         return [full]
@@ -530,9 +534,22 @@ def training_phases(a):
              a.dflash_narrow_iters, a.dflash_narrow_lr), full]
 
 
+def check_anchors(a, block, n_anchors, flag):
+    """A training window of --block-size tokens holds block_size - block anchors at most (each
+    needs a context position before it and its whole block inside the window)."""
+    if n_anchors > a.block_size - block:
+        raise ValueError(f"a --block-size {a.block_size} window holds at most "
+                         f"{max(0, a.block_size - block)} anchors of block {block}, not "
+                         f"{n_anchors} ({flag}): use fewer, or a longer --block-size")
+
+
 def phases(a):
     """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
-    return [(name, steps) for name, _, _, steps, _ in training_phases(a)]
+    plan = training_phases(a)
+    for name, block, n_anchors, _, _ in plan:
+        check_anchors(a, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
+                      else "--dflash-anchors")
+    return [(name, steps) for name, _, _, steps, _ in plan]
 
 
 def total_steps(a):
@@ -561,8 +578,9 @@ def parse_taps(spec, n_layer):
 
 def network_config(a, target_cfg, block=None):
     """The DFlash network the settings ask for (also DSpark's backbone: the same shape, so DSpark
-    can start from it). The mask slots predict (shift 0), as in the DFlash paper
-    (docs/experiments.md: DFlash, which slots predict)."""
+    can start from it). The mask slots predict (shift 0), as in the DFlash paper: letting the
+    anchor slot predict too (DeepSpec's shift 1) drafted worse (docs/experiments.md: DFlash: the
+    masks predict (shift 0))."""
     return DFlashConfig(n_embd=target_cfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
                         taps=parse_taps(a.dflash_taps, target_cfg.n_layer),
                         block=block or a.dflash_block)
@@ -583,11 +601,11 @@ def train_dflash(tr):
     a = tr.args
     target, target_ckpt = tr.target()
     cfg = network_config(a, target.config)
-    batches = tr.batches(a.dflash_text)
+    batches = tr.distill.batches(a.dflash_text)
     plan = training_phases(a)
     fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "phases": [p[1:] for p in plan], "text": a.dflash_text,
-                   "gen": tr.text_key(a.dflash_text), "gamma": a.dflash_gamma,
+                   "gen": tr.distill.key(a.dflash_text), "gamma": a.dflash_gamma,
                    "seed": a.seed, "branch": branch_step(a)}
     net, done = None, 0
     for i, phase in enumerate(plan):
@@ -625,7 +643,7 @@ def train_phase(tr, fingerprint, batches, i, phase, before, done):
                             tr.path("dflash.branch"))
     last = i == len(fingerprint["phases"]) - 1
     val, _ = tr.fit(name, net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
                     steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
                     tokens_per_step=a.batch_size * n_anchors * block, after_step=after_step,
                     keep_resume=not last)

@@ -21,15 +21,16 @@ for the expensive part and adds two cheap pieces on top:
    (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)), where t_draft is the rest of a round
    (draft, commit, loop): profiled at load, then measured as the rounds run. Scoring the drafts
    costs time too, so the scheduler watches itself: when the cuts it makes save less than its
-   scoring costs (on the README's CPU its rule kept every draft: a longer verify costs little
-   next to a round), it verifies whole blocks unscored and scores one round in SCORE_EVERY to
-   keep watching.
+   scoring costs (at batch 1 on a CPU its rule keeps every draft: a longer verify costs little
+   next to a round; docs/experiments.md: DSpark: scheduler at batch 1), it verifies whole
+   blocks unscored and scores one round in SCORE_EVERY to keep watching.
 
 The paper lets the anchor slot predict too (anchor + B-1 masks -> B drafts); here the backbone
 is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from the trained DFlash
-network and what it adds is measured against it on equal footing: train.py starts it from
-DFlash's own training dspark_iters steps before its end (where DFlash is still at its narrow
-block, the network is widened first), so the two take the same number of optimizer steps.
+network and what it adds is measured against it on equal footing: its training (the end of
+this file) starts from DFlash's own training dspark_iters steps before its end (where DFlash is
+still at its narrow block, the network is widened first), so the two take the same number of
+optimizer steps.
 
     python train.py --only dspark && python speculative.py --method dspark
 """
@@ -56,9 +57,9 @@ from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, anchored, block_s
 
 @dataclass
 class DSparkConfig:
-    # Markov head rank r (the paper's 256; its vocabulary is 100k+, ours 4096). Measured on the
-    # README's CPU, equal steps, gamma 4: tau 4.95 at rank 256, 4.82 at 128, 4.68 at 64 (DFlash:
-    # 4.13). Drafting from the (V x V) table costs the same at any rank; a training step ~15% more
+    # Markov head rank r (the paper's 256; its vocabulary is 100k+, ours 4096). A higher rank
+    # drafted better at equal steps, and drafting from the (V x V) table costs the same at any
+    # rank: only training pays for it (docs/experiments.md: DSpark: Markov rank)
     rank: int = 256
 
     def to_dict(self):
@@ -74,10 +75,11 @@ class DSpark(nn.Module):
         self.backbone = DFlash(backbone_cfg, target)
         self.w1 = nn.Embedding(V, cfg.rank)              # W1[x]: the previous token's low-rank code
         # W2: code -> a bias over the vocabulary, (r, V) as in the paper's W1[x] W2: drafting
-        # multiplies by it one row at a time, fastest with its rows contiguous (measured)
+        # multiplies by it one row at a time, fastest with its rows contiguous
+        # (docs/experiments.md: DSpark: Markov table)
         self.w2 = nn.Parameter(torch.zeros(cfg.rank, V))
-        # w of the confidence head. torch's own Linear: for one output it is ~5x faster than
-        # gpt.Linear's packed product (measured)
+        # w of the confidence head: torch's own Linear, because at one output column gpt.Linear's
+        # packed product is the slower one (docs/experiments.md: DSpark: confidence head)
         self.conf = nn.Linear(d + cfg.rank, 1)
         nn.init.normal_(self.w1.weight, std=0.02)
         # w2 starts at zero: DSpark starts as plain DFlash and the bias grows from 0
@@ -154,8 +156,8 @@ def calibrate(net, batches):
     1..k-1 all matched. c_k is the chance that draft k survives GIVEN its prefix survived, and
     only those blocks say what that is: fitted on every block, the temperatures made late
     positions look far worse than they are in the loop, where a round reaches them only through
-    an easy stretch of text (at block 16, position 15: predicted prefix survival 0.06, measured
-    0.17), and the scheduler cut blocks that paid.
+    an easy stretch of text, and the scheduler cut blocks that paid (docs/experiments.md:
+    DSpark: calibration on live blocks).
     batches: an iterable of (x, hidden, t_logits, anchors), read once, so a generator streams them
     (only the confidences are kept). Returns the ECE (expected calibration error, see ece()) over
     those blocks before and after."""
@@ -267,10 +269,10 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
     `reps` tries: interference from other processes only ever adds time (a median was thrown
     off by a busy shared CPU). Made non-decreasing in m. Returns a list indexed by m (0 unused).
     between(): run, untimed, before each try: the drafter's own forward, so the target runs as it
-    does in the loop. Why: on the README's CPU the two models' weights do not fit in the cache
-    together, and in the loop a verify of 1 to 7 drafts cost a flat ~2.0-2.1 ms where the same
-    forwards timed back to back cost 1.38 to 1.78 ms: a slope that made the scheduler cut blocks
-    that paid (tau 3.81 against 3.95 for the full block, no faster)."""
+    does in the loop. Why: where the two models' weights do not fit in the cache together, a
+    verify right after a draft costs more, and grows less with its length, than the same forward
+    timed back to back; the back-to-back slope made the scheduler cut blocks that paid
+    (docs/experiments.md: DSpark: scheduler at batch 1)."""
     dev = target.lm_head.weight.device
     n_ctx = context if context is not None else target.config.block_size // 2
     n_ctx = min(n_ctx, target.config.block_size - m_max)
@@ -298,11 +300,10 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
 # the Drafter
 
 
-# drafting keeps DSpark.markov_table when it takes no more memory than this, and multiplies by
-# W2 per token otherwise. Ours (V = 4096, float32) is 64 MiB. On the README's CPU, in the
-# decoding loop, where the target's forward pushes W2 out of the cache between rounds, it cut
-# the 7 Markov steps of a block-8 round from 0.59 ms (rank 256; 0.44 at rank 128) to 0.12 ms.
-# GPT-2's vocabulary (50,257) would need 10 GB and takes the product
+# drafting keeps DSpark.markov_table when it takes no more memory than this (ours, V = 4096 in
+# float32: 64 MiB; GPT-2's 50,257 would need 10 GB), and multiplies by W2 per token otherwise.
+# Why: a row lookup is far cheaper than re-reading W2, which the target's forward pushes out of
+# the cache between rounds (docs/experiments.md: DSpark: Markov table)
 MARKOV_TABLE_BYTES = 256 * 2**20
 # while scoring does not pay (DSparkDrafter.closed), one round in this many is still scored, so a
 # change (a longer context, a busier device) is seen
@@ -318,9 +319,9 @@ class DSparkDrafter(DFlashDrafter):
 
     def __init__(self, net, schedule="auto", threshold=0.5, markov=True, profile=True):
         super().__init__(net.backbone)
-        # sampling: one slot more than DFlash. With its sampling weights (train.py's
-        # dspark_sampling_weights, 4 slots), coupled at T = 0.8 on the README's CPU: 1.24x at
-        # k = 4 against 1.20x at k = 3 (MTP at 3: 1.14x; 32 prompts, median of 3, interleaved)
+        # sampling: one slot more than DFlash. Its sampling weights (sampling_weights, below)
+        # train the block's first slots, and k = 4 beat 3 in a coupled probe
+        # (docs/experiments.md: DSpark: sampling k)
         self.sampled_k = min(4, self.max_k)
         if schedule not in ("auto", "threshold", "full"):
             raise ValueError(f"unknown schedule {schedule!r}: use auto, threshold or full")
@@ -331,8 +332,8 @@ class DSparkDrafter(DFlashDrafter):
         self.t_draft = 0.0
         # t_draft: what a round costs besides its verify forward. The start-up profile of one
         # draft is the first guess; with profile on, the rounds then measure it (measure_round):
-        # inside the loop a draft runs slower than alone (on the README's CPU the target and the
-        # drafter evict each other from the cache), and the commit and the loop add to it
+        # inside the loop a draft runs slower than alone (where the target and the drafter evict
+        # each other from the cache), and the commit and the loop add to it
         self.measured, self._last = False, None  # not while profiling: no verify between drafts
         # the confidence head as a table (DSpark.confidence_table). Like the stacked ctx_kv, a copy
         # taken here: a drafter is built after training
@@ -454,9 +455,8 @@ class DSparkDrafter(DFlashDrafter):
 
     def greedy_on_host(self, base_logits):
         """markov_chain for greedy drafting on a CPU, in numpy over the same memory: the same
-        float32 adds and the same first-maximum argmax, so the same tokens (tested), for ~4 us a
-        token where torch's four small ops took ~25 us. At block 16 (15 steps a round) DSpark
-        ran 6% faster (16 prompts, interleaved A/B, the README's CPU)."""
+        float32 adds and the same first-maximum argmax, so the same tokens (tested), without four
+        small torch ops a step (docs/experiments.md: DSpark: greedy chain on the host)."""
         base, table = base_logits.numpy(), self.markov_host
         prev, toks = int(self.seq[-1]), []
         for u in base:
@@ -497,10 +497,9 @@ class DSparkDrafter(DFlashDrafter):
             self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
                        time.perf_counter() - t0)
         if watching and self.log is None:
-            # a watch round cuts nothing: it only asks whether cuts pay yet. When it cut, DSpark
-            # verified 6.845 drafts a round against its full block's 6.869 (k = 7, the README's
-            # CPU, 32 prompts), 0.35% fewer, while its own account said they saved less than
-            # scoring cost
+            # a watch round cuts nothing: it only asks whether cuts pay yet. Cutting there gave up
+            # drafts for a saving its own account put below what scoring cost
+            # (docs/experiments.md: DSpark: scheduler at batch 1)
             length = k
         self._survival = survival[:length]
         return length
@@ -571,6 +570,10 @@ def phases(a):
     if a.dspark_sampled_iters and a.dspark_sampled_block > a.dflash_block:
         raise ValueError(f"--dspark-sampled-block ({a.dspark_sampled_block}) must be at most "
                          f"--dflash-block ({a.dflash_block})")
+    draft_dflash.check_anchors(a, a.dflash_block, a.dflash_anchors, "--dflash-anchors")
+    if a.dspark_sampled_iters:
+        draft_dflash.check_anchors(a, a.dspark_sampled_block, a.dspark_sampled_anchors,
+                                   "--dspark-sampled-anchors")
     out = [("dspark", a.dspark_iters)]
     return out + ([("dspark-sampled", a.dspark_sampled_iters)] if a.dspark_sampled_iters else [])
 
@@ -590,7 +593,7 @@ def train_dspark(tr):
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         state, init_budget = start_from_dflash(tr, backbone_cfg)
         net.backbone.load_narrower(state)  # a branch from the narrow phase: widened
-    batches = tr.batches(a.dflash_text)
+    batches = tr.distill.batches(a.dflash_text)
 
     def loss_of(x, t_logits, hid, step):
         batch = anchored(tr, x, t_logits, hid, step, backbone_cfg, a.dflash_anchors)
@@ -599,13 +602,13 @@ def train_dspark(tr):
     fingerprint = {"stage": "dspark", "backbone": backbone_cfg.to_dict(), "config": cfg.to_dict(),
                    "target": target_ckpt["model_hash"], "init": a.dspark_init,
                    "iters": a.dspark_iters, "lr": a.dspark_lr, "text": a.dflash_text,
-                   "gen": tr.text_key(a.dflash_text),
+                   "gen": tr.distill.key(a.dflash_text),
                    "anchors": a.dflash_anchors, "gamma": a.dflash_gamma, "seed": a.seed,
                    "init_budget": init_budget}
     tune = sampling_weights_wanted(tr)
     # keep_resume: a run stopped in the sampling steps that follow does not redo these
     val, _ = tr.fit("dspark", net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
                     steps=a.dspark_iters, lr=a.dspark_lr, fingerprint=fingerprint,
                     tokens_per_step=a.batch_size * a.dflash_anchors * backbone_cfg.block,
                     keep_resume=tune)
@@ -653,11 +656,11 @@ def calibrate_on_held_out(tr, net, backbone_cfg):
     prompts, with 4x the training anchors a sequence (the late positions are fitted only on
     blocks that got that far). -> ECE before, after."""
     a = tr.args
-    held = tr.continuations(a.dspark_calib_seqs, "val")
+    held = tr.distill.write(a.dspark_calib_seqs, 0, "val")
     n_anchors = min(4 * a.dflash_anchors, held.size(1) - backbone_cfg.block - backbone_cfg.shift)
     held = [held[i:i + a.batch_size] for i in range(0, len(held), a.batch_size)]
     # a generator, not a list: one batch's target logits at a time (they are large at scale)
-    batches = (anchored(tr, x, *tr.features(x), -1 - i, backbone_cfg, n_anchors)
+    batches = (anchored(tr, x, *tr.distill.features(x), -1 - i, backbone_cfg, n_anchors)
                for i, x in enumerate(held))
     before, after = calibrate(net, batches)
     print(f"dspark: confidence ECE (teacher-forced, held-out, drafts whose prefix matched) "
@@ -671,7 +674,7 @@ def sampling_weights_wanted(tr):
     a = tr.args
     if not a.dspark_sampled_iters:
         return False
-    if a.dflash_text != "gen" or tr.sampled_rows() == 0:
+    if a.dflash_text != "gen" or tr.distill.settings()["sampled"] == 0:
         print("dspark: no sampling weights (they learn from the sampled share of the distillation "
               "set: --dflash-text gen and --gen-sampled > 0)")
         return False
@@ -683,15 +686,15 @@ def sampling_weights(tr, net, fingerprint):
     share of the distillation set only, and only on a block's first slots (the anchor and
     --dspark-sampled-block - 1 masks), what a sampled round drafts. Why a copy: DSpark's own
     steps learn from the set as it is (mostly greedy text), and more sampled text there trades
-    greedy tau for sampled tau; a copy serves each mode (docs/experiments.md: DSpark's sampling
-    weights). The later slots keep their weights, so any k still drafts. -> the 'sampled' entry
+    greedy tau for sampled tau; a copy serves each mode (docs/experiments.md: DSpark:
+    sampling weights). The later slots keep their weights, so any k still drafts. -> the 'sampled' entry
     of out/dspark.pt (speculative.load_drafter reads it)."""
     a = tr.args
     t0 = time.time()
     tuned = DSpark(net.backbone.config, net.config, tr.target()[0]).to(tr.device)
     tuned.load_state_dict(net.state_dict())  # the calibrated confidence temperatures too
     narrow = dataclasses.replace(net.backbone.config, block=a.dspark_sampled_block)
-    batches = tr.batches("gen", sampled_only=True)
+    batches = tr.distill.batches("gen", sampled_only=True)
 
     def loss_of(x, t_logits, hid, step):
         batch = anchored(tr, x, t_logits, hid, step, narrow, a.dspark_sampled_anchors)
@@ -700,7 +703,7 @@ def sampling_weights(tr, net, fingerprint):
     fingerprint = {**fingerprint, "sampled": [a.dspark_sampled_iters, a.dspark_sampled_block,
                                               a.dspark_sampled_anchors]}
     val, _ = tr.fit("dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x), -1)),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
                     steps=a.dspark_sampled_iters, lr=a.dspark_lr, fingerprint=fingerprint,
                     tokens_per_step=a.batch_size * a.dspark_sampled_anchors * narrow.block)
     return {"state_dict": cpu_state_dict(tuned), "val_loss": val, "block": narrow.block,

@@ -34,8 +34,9 @@ from speculative import Drafter
 
 class LookupDrafter(Drafter):
     name = "lookup"
-    # bench sweep on the CPU preset: 2.6x at k = 7, 2.7x at 10 and 15 (one pass each);
-    # 10 is also transformers' documented example
+    # its drafts cost nothing to make, so a long one pays whenever the text repeats; 10 is among
+    # the best of a greedy sweep, and transformers' documented example (docs/experiments.md:
+    # Lookup: k)
     default_k = 10
 
     def __init__(self, vocab_size, max_ngram=3, min_ngram=1):

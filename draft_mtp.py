@@ -27,8 +27,8 @@ default) trains the module alone on the frozen target, on text the target wrote 
 distillation of the target's own distribution of the token after next (KL + TV), half
 cross-entropy on that text's own token after next, which on the greedy three quarters of the
 set is the target's own choice. A drafter is judged by agreeing with the target, not the data;
-the hard half puts weight on the one token greedy decoding accepts. The README has the measured
-comparisons (the two modes; pure distillation against the mix).
+the hard half puts weight on the one token greedy decoding accepts (docs/experiments.md: MTP:
+posthoc vs joint; MTP: distillation + text).
 
     python train.py --only mtp && python speculative.py --method mtp --k 2
 """
@@ -179,10 +179,11 @@ class MTPDrafter(Drafter):
         just became 'all but the last' go into H[0], to be eaten by the next propose.
     H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it."""
     name = "mtp"
-    # the best of the bench sweep on the CPU preset: trained on the target's own text, the
-    # head's acceptance decays slowly by position (README: 0.83, 0.72, ...), so deeper drafts pay
+    # trained on the target's own text, the head's acceptance decays slowly by position, so
+    # deeper drafts pay up to about 5; under sampling the later drafts rarely survive, and 3 is
+    # the best of a coupled sweep (docs/experiments.md: MTP: k)
     default_k = 5
-    sampled_k = 3  # coupled at T = 0.8: 1.10x at k = 3 (3 repeats), 0.93-0.97x at 5
+    sampled_k = 3
     max_k = None
 
     def __init__(self, mtp, target):
@@ -320,7 +321,7 @@ def train_mtp(tr):
     last = target.config.n_layer
     n_params = sum(p.numel() for p in mtp.parameters())
     print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
-    batches = tr.batches(a.mtp_text)
+    batches = tr.distill.batches(a.mtp_text)
 
     def loss_of(w, t_logits, hid):
         """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
@@ -332,9 +333,9 @@ def train_mtp(tr):
     fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
                    "target": target_ckpt["model_hash"],
                    "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
-                   "text": a.mtp_text, "gen": tr.text_key(a.mtp_text), "seed": a.seed}
+                   "text": a.mtp_text, "gen": tr.distill.key(a.mtp_text), "seed": a.seed}
     tr.fit("mtp", mtp, lambda s: loss_of(*batches(s)),
-           lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.features(x))),  # corpus windows
+           lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus windows
            steps=a.mtp_iters, lr=a.mtp_lr, fingerprint=fingerprint,
            tokens_per_step=a.batch_size * a.block_size)
     return save_head(tr, mtp, "posthoc")

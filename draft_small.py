@@ -36,7 +36,7 @@ class DraftModel(Drafter):
     confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
     with the target's token, at the start of the next propose."""
     name = "small"
-    # k: the best of a bench sweep on the CPU preset (docs/experiments.md: the drafters' k)
+    # k: the best of a bench sweep on the CPU preset (docs/experiments.md: Small model: k)
     default_k = 5
     sampled_k = 1  # under sampling its acceptance falls fastest: one draft a round pays best
 
@@ -86,7 +86,7 @@ def total_variation(logq, p):
     soft labels (cross-entropy, or KL: the same gradient) plus this. Why: a draft survives about
     as often as the two distributions overlap (exactly 1 - TV under rejection sampling), and TV,
     unlike cross-entropy, spends nothing on tokens neither model would pick. It raised every
-    drafter's tau (docs/experiments.md: the TV term)."""
+    drafter's tau (docs/experiments.md: Loss: CE + TV)."""
     return 0.5 * (logq.float().exp() - p.float()).abs().sum(-1)
 
 
@@ -108,7 +108,10 @@ SETTINGS = {
 
 
 def phases(a):
-    """The train_loop phases this stage runs: (name, steps)."""
+    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
+    if a.small_embd % a.small_heads:
+        raise ValueError(f"--small-embd ({a.small_embd}) must be a multiple of --small-heads "
+                         f"({a.small_heads})")
     return [("small", a.small_iters)]
 
 
@@ -136,8 +139,8 @@ def train_small(tr):
 
     fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill,
-                   "seed": a.seed, "text": tr.text_key(a.small_text)}
-    batches = tr.batches(a.small_text)
+                   "seed": a.seed, "text": tr.distill.key(a.small_text)}
+    batches = tr.distill.batches(a.small_text)
     val, _ = tr.fit("small", model, lambda s: loss_of(*batches(s)),
                     lambda: tr.val_loss(lambda x, y: model(x, y)[1]),
                     steps=a.small_iters, lr=a.small_lr, fingerprint=fingerprint,

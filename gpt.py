@@ -576,10 +576,31 @@ class Setting:
     def value(self, preset):
         return (self.presets or {}).get(preset, self.default)
 
+    def flag_type(self):
+        """The argparse type: its own, else from its default's (a count >= 1, a rate > 0)."""
+        if self.type is not None or self.choices is not None:
+            return self.type or str
+        return {int: number(int, 1), float: number(float, above=0)}.get(type(self.default), str)
+
 
 def setting(default, help, type=None, choices=None, **presets):
     """Setting(...), written the way the tables read: setting(1000, "steps", tiny=6, cuda=2000)."""
     return Setting(default, help, type, choices, presets)
+
+
+def add_settings(parser, groups, preset):
+    """One flag per setting (--dflash-iters for dflash_iters), in one argparse group per table
+    ({title: {name: Setting}}), each help showing the value `preset` gives it. The flags default
+    to None, so a caller can tell a value given from one to take from the preset."""
+    for title, table in groups.items():
+        group = parser.add_argument_group(title)
+        for name, s in table.items():
+            value = s.value(preset)
+            where = f", preset {preset}" if s.presets else ""
+            group.add_argument("--" + name.replace("_", "-"), type=s.flag_type(),
+                               choices=s.choices, default=None,
+                               help=f"{s.help} (default: {'none' if value is None else value}"
+                               f"{where})")
 
 
 def number_list(kind=int, lo=1):

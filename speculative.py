@@ -432,8 +432,8 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
                  sampling="greedy"):
     """Load a drafter: a trained one is checked to belong to this very target and tokenizer;
     one without weights (prompt lookup) is simply built for this target. sampling: the mode it
-    will draft in; a checkpoint with sampling weights (DSpark's 'sampled' entry, see train.py's
-    dspark_sampling_weights) loads those for coupled and rejection sampling."""
+    will draft in; a checkpoint with sampling weights (DSpark's 'sampled' entry, see
+    draft_dspark.sampling_weights) loads those for coupled and rejection sampling."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
     module, fname, stage = DRAFTERS[name]

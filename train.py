@@ -2,29 +2,23 @@
 train.py -- trains the target GPT, then every drafter for it, as a list of stages.
 
     python train.py                      # everything, with the preset for this device
-    python train.py --preset quick       # every drafter with fewer steps: the lesson in minutes
+    python train.py --preset quick       # every drafter, far fewer steps: the lesson in minutes
     python train.py --only small --force # retrain one stage even though its checkpoint exists
-    python train.py --preset tiny        # a seconds-long smoke run (what the tests use)
 
-The drafter files hold their models, how they draft and how they learn; this file holds what
-every stage shares: the settings and presets, the data, the distillation set the drafters learn
-from, the one training loop (with resume and atomic saves), the target's own stage and the
-command line. A stage is a function train_<name>(trainer) in its drafter's file; the `Trainer`
-below is everything such a function gets, the training-side twin of speculative.Drafter.
-
-Stages run in order; each writes out/<stage>.pt. A stage whose checkpoint exists, was trained
-against the current target and tokenizer and with the same settings is skipped unless --force. While a stage
-runs, its full training state goes to out/<name>.resume.pt every --ckpt-interval seconds
-(atomically), so a killed run picks up where it stopped: batches are drawn from generators
-seeded by the step number, so a resumed run sees the data an uninterrupted one would have.
-Training runs under bfloat16 autocast where the device measurably does bfloat16 fast (--bf16).
+The drafter files hold their models, how they draft and how they learn (a function
+train_<name>(trainer)); distill.py holds the text they learn from. This file holds what every
+stage shares: the settings and presets, the one training loop, the target's own stage and the
+command line. The `Trainer` is everything a stage gets: the training-side twin of
+speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that checkpoint
+belongs to the current target and records the same settings (unless --force). A running phase
+saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches
+come from generators seeded by the step, so a killed run resumes to the very same weights.
 """
 
 import math
 import os
 import time
 
-import numpy as np
 import torch
 
 import data as datamod
@@ -32,10 +26,10 @@ import draft_dflash
 import draft_dspark
 import draft_mtp
 import draft_small
-from distill import DistillationSet
-from gpt import (GPT, GPTConfig, CheckpointError, ArgumentParser, allow_tf32, cpu_state_dict,
-                 cpu_tree, fast_bf16, load_checkpoint, load_target, number, path_arg,
-                 pick_device, save_checkpoint, setting, state_hash)
+import distill
+from gpt import (GPT, GPTConfig, CheckpointError, ArgumentParser, add_settings, allow_tf32,
+                 cpu_state_dict, cpu_tree, fast_bf16, load_checkpoint, load_target, number,
+                 path_arg, pick_device, save_checkpoint, setting, state_hash)
 
 # -----------------------------------------------------------------------------
 # settings: one table per stage, each field with its value in every preset, its type and help.
@@ -49,6 +43,22 @@ PRESETS = {
     "mps": "Apple GPUs: the cuda preset",
 }
 
+RUN = {
+    "vocab_size": setting(datamod.DEFAULT_VOCAB, "BPE vocabulary size, end-of-text included",
+                          type=number(int, 257, 65536)),
+    "tokenizer": setting("bpe", "train our own BPE, or use tiktoken's gpt2 if it loads",
+                         choices=["bpe", "gpt2"]),
+    "seed": setting(1337, "seed for initialisation and batch sampling",
+                    type=number(int, 0, 2**32 - 1)),
+    "bf16": setting("auto", "bfloat16 autocast: auto = where this device measurably runs it "
+                    "faster", choices=["auto", "on", "off"]),
+    "threads": setting(None, "torch CPU threads (none: torch's choice)", type=number(int, 1)),
+    "log_interval": setting(25, "steps between progress lines"),
+    # the drafters are judged by tau in bench.py, not by this loss on corpus text
+    "eval_interval": setting(2500, "steps between validation losses (the last step always has "
+                             "one)"),
+    "ckpt_interval": setting(60.0, "seconds between resume checkpoints", type=number(float, 0)),
+}
 TARGET = {
     "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
     "n_head": setting(8, "target: attention heads per block", tiny=2),
@@ -62,22 +72,11 @@ SHARED = {
     "warmup": setting(60, "linear warmup steps before the cosine decay (every stage)",
                       type=number(int, 0), cuda=200, tiny=5),
 }
-DISTILL = {
-    "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, quick=512, tiny=8),
-    "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
-                           "(so drafters see sampled text too)", type=number(float, 0, 1)),
-    "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "
-                               "about 0.7)"),
-    "feature_cache": setting(1, "1: run the target over the distillation set once and keep its "
-                             "logits and states in host memory (bfloat16); 0: every step",
-                             type=number(int, 0, 1), cuda=0),
-}
 GROUPS = {  # --help's groups, in order: title -> settings table
-    "target": TARGET, "every stage": SHARED, "the distillation set": DISTILL,
-    "small (draft_small.py)": draft_small.SETTINGS, "mtp (draft_mtp.py)": draft_mtp.SETTINGS,
-    "dflash (draft_dflash.py)": draft_dflash.SETTINGS,
-    "dspark (draft_dspark.py)": draft_dspark.SETTINGS,
+    "the run": RUN, "target": TARGET, "every stage": SHARED,
+    "the distillation set (distill.py)": distill.SETTINGS,
+    **{f"{m.__name__[6:]} ({m.__name__}.py)": m.SETTINGS
+       for m in (draft_small, draft_mtp, draft_dflash, draft_dspark)},
 }
 SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
 PRESETS_OF = {"mps": "cuda"}  # a preset that is another's values under its own name
@@ -88,42 +87,11 @@ def preset_values(preset):
     return {name: s.value(PRESETS_OF.get(preset, preset)) for name, s in SETTINGS.items()}
 
 
-def flag_type(s):
-    """The argparse type of a setting: its own, else from its default's type."""
-    if s.type is not None or s.choices is not None:
-        return s.type or str
-    return {int: number(int, 1), float: number(float, above=0)}.get(type(s.default), str)
-
-
 # -----------------------------------------------------------------------------
 # the pieces of the training loop
 
-class Batches:
-    """Random windows of the corpus's token files. The window offsets of step s come from a
-    generator seeded with (seed, s): training is reproducible and a resumed run replays exactly."""
-
-    def __init__(self, info, block_size, batch_size, seed):
-        self.files = {"train": info["train_bin"], "val": info["val_bin"]}
-        self.T, self.B, self.seed = block_size, batch_size, seed
-
-    def get(self, split, step, device, B=None):
-        arr = np.memmap(self.files[split], dtype=np.uint16, mode="r")
-        if len(arr) <= self.T + 1:
-            raise datamod.DataError(f"the {split} split has only {len(arr)} tokens; it needs more "
-                                    f"than {self.T + 1}: use more data or a smaller --block-size")
-        offset = 0 if split == "train" else 7_919_000
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + offset)
-        ix = torch.randint(len(arr) - self.T - 1, (B or self.B,), generator=g).tolist()
-        x = torch.stack([torch.from_numpy(arr[i:i + self.T].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
-        return x.to(device), y.to(device)
-
-
-
-
-
 class TrainingError(RuntimeError):
-    pass
+    """Training went wrong in a way a flag can fix (the message names it)."""
 
 
 def lr_at(step, iters, peak, warmup):
@@ -150,18 +118,12 @@ def resume(name, module, opt, path, fingerprint, iters):
         return 0
     try:
         r = load_checkpoint(path, "resume", stage=name)
-    except CheckpointError as e:
-        print(f"{name}: ignoring an unreadable resume file ({e})")
-        return 0
-    if r.get("fingerprint") != fingerprint:
-        print(f"{name}: the resume file is from a run with other settings; starting over")
-        return 0
-    try:
+        if r.get("fingerprint") != fingerprint:
+            raise CheckpointError("it is from a run with other settings")
         module.load_state_dict(r["state_dict"])
         opt.load_state_dict(r["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:  # e.g. written by an older version
-        print(f"{name}: the resume file does not fit this model "
-              f"({str(e).splitlines()[0][:100]}); starting over")
+    except (CheckpointError, RuntimeError, ValueError, KeyError) as e:  # e.g. an older version's
+        print(f"{name}: not resuming ({str(e).splitlines()[0][:100]}); starting over")
         return 0
     print(f"{name}: resuming an interrupted run at step {r['step']}/{iters}")
     return r["step"]
@@ -180,32 +142,43 @@ def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, path):
 
 
 # one step of each phase next to one target step, on the reference CPU with the cpu preset
-# (docs/results.md: training time): the run's time estimate until it measures its own
+# (docs/results.md: training): the run's time estimate until it measures its own
 STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.34, "dflash-narrow": 0.31, "dflash": 0.30,
              "dspark": 0.39, "dspark-sampled": 0.27, "distill": 0.26}  # distill: per sequence
 
 
-class Estimate:
-    """The whole run's remaining time: the steps left in every phase still to run, each costed
-    at STEP_COST x the seconds a target step takes here, as last measured from the running
-    phase. An estimate: it improves as each phase times its own steps."""
+class Clock:
+    """Progress lines, and the whole run's remaining time: the steps left in every phase still
+    to run (plan: [(phase, steps)]), each costed at STEP_COST x the seconds a target step takes
+    here, as last measured from the running phase. An estimate, better as each phase runs."""
 
     def __init__(self, plan):
-        self.left = dict(plan)  # phase -> steps still to run, in order
-        self.unit = None        # seconds of one target step here (None: nothing timed yet)
+        self.left, self.unit, self.t_last = dict(plan), None, time.time()
 
-    def update(self, phase, steps_left, sec_per_step):
-        first = self.unit is None
-        self.unit = sec_per_step / STEP_COST.get(phase, 1.0)
-        self.left[phase] = steps_left
+    def tick(self, name, done, steps, loss, lr, tokens, every):
+        """After step `done` of phase `name`: a progress line every `every` steps."""
+        if done % every and done != steps:
+            return
+        now = time.time()
+        sec = (now - self.t_last) / (every if done % every == 0 else done % every)
+        first, self.unit, self.t_last = self.unit is None, sec / STEP_COST.get(name, 1.0), now
+        self.left[name] = steps - done
+        if name != "target":  # a drafter is training: the distillation set is written
+            self.left.pop("distill", None)
         if first:
-            print(f"train.py: about {self.text()} left in all (an estimate, updated as it goes)")
+            print(f"train.py: about {self.remaining()} left in all (an estimate, updated as it "
+                  "goes)")
+        eta = (steps - done) * sec
+        print(f"{name} | step {done:5d}/{steps} | loss {loss:.4f} | lr {lr:.1e} | "
+              f"{1000 * sec:6.0f} ms/step | {tokens / sec:7.0f} tok/s | "
+              f"ETA {int(eta // 60)}m{int(eta % 60):02d}s | run ~{self.remaining()}", flush=True)
 
     def finish(self, *phases):
         for p in phases:
             self.left.pop(p, None)
+        self.t_last = time.time()
 
-    def text(self):
+    def remaining(self):
         s = sum(n * STEP_COST.get(p, 1.0) * self.unit for p, n in self.left.items())
         return f"{int(s // 60)}m{int(s % 60):02d}s"
 
@@ -217,27 +190,25 @@ class Estimate:
 class Trainer:
     """Everything a stage needs from train.py, so no drafter file imports it:
 
-    args, device                 every setting (args.dflash_iters, ...) and the device
-    target()                     (the trained, frozen target, its checkpoint dict)
-    batches(text)                step -> (x, the target's logits on x, its hidden states):
-                                 the training batches of a drafter ('gen' or 'data' text)
-    features(x)                  the target's (logits, hidden states) on windows x
-    val_loss(fn)                 mean of fn(x, y) over fixed validation windows
-    continuations(n, split)      n target continuations of corpus prompts (greedy)
-    fit(name, module, loss_fn, eval_fn, steps=, lr=, fingerprint=, tokens_per_step=, ...)
-                                 the one training loop, resumable -> (val loss, optimizer state)
+    args, device           every setting (args.dflash_iters, ...) and the device
+    target()               (the trained, frozen target, its checkpoint dict)
+    distill                the drafters' text and the target's features on it (distill.py):
+                           distill.batches(text) -> step -> (x, target logits, hidden states)
+    fit(name, module, loss_fn, eval_fn, steps=, lr=, fingerprint=, tokens_per_step=)
+                           the one training loop, resumable -> (val loss, optimizer state)
+    val_loss(fn)           mean of fn(x, y) over fixed validation windows
     save(stage, config, module, extra)   out/<stage>.pt, tied to this target and tokenizer
-    path(name), text_key(text), sampled_rows(), elapsed(), budget()
+    path(name), elapsed(), budget()
     """
 
     def __init__(self, args, plan=()):
         self.args, self.device = args, args.device_resolved
         self.info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
-        self.data = Batches(self.info, args.block_size, args.batch_size, args.seed)
+        self.data = datamod.Batches(self.info, args.block_size, args.batch_size, args.seed)
         self._target = None
-        self.distill = DistillationSet(args, self.data, self.target, self.device)
+        self.distill = distill.DistillationSet(args, self.data, self.target, self.device)
         self.stage, self.stage_t0, self.shared0 = None, time.time(), 0.0  # the running stage
-        self.estimate = Estimate(plan)
+        self.clock = Clock(plan)
 
     def path(self, name):
         return os.path.join(self.args.out_dir, f"{name}.pt")
@@ -258,7 +229,7 @@ class Trainer:
     def forget_target(self):
         """After the target is retrained: drop it and everything computed from it."""
         self._target = None
-        self.distill = DistillationSet(self.args, self.data, self.target, self.device)
+        self.distill = distill.DistillationSet(self.args, self.data, self.target, self.device)
 
     def target(self):
         """The trained, frozen target (loaded once)."""
@@ -310,7 +281,8 @@ class Trainer:
                              "state_dict": module.state_dict(), "optimizer": opt.state_dict()},
                             path)
 
-        log = Progress(self, name, steps, tokens_per_step)
+        t0 = time.time()
+        self.clock.finish()  # the clock times this phase's steps from here
         last_save, val = time.time(), float("nan")
         module.train()
         for step in range(start, steps):
@@ -328,7 +300,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
             if after_step is not None:
                 after_step(step + 1)
-            log.step(step + 1, loss_val, opt.param_groups[0]["lr"])
+            self.clock.tick(name, step + 1, steps, loss_val, opt.param_groups[0]["lr"],
+                            tokens_per_step, a.log_interval)
             if (step + 1) % a.eval_interval == 0 or step + 1 == steps:
                 val = self.evaluate(name, step + 1, module, eval_fn)
             if time.time() - last_save > a.ckpt_interval and step + 1 < steps:
@@ -339,8 +312,8 @@ class Trainer:
         module.eval()
         if start == steps:
             val = eval_fn()
-        self.estimate.finish(name)
-        print(f"{name}: {steps - start} steps in {time.time() - log.t0:.0f}s")
+        self.clock.finish(name)
+        print(f"{name}: {steps - start} steps in {time.time() - t0:.0f}s")
         return val, opt.state_dict()
 
     def evaluate(self, name, step, module, eval_fn):
@@ -349,49 +322,6 @@ class Trainer:
         module.train()
         print(f"{name} | step {step:5d} | val loss {val:.4f}", flush=True)
         return val
-
-    # the drafters' text and the target's features on it: distill.py
-    def continuations(self, n, split):
-        return self.distill.write(n, 0, split)
-
-    def batches(self, text, sampled_only=False):
-        batches = self.distill.batches(text, sampled_only)
-        self.estimate.finish("distill")
-        return batches
-
-    def features(self, x):
-        return self.distill.features(x)
-
-    def text_key(self, text):
-        """What a stage's resume fingerprint records of its text."""
-        return self.distill.settings() if text == "gen" else None
-
-    def sampled_rows(self):
-        return self.distill.settings()["sampled"]
-
-
-class Progress:
-    """The progress lines of one phase, every --log-interval steps: loss, learning rate, speed,
-    the phase's time left and the whole run's (Estimate)."""
-
-    def __init__(self, trainer, name, steps, tokens_per_step):
-        self.tr, self.name, self.steps, self.tokens = trainer, name, steps, tokens_per_step
-        self.t0 = self.t_last = time.time()
-
-    def step(self, done, loss, lr):
-        every = self.tr.args.log_interval
-        if done % every and done != self.steps:
-            return
-        now = time.time()
-        n = every if done % every == 0 else max(1, done % every)  # steps since the last line
-        sec = (now - self.t_last) / n
-        self.t_last = now
-        self.tr.estimate.update(self.name, self.steps - done, sec)
-        eta = (self.steps - done) * sec
-        print(f"{self.name} | step {done:5d}/{self.steps} | loss {loss:.4f} | lr {lr:.1e} | "
-              f"{1000 * sec:6.0f} ms/step | {self.tokens / sec:7.0f} tok/s | "
-              f"ETA {int(eta // 60)}m{int(eta % 60):02d}s | run ~{self.tr.estimate.text()}",
-              flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -437,23 +367,31 @@ def train_target(tr):
     return val
 
 
-STAGES = {  # stage -> (its function, its train_loop phases (name, steps) given the settings)
-    "target": (train_target, lambda a: [("target", a.target_iters)]),
-    "small": (draft_small.train_small, draft_small.phases),
-    "mtp": (draft_mtp.train_mtp, draft_mtp.phases),
-    "dflash": (draft_dflash.train_dflash, draft_dflash.phases),
-    "dspark": (draft_dspark.train_dspark, draft_dspark.phases),
+def target_phases(a):
+    """The target stage's train_loop phases: (name, steps). Checks its settings too."""
+    if a.n_embd % a.n_head:
+        raise ValueError(f"--n-embd ({a.n_embd}) must be a multiple of --n-head ({a.n_head})")
+    return [("target", a.target_iters)]
+
+
+STAGES = {  # stage -> (its function, its train_loop phases [(name, steps)], its settings)
+    "target": (train_target, target_phases, TARGET),
+    "small": (draft_small.train_small, draft_small.phases, draft_small.SETTINGS),
+    "mtp": (draft_mtp.train_mtp, draft_mtp.phases, draft_mtp.SETTINGS),
+    "dflash": (draft_dflash.train_dflash, draft_dflash.phases, draft_dflash.SETTINGS),
+    "dspark": (draft_dspark.train_dspark, draft_dspark.phases,
+               {**draft_dflash.SETTINGS, **draft_dspark.SETTINGS}),  # DFlash's backbone
 }
 
 
 def stage_settings(args, stage):
-    """The settings a stage's checkpoint records: one trained with other values is not current."""
-    own = {"target": TARGET, "small": draft_small.SETTINGS, "mtp": draft_mtp.SETTINGS,
-           "dflash": draft_dflash.SETTINGS,
-           "dspark": {**draft_dflash.SETTINGS, **draft_dspark.SETTINGS}}[stage]
-    names = [*SHARED, *(DISTILL if stage != "target" else ["mtp_mode"]), *own]
-    if stage == "target" and args.mtp_mode == "joint":  # the head trains inside the target's stage
-        names += ["mtp_modules", "mtp_lambda"]
+    """The settings a stage's checkpoint records: one trained with other values is not current.
+    The target's include the MTP head's in joint mode, where it trains inside the target stage."""
+    names = [*SHARED, *STAGES[stage][2]]
+    if stage != "target":
+        names += [*distill.SETTINGS]
+    else:
+        names += ["mtp_mode"] + (["mtp_modules", "mtp_lambda"] if args.mtp_mode == "joint" else [])
     return {"seed": args.seed, **{n: getattr(args, n) for n in names}}
 
 
@@ -468,15 +406,13 @@ def is_current(tr, stage):
     except CheckpointError:  # truncated, garbage, or another kind of checkpoint: it is remade
         print(f"{stage}: {path} is unreadable; retraining it")
         return False
-    if stage == "target":
-        ok = ckpt.get("tokenizer_hash") == tr.info["tokenizer_hash"]
-    else:
-        ok = ckpt.get("target_hash") == tr.target()[1]["model_hash"]
-    if not ok:
+    if (ckpt.get("tokenizer_hash") != tr.info["tokenizer_hash"] if stage == "target"
+            else ckpt.get("target_hash") != tr.target()[1]["model_hash"]):
         print(f"{stage}: {path} was trained against another target or tokenizer; retraining it")
         return False
-    had, want = ckpt.get("settings") or {}, stage_settings(tr.args, stage)
-    changed = [f"{k} {had.get(k)} -> {v}" for k, v in want.items() if had.get(k) != v]
+    had = ckpt.get("settings") or {}
+    changed = [f"{k} {had.get(k)} -> {v}" for k, v in stage_settings(tr.args, stage).items()
+               if had.get(k) != v]
     if changed:
         print(f"{stage}: {path} was trained with other settings ({', '.join(changed[:4])}"
               f"{', ...' if len(changed) > 4 else ''}); retraining it")
@@ -506,34 +442,7 @@ def build_parser(preset=None):
                        help="a text file or folder to train on (default: the Python stdlib)")
     first.add_argument("--device", default="auto",
                        help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
-    run = p.add_argument_group("the run")
-    run.add_argument("--vocab-size", type=number(int, 257, 65536), default=datamod.DEFAULT_VOCAB,
-                     help=f"BPE vocabulary size, end-of-text included "
-                     f"(default: {datamod.DEFAULT_VOCAB})")
-    run.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"],
-                     help="train our own BPE, or use tiktoken's gpt2 if it loads (default: bpe)")
-    run.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=1337,
-                     help="seed for initialisation and batch sampling (default: 1337)")
-    run.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
-                     help="bfloat16 autocast: auto = where this device measurably runs it faster "
-                     "(default: auto)")
-    run.add_argument("--threads", type=number(int, 1), default=None,
-                     help="torch CPU threads (default: torch's choice)")
-    run.add_argument("--log-interval", type=number(int, 1), default=25,
-                     help="steps between progress lines (default: 25)")
-    # the drafters are judged by tau in bench.py, not by this loss on corpus text
-    run.add_argument("--eval-interval", type=number(int, 1), default=2500,
-                     help="steps between validation losses; the last step always has one "
-                     "(default: 2500)")
-    run.add_argument("--ckpt-interval", type=number(float, 0), default=60.0,
-                     help="seconds between resume checkpoints (default: 60)")
-    for title, table in GROUPS.items():
-        group = p.add_argument_group(title)
-        for name, s in table.items():
-            group.add_argument("--" + name.replace("_", "-"), type=flag_type(s),
-                               choices=s.choices, default=None,
-                               help=f"{s.help} (default: {s.value(PRESETS_OF.get(shown, shown))}"
-                               f", preset {shown})")
+    add_settings(p, GROUPS, PRESETS_OF.get(shown, shown))
     return p
 
 
@@ -560,14 +469,14 @@ def resolve_args(argv=None):
             setattr(args, name, value)
     args.device_resolved = device
     args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
-    for _, phases in STAGES.values():
+    for _, phases, _ in STAGES.values():
         phases(args)  # the stages check their settings now, not after the stages before them
     return args
 
 
 def check_out_dir(args):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
-    phases = [n for _, ph in STAGES.values() for n, _ in ph(args)]
+    phases = [n for _, ph, _ in STAGES.values() for n, _ in ph(args)]
     names = [*datamod.BUILT, "distill.pt", "dflash.branch.pt", *(f"{s}.pt" for s in STAGES),
              *(f"{n}.resume.pt" for n in phases)]
     for p in (os.path.join(args.out_dir, n) for n in names):
@@ -606,13 +515,13 @@ def main(argv=None):
 
 def run_stages(tr, args):
     """Every stage in order (or just --only), skipping those whose checkpoint is current."""
-    for stage, (fn, phases) in STAGES.items():
+    for stage, (fn, phases, _) in STAGES.items():
         if args.only and stage != args.only:
             continue
         names = [n for n, _ in phases(args)]
         if not args.force and is_current(tr, stage):
             print(f"{stage}: {tr.path(stage)} exists, skipping (--force to retrain)")
-            tr.estimate.finish(*names)
+            tr.clock.finish(*names)
             continue
         tr.start(stage)
         val = fn(tr)

@@ -247,7 +247,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
     ctx = train.Trainer(train.resolve_args(tiny_args(corpus, trained)))
-    pool, batch = ctx.distill.text(), ctx.batches("gen", sampled_only=True)
+    pool, batch = ctx.distill.text(), ctx.distill.batches("gen", sampled_only=True)
     first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
     for step in range(5):
         x = batch(step)[0]
@@ -290,7 +290,7 @@ def test_every_setting_has_one_home_and_every_preset_value_parses():
     import draft_dspark
     import draft_mtp
     import draft_small
-    tables = [train.TARGET, train.SHARED, train.DISTILL, draft_small.SETTINGS,
+    tables = [train.RUN, train.TARGET, train.SHARED, train.distill.SETTINGS, draft_small.SETTINGS,
               draft_mtp.SETTINGS, draft_dflash.SETTINGS, draft_dspark.SETTINGS]
     names = [n for t in tables for n in t]
     assert len(names) == len(set(names)) == len(train.SETTINGS)
@@ -300,8 +300,10 @@ def test_every_setting_has_one_home_and_every_preset_value_parses():
             assert s.help, name
             if s.choices:
                 assert value in s.choices, (preset, name, value)
+            elif value is None:  # unset: the flag's own default applies (--threads)
+                continue
             else:
-                assert train.flag_type(s)(str(value)) == value, (preset, name, value)
+                assert s.flag_type()(str(value)) == value, (preset, name, value)
 
 
 def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
@@ -317,7 +319,7 @@ def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
             assert f"(default: {want}, preset {preset})" in text.split(
                 "--" + name.replace("_", "-"))[-1], (preset, name)
     text = help_of("--device", "cpu")
-    titles = ["start here:", "the run:", "target:", "small (draft_small.py):",
+    titles = ["start here:", "the run:", "target:", "the distillation set (distill.py):", "small (draft_small.py):",
               "dflash (draft_dflash.py):"]
     assert all(t in text for t in titles)
     assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)
