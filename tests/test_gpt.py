@@ -204,3 +204,30 @@ def test_training_attention_is_sdpa(case):
     grads = torch.autograd.grad(got.sum(), (q, k, v))
     want_grads = torch.autograd.grad(want.sum(), (q, k, v))
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("heads", [1, 3])  # one mask for all heads, one per head
+@pytest.mark.parametrize("grad", [True, False])  # the written-out path, SDPA
+def test_boolean_mask_hides_exactly_the_false_keys(grad, heads):
+    """A boolean mask means True = may attend (SDPA's convention) in every path of gpt.attention;
+    a written-out path that added it as 1.0/0.0 would mask nothing. Checked against softmax
+    written from the definition, with the False keys left out, and against SDPA itself."""
+    import torch.nn.functional as F
+    from gpt import attention
+    g = torch.Generator().manual_seed(6)
+    B, nh, Tq, Tk, hs = 2, 3, 5, 9, 4
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64, requires_grad=grad)
+               for T in (Tq, Tk, Tk))
+    visible = torch.rand(B, heads, Tq, Tk, generator=g) < 0.5
+    visible[..., 0] = True  # every query sees at least one key
+    assert not visible.all()
+    with torch.set_grad_enabled(grad):
+        got = attention(q, k, v, visible)
+    scores = (q @ k.transpose(-1, -2) / hs ** 0.5).masked_fill(~visible, float("-inf"))
+    assert torch.allclose(got, scores.softmax(-1) @ v, atol=1e-12, rtol=0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    if grad:
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+        assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, want_grads))
