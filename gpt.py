@@ -155,17 +155,30 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     fused kernel is slow to differentiate. Measured under bfloat16 autocast on the README's CPU
     (forward + backward): causal (8, 8, 256, 32) 20 vs 16 ms, a target training step 288 vs
     242 ms; DFlash's masked (8, 8, 128, 352) 15 vs 5.5 ms, a DFlash step 89 vs 70 ms.
-    q (B, nh, Tq, hs), k and v (B, nh, Tk, hs); mask additive (-inf: not visible), broadcastable
-    to (B, nh, Tq, Tk); is_causal: query i sees keys 0..i."""
+    q (B, nh, Tq, hs), k and v (B, nh, Tk, hs); mask broadcastable to (B, nh, Tq, Tk), either
+    boolean (True = may attend, SDPA's convention) or additive float (-inf: not visible).
+    is_causal: query i sees keys 0..Tk-Tq+i, i.e. the queries are the LAST Tq positions of the
+    keys (a block after cached keys), aligned bottom-right; SDPA's own is_causal aligns
+    top-left, which is the same only when Tq == Tk."""
+    Tq, Tk = q.size(2), k.size(2)
+    if is_causal:
+        if mask is not None:
+            raise ValueError("attention: give a mask or is_causal, not both")
+        if Tq > Tk:
+            raise ValueError(f"attention: is_causal with {Tq} queries but only {Tk} keys: the "
+                             "first queries would see no key at all")
+        if Tq < Tk:  # SDPA would align it top-left: pass the bottom-right mask instead
+            mask, is_causal = chunk_mask(Tk - Tq, Tq, q.device), False
     if not (q.device.type == "cpu" and torch.is_grad_enabled() and dropout_p == 0.0):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=is_causal)
-    B, nh, Tq, hs = q.shape
-    Tk = k.size(2)
+    B, nh, _, hs = q.shape
     if is_causal:
         mask = torch.full((Tq, Tk), float("-inf"), device=q.device).triu(1)
     elif mask is None:
         mask = torch.zeros((), device=q.device)
+    elif mask.dtype == torch.bool:  # which keys are visible -> the additive form
+        mask = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
     bias = mask.to(q.dtype).expand(B, nh, Tq, Tk).reshape(B * nh, Tq, Tk)
     att = torch.baddbmm(bias, q.reshape(B * nh, Tq, hs), k.reshape(B * nh, Tk, hs).transpose(1, 2),
                         alpha=hs ** -0.5)  # (B * nh, Tq, Tk)

@@ -379,8 +379,11 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     cache.reset()
     stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
 
-    logits, _, hid = target(x, cache=cache, hidden_layers=layers)
-    first = sampler.first_token(logits[0, -1:], P)
+    # the LM head on the last row only, as in generate_plain: the same computation, so the same
+    # first token even in float32 (a head over every row may round differently). The drafter
+    # still gets the hidden states of every prompt row
+    logits, _, hid = target(x, cache=cache, hidden_layers=layers, last_only=True)
+    first = sampler.first_token(logits[0], P)
     seq = torch.cat([x[0], first])  # confirmed tokens
     drafter.begin(seq.view(1, -1), hid)
     stats.target_forwards, out = 1, [first.item()]  # host sync (once, after the prefill)

@@ -115,28 +115,30 @@ def make_mtp(target):
 _BLOCK_FITTED = {}
 
 
-def fit_block_drafter(target, kind, steps=40):
-    """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers,
-    block 9 (so the shared tests' k = 1..8 are all allowed): random weights, then a few Adam
-    steps on the target's own samples, so it agrees with the target some of the time and the
-    loop sees full, partial and no acceptance."""
-    key = (id(target), kind, steps)
+def fit_block_drafter(target, kind, steps=40, shift=0):
+    """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers:
+    random weights, then a few Adam steps on the target's own samples, so it agrees with the
+    target some of the time and the loop sees full, partial and no acceptance. shift 0 is what
+    train.py builds (the mask slots predict), at block 9; shift 1 (the anchor slot predicts too)
+    at block 8. Either way it drafts up to 8, so the shared tests' k = 1..8 are all allowed."""
+    key = (id(target), kind, steps, shift)
     if key not in _BLOCK_FITTED:
         # callers may be in no-grad or inference mode
         with torch.inference_mode(False), torch.enable_grad():
-            _BLOCK_FITTED[key] = _fit_block_drafter(target, kind, steps)
+            _BLOCK_FITTED[key] = _fit_block_drafter(target, kind, steps, shift)
     return _BLOCK_FITTED[key]
 
 
-def _fit_block_drafter(target, kind, steps):
+def _fit_block_drafter(target, kind, steps, shift):
     from draft_dflash import DFlash, DFlashConfig, dflash_loss
     from draft_dspark import DSpark, DSparkConfig, dspark_loss
     torch.manual_seed(3)
-    shift = 1 if kind == "dspark" else 0
     cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2],
                        block=9 - shift, shift=shift)
-    net = (DSpark(cfg, DSparkConfig(rank=8), target) if shift else DFlash(cfg, target)).double()
-    loss_fn = dspark_loss if shift else dflash_loss
+    if kind == "dspark":
+        net, loss_fn = DSpark(cfg, DSparkConfig(rank=8), target).double(), dspark_loss
+    else:
+        net, loss_fn = DFlash(cfg, target).double(), dflash_loss
     x = target_text(target, 3, 40)
     with torch.no_grad():
         logits, _, hid = target(x, hidden_layers=cfg.taps)
@@ -145,18 +147,19 @@ def _fit_block_drafter(target, kind, steps):
     return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps, target)
 
 
-def make_dflash(target):
+def make_dflash(target, shift=0):
     from draft_dflash import DFlashDrafter
-    return DFlashDrafter(fit_block_drafter(target, "dflash"))
+    return DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift))
 
 
-def make_dspark(target):
+def make_dspark(target, shift=0):
     """DSpark with its Markov head and the throughput scheduler on. At load it profiles the real
     device; here it gets a fixed latency table instead (an m-token verify costs 1 + 0.5·m draft
     times: dear enough that it verifies ~4 of 8 drafts), so which prefix it verifies -- and with
     it every test over it -- is deterministic."""
     from draft_dspark import DSparkDrafter
-    d = DSparkDrafter(fit_block_drafter(target, "dspark"), schedule="auto", profile=False)
+    d = DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto",
+                      profile=False)
     d.t_draft, d.t_verify = 1.0, [0.0] + [1.0 + 0.5 * m for m in range(1, d.max_k + 2)]
     return d
 

@@ -2,14 +2,17 @@
 round verifies only what it picked and measures what the rest of a round costs, the Markov
 head's draft probabilities are exact softmaxes, and calibration lowers the ECE. The shared
 equivalence tests (tests/test_speculative.py) run over conftest.make_dspark: Markov head and
-scheduler on."""
+scheduler on, configured as train.py ships it (shift 0); shift 1 gets its own check here."""
 
 import copy
+from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import fit_block_drafter, make_dspark
+import train
+from conftest import fit_block_drafter, make_dflash, make_dspark
 from draft_dspark import SCORE_EVERY, calibrate, ece, expected_saving, schedule_length
 from speculative import Sampler, generate_plain, generate_speculative
 
@@ -174,7 +177,8 @@ def test_calibration_lowers_the_ece(target):
     x = torch.randint(0, target.config.vocab_size, (8, 30), generator=g)
     with torch.no_grad():
         logits, _, hid = target(x, hidden_layers=net.backbone.config.taps)
-    anchors = torch.arange(1, 30 - net.backbone.config.block - 1 + 1, 2).expand(8, -1)
+    cfg = net.backbone.config
+    anchors = torch.arange(1, 30 - cfg.block - cfg.shift + 1, 2).expand(8, -1)
     saved = net.conf_temp.clone()
     try:
         before, after = calibrate(net, [(x, hid, logits, anchors)])
@@ -217,3 +221,38 @@ def test_the_confidence_table_is_the_confidence_head(target):
     h = torch.randn(5, net.backbone.config.n_embd, dtype=torch.float64)
     x = torch.tensor([0, 3, 7, 1, 2])
     assert torch.allclose(h @ w_h + c[x], net.confidence_logit(h, x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu", "cuda"])
+def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, preset):
+    """The equivalence tests run over conftest's DFlash and DSpark; they prove something about
+    the shipped drafters only if those are configured as train.py configures them. Every
+    DFlashConfig field that is a choice, not a size fitted to the tiny target, must match
+    train.block_config's (shift 0 above all: the tests once ran DSpark at shift 1 only)."""
+    args = train.resolve_args(["--preset", preset, "--device", "cpu"])
+    shipped = train.block_config(SimpleNamespace(args=args, target=lambda: (target, None)))
+    sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
+    for d in (make_dspark(target), make_dflash(target)):
+        ours = d.net.config  # DSpark's drafter holds its backbone here
+        for f in (f.name for f in fields(ours) if f.name not in sizes):
+            assert getattr(ours, f) == getattr(shipped, f), (d.name, f)
+        assert ours.shift == 0 and d.max_k == 8  # and the shared tests' k = 1..8 all allowed
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_shift_1_stays_token_identical(target, kind):
+    """DFlashConfig's other option, shift 1 (the anchor slot drafts too, a block one shorter),
+    is not what train.py ships, so the shared tests do not run it; this keeps it exact: greedy
+    and coupled decoding stay token-identical to plain decoding, at the shortest and longest k."""
+    d = (make_dspark if kind == "dspark" else make_dflash)(target, shift=1)
+    assert d.net.config.shift == 1 and d.max_k == 8
+    accepted = 0
+    for seed, p in enumerate(([3, 1, 4], [2, 7, 1, 8, 2, 8], [9])):
+        for k in (1, 8):
+            out, stats = generate_speculative(target, d, p, 30, k, Sampler("greedy"))
+            assert out == generate_plain(target, p, 30, Sampler("greedy"))
+            accepted += sum(stats.accepted_at)
+        sampled = Sampler("coupled", 0.8, None, seed)
+        out, _ = generate_speculative(target, d, p, 30, 4, sampled)
+        assert out == generate_plain(target, p, 30, Sampler("coupled", 0.8, None, seed))
+    assert accepted > 0  # the drafts were used, not only rejected

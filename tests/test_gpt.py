@@ -204,3 +204,62 @@ def test_training_attention_is_sdpa(case):
     grads = torch.autograd.grad(got.sum(), (q, k, v))
     want_grads = torch.autograd.grad(want.sum(), (q, k, v))
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("heads", [1, 3])  # one mask for all heads, one per head
+@pytest.mark.parametrize("grad", [True, False])  # the written-out path, SDPA
+def test_boolean_mask_hides_exactly_the_false_keys(grad, heads):
+    """A boolean mask means True = may attend (SDPA's convention) in every path of gpt.attention;
+    a written-out path that added it as 1.0/0.0 would mask nothing. Checked against softmax
+    written from the definition, with the False keys left out, and against SDPA itself."""
+    import torch.nn.functional as F
+    from gpt import attention
+    g = torch.Generator().manual_seed(6)
+    B, nh, Tq, Tk, hs = 2, 3, 5, 9, 4
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64, requires_grad=grad)
+               for T in (Tq, Tk, Tk))
+    visible = torch.rand(B, heads, Tq, Tk, generator=g) < 0.5
+    visible[..., 0] = True  # every query sees at least one key
+    assert not visible.all()
+    with torch.set_grad_enabled(grad):
+        got = attention(q, k, v, visible)
+    scores = (q @ k.transpose(-1, -2) / hs ** 0.5).masked_fill(~visible, float("-inf"))
+    assert torch.allclose(got, scores.softmax(-1) @ v, atol=1e-12, rtol=0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    if grad:
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+        assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("grad", [True, False])  # the written-out path, SDPA
+def test_is_causal_aligns_a_short_query_block_bottom_right(grad):
+    """is_causal with Tq < Tk: the queries are the last Tq positions (a block appended after
+    cached keys), so query i sees keys 0..Tk-Tq+i. SDPA's own is_causal aligns top-left (query i
+    sees keys 0..i) and would hide most of the cache from it."""
+    from gpt import attention
+    g = torch.Generator().manual_seed(7)
+    B, nh, Tq, Tk, hs = 2, 3, 3, 8, 4
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64, requires_grad=grad)
+               for T in (Tq, Tk, Tk))
+    with torch.set_grad_enabled(grad):
+        got = attention(q, k, v, is_causal=True)
+    visible = torch.arange(Tk)[None, :] <= torch.arange(Tk - Tq, Tk)[:, None]  # (Tq, Tk)
+    scores = (q @ k.transpose(-1, -2) / hs ** 0.5).masked_fill(~visible, float("-inf"))
+    assert torch.allclose(got, scores.softmax(-1) @ v, atol=1e-12, rtol=0)
+    # and the same block, computed as the tail of a full causal pass over every key
+    with torch.set_grad_enabled(grad):
+        full = attention(torch.cat([k[:, :, :Tk - Tq], q], 2), k, v, is_causal=True)
+    assert torch.allclose(got, full[:, :, -Tq:], atol=1e-12, rtol=0)
+
+
+def test_is_causal_refusals():
+    """More queries than keys has no causal alignment (the first queries would see nothing), and
+    a mask with is_causal is ambiguous: both are errors, not a silent choice."""
+    from gpt import attention
+    q, kv = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="5 queries but only 3 keys"):
+        attention(q, kv, kv, is_causal=True)
+    with pytest.raises(ValueError, match="not both"):
+        attention(q, q, q, torch.ones(5, 5, dtype=torch.bool), is_causal=True)

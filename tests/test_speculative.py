@@ -244,3 +244,36 @@ def test_k_for_uses_the_sampling_default_only_when_sampling():
     assert k_for(Both(), "greedy") == 5
     assert k_for(Both(), "coupled") == k_for(Both(), "rejection") == 2
     assert k_for(GreedyOnly(), "coupled") == 4
+
+
+def test_the_prefill_computes_the_first_token_as_plain_decoding_does(monkeypatch):
+    """The speculative prefill must draw its first token from the same computation as
+    generate_plain's (the LM head on the last row only): in float32 a head over every prompt row
+    may round differently and pick another token for no reason. The drafter still gets the
+    hidden states of every prompt row."""
+    target = tiny_gpt(0).float()
+    forward, calls, firsts = target.forward, [], []
+
+    def recording_forward(idx, **kw):
+        calls.append((idx.tolist(), kw.get("last_only", False)))
+        return forward(idx, **kw)
+
+    class RecordingSampler(Sampler):
+        def first_token(self, logits, position):
+            firsts.append(logits.clone())
+            return super().first_token(logits, position)
+
+    class Watcher(Drafter):
+        hidden_layers = (1, 2)
+
+        def begin(self, tokens, hidden):
+            self.hidden = hidden
+
+    monkeypatch.setattr(target, "forward", recording_forward)
+    prompt, watcher = [5, 3, 9, 1, 4, 4, 2, 8, 6, 7, 0], Watcher()
+    plain = generate_plain(target, prompt, 1, RecordingSampler("greedy"))
+    spec, _ = generate_speculative(target, watcher, prompt, 1, 4, RecordingSampler("greedy"))
+    assert calls == [([prompt], True)] * 2  # one prefill each, the head on the last row only
+    assert firsts[0].shape == (1, target.config.vocab_size)
+    assert torch.equal(firsts[0], firsts[1]) and spec == plain  # bit for bit, in float32
+    assert all(h.shape == (1, len(prompt), 32) for h in watcher.hidden.values())
