@@ -6,7 +6,6 @@ scheduler on, configured as train.py ships it (shift 0); shift 1 gets its own ch
 
 import copy
 from dataclasses import fields
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,9 +227,11 @@ def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, pre
     """The equivalence tests run over conftest's DFlash and DSpark; they prove something about
     the shipped drafters only if those are configured as train.py configures them. Every
     DFlashConfig field that is a choice, not a size fitted to the tiny target, must match
-    train.block_config's (shift 0 above all: the tests once ran DSpark at shift 1 only)."""
+    draft_dflash.network_config's, the one DFlash's and DSpark's training build (shift 0 above
+    all: the tests once ran DSpark at shift 1 only)."""
+    import draft_dflash
     args = train.resolve_args(["--preset", preset, "--device", "cpu"])
-    shipped = train.block_config(SimpleNamespace(args=args, target=lambda: (target, None)))
+    shipped = draft_dflash.network_config(args, target.config)
     sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
     for d in (make_dspark(target), make_dflash(target)):
         ours = d.net.config  # DSpark's drafter holds its backbone here
