@@ -8,10 +8,11 @@ after a warm-up so drift hits all of them alike, and every figure is a median ov
 of the same run. Absolute CPU times are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
-acceptance, tokens/s, speedup over plain decoding, the draft/verify time split and the
-exact-match rate against plain decoding (at any divergence: the target's logit margin
-there, because in float32 a k-token verify can round a near-tie differently than a
-1-token step). Then a sweep over k (block size = k + 1) shows how draft latency grows.
+acceptance (the share of ALL rounds in which draft position i survived, so tau = 1 + its
+sum), tokens/s, speedup over plain decoding, the draft/verify time split and the exact-match
+rate against plain decoding (at any divergence: the target's logit margin there, because in
+float32 a k-token verify can round a near-tie differently than a 1-token step). Then a sweep
+over k (tokens drafted per round) shows how draft latency grows.
 
     python bench.py                                  # everything trained in out/
     python bench.py --methods ar,small --k 4 --json out/bench.json
@@ -25,7 +26,10 @@ JSON schema (--json PATH):
    "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
                       "exact_match": float (share of prompts identical to plain decoding),
-                      "per_position_acceptance": [float], "mean_drafted": float,
+                      "per_position_acceptance": [float] (position i's share of all rounds,
+                                 i.e. target forwards, the prefill's included, in which it was
+                                 drafted and survived; tau = 1 + its sum),
+                      "mean_drafted": float,
                       "draft_ms_per_round": float, "verify_ms_per_round": float,
                       "draft_share": float, "seconds": float (median per pass),
                       "budget": [{"steps": int, "seconds": int}] (its training; a warm
@@ -215,7 +219,7 @@ def bar(x, scale, width=40):
 def report(res, sweep, header):
     lines = [header, ""]
     lines.append(f"{'method':<18}{'k':>3}{'drafted':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}"
-                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position")
+                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position (of all rounds)")
     for name, r in res.items():
         acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8])
         dv = "-" if name == "ar" else (f"{r['draft_ms_per_round']:.2f}/"

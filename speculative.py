@@ -377,7 +377,12 @@ class Stats:
         return self.tokens / max(1, self.target_forwards)
 
     def acceptance(self):
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        """Per draft position i, the share of ALL rounds in which position i survived: every
+        target forward is a round here, the prefill included, and a round that drafted fewer
+        than i tokens counts as one where position i did not survive. Why all rounds: then
+        tau = 1 + sum(acceptance) exactly (each forward keeps a token of its own plus the
+        drafts that survived), and a drafter that seldom drafts deep cannot look good there."""
+        return [a / max(1, self.target_forwards) for a in self.accepted_at]
 
     def record(self, n_drafted, n_accepted):
         """One round: one target forward; positions 1..n_drafted were drafted, the first
