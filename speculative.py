@@ -557,12 +557,13 @@ DEFAULT_TEMPERATURE = 1.0  # the flag's default is None, so that parse_args can 
 def add_sampling_flags(p):
     """--sampling, --temperature, --top-k, --seed: the same four flags here and in bench.py."""
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"],
-                   help="acceptance rule")
+                   help="acceptance rule (default: %(default)s)")
     p.add_argument("--temperature", type=number(float, above=0), default=None,
-                   help=f"sampling temperature (coupled/rejection; default {DEFAULT_TEMPERATURE})")
+                   help=f"sampling temperature (coupled/rejection; default: {DEFAULT_TEMPERATURE})")
     p.add_argument("--top-k", type=number(int, 1), default=None,
-                   help="sample only among the k most likely tokens")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
+                   help="sample only among the k most likely tokens (default: all of them)")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+                   help="sampling seed (default: %(default)s)")
 
 
 def build_parser():
