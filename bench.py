@@ -235,7 +235,7 @@ def report(res, sweep, header):
                   "a warm start's first)"]
     lines += [f"  {name:<18}{budget_text(r['budget'])}" for name, r in res.items() if r["budget"]]
     if sweep:
-        lines += ["", "draft latency per round against k (block size = k + 1)"]
+        lines += ["", "draft latency per round against k (tokens drafted per round)"]
         lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}"
                      f"{'speedup':>9}")
         top = max(s["draft_ms"] for rows in sweep.values() for s in rows)
