@@ -8,24 +8,30 @@ after a warm-up so drift hits all of them alike, and every figure is a median ov
 of the same run. Absolute CPU times are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
-acceptance, tokens/s, speedup over plain decoding, the draft/verify time split and the
-exact-match rate against plain decoding (at any divergence: the target's logit margin
-there, because in float32 a k-token verify can round a near-tie differently than a
-1-token step). Then a sweep over k (block size = k + 1) shows how draft latency grows.
+acceptance (the share of ALL rounds in which draft position i survived, so tau = 1 + its
+sum), tokens/s, speedup over plain decoding, the draft/verify time split and the exact-match
+rate against plain decoding (at any divergence: the target's logit margin there, because in
+float32 a k-token verify can round a near-tie differently than a 1-token step). Then a sweep
+over k (tokens drafted per round) shows how draft latency grows.
 
-    python bench.py                                  # everything trained in out/
-    python bench.py --methods ar,small --k 4 --json out/bench.json
+    python bench.py                          # everything trained in out/: the tables, then
+                                             # out/bench.json and the figure out/bench.png
+    python bench.py --methods ar,small --k 4 --json out/small.json --plot out/small.png
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
-    python bench.py --plot out/bench.png             # the figures (the default; plot.py draws them)
+    python bench.py --json '' --plot ''              # print the tables only, write no file
+    python plot.py out/bench.json                    # redraw the figure from a saved run
 
-JSON schema (--json PATH):
+JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
    hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int, "torch": str,
    "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
    "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
                       "exact_match": float (share of prompts identical to plain decoding),
-                      "per_position_acceptance": [float], "mean_drafted": float,
+                      "per_position_acceptance": [float] (position i's share of all rounds,
+                                 i.e. target forwards, the prefill's included, in which it was
+                                 drafted and survived; tau = 1 + its sum),
+                      "mean_drafted": float,
                       "draft_ms_per_round": float, "verify_ms_per_round": float,
                       "draft_share": float, "seconds": float (median per pass),
                       "budget": [{"steps": int, "seconds": int}] (its training; a warm
@@ -215,7 +221,7 @@ def bar(x, scale, width=40):
 def report(res, sweep, header):
     lines = [header, ""]
     lines.append(f"{'method':<18}{'k':>3}{'drafted':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}"
-                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position")
+                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position (of all rounds)")
     for name, r in res.items():
         acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8])
         dv = "-" if name == "ar" else (f"{r['draft_ms_per_round']:.2f}/"
@@ -231,7 +237,7 @@ def report(res, sweep, header):
                   "a warm start's first)"]
     lines += [f"  {name:<18}{budget_text(r['budget'])}" for name, r in res.items() if r["budget"]]
     if sweep:
-        lines += ["", "draft latency per round against k (block size = k + 1)"]
+        lines += ["", "draft latency per round against k (tokens drafted per round)"]
         lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}"
                      f"{'speedup':>9}")
         top = max(s["draft_ms"] for rows in sweep.values() for s in rows)
@@ -275,44 +281,68 @@ def plot_path(text):
     return text and path_arg("out")(text)
 
 
+def json_path(text):
+    """--json: '' (no JSON) or a file to write, checked before the run."""
+    return text and path_arg("out")(text)
+
+
 def build_parser():
+    """The flags in four groups, so that --help reads as what to run, how to sample, how to
+    measure and what to write; each help says its default."""
     p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained "
                                    "ones and prompt lookup).")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
-                   help="where train.py put the checkpoints")
-    p.add_argument("--methods", default=None,
-                   help=f"comma list from ar,{','.join(DRAFTERS)} (default: all trained)")
-    p.add_argument("--k", type=number(int, 1), default=None,
+    add_run_flags(p.add_argument_group("what to run"))
+    add_sampling_flags(p.add_argument_group("sampling"))  # the same four as speculative.py's
+    add_measurement_flags(p.add_argument_group("measurement"))
+    add_output_flags(p.add_argument_group("output"))
+    return p
+
+
+def add_run_flags(g):
+    g.add_argument("--methods", default=None,
+                   help=f"comma list from ar,{','.join(DRAFTERS)} (default: every trained one)")
+    g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
-    p.add_argument("--prompts", type=path_arg("in"), default=None,
+    g.add_argument("--prompts", type=path_arg("in"), default=None,
                    help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
-    p.add_argument("--n-prompts", type=number(int, 1), default=32,
-                   help="how many validation prompts")
-    p.add_argument("--prompt-len", type=number(int, 1), default=None,
+    g.add_argument("--n-prompts", type=number(int, 1), default=32,
+                   help="how many validation prompts (default: %(default)s)")
+    g.add_argument("--prompt-len", type=number(int, 1), default=None,
                    help="tokens per validation prompt "
                    "(default: 64, or a quarter of a smaller context)")
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=128,
-                   help="tokens generated per prompt")
-    add_sampling_flags(p)  # --sampling, --temperature, --top-k, --seed
-    p.add_argument("--dtype", default="float32",
-                   choices=["float32", "float64", "bfloat16", "float16"], help="model dtype")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--repeats", type=number(int, 1), default=3,
-                   help="timed passes over all prompts per method")
-    p.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10,15",
-                   help="k values for the draft-latency sweep ('' to skip)")
-    p.add_argument("--sweep-prompts", type=number(int, 1), default=8,
-                   help="prompts used by the sweep")
-    p.add_argument("--threads", type=number(int, 1), default=None,
+    g.add_argument("--max-new-tokens", type=number(int, 1), default=128,
+                   help="tokens generated per prompt (default: %(default)s)")
+
+
+def add_measurement_flags(g):
+    g.add_argument("--repeats", type=number(int, 1), default=3,
+                   help="timed passes over all prompts per method, reported as their median "
+                   "(default: %(default)s)")
+    g.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10,15",
+                   help="k values for the draft-latency sweep, '' to skip (default: %(default)s)")
+    g.add_argument("--sweep-prompts", type=number(int, 1), default=8,
+                   help="prompts used by the sweep (default: the first %(default)s)")
+    g.add_argument("--threads", type=number(int, 1), default=None,
                    help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json", type=path_arg("out"), default=None,
-                   help="write the results as JSON here (schema in the docstring)")
-    p.add_argument("--markdown", type=path_arg("out"), default=None,
-                   help="write a markdown results table here")
-    p.add_argument("--plot", type=plot_path, default=None,
-                   help="draw the figures to this image file, e.g. a .png "
+    g.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16"],
+                   help="model dtype (default: %(default)s)")
+    g.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or mps (default: auto: cuda, else mps, else cpu)")
+
+
+def add_output_flags(g):
+    g.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where train.py put the checkpoints, and where the JSON and the figure "
+                   "go by default (default: %(default)s)")
+    g.add_argument("--json", type=json_path, default=None,
+                   help="write the results as JSON here, schema in the docstring "
+                   "(default: OUT_DIR/bench.json; '' to skip)")
+    g.add_argument("--markdown", type=path_arg("out"), default=None,
+                   help="write a markdown results table here (default: none)")
+    g.add_argument("--plot", type=plot_path, default=None,
+                   help="draw the figure to this image file, e.g. a .png "
                    "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
-    return p
 
 
 def load(args):
@@ -495,10 +525,14 @@ def print_report(out, header):
 
 
 def write(out, args):
-    """The files asked for: --json, --markdown and the figure (--plot)."""
-    if args.json:
-        with open(args.json, "w") as f:
+    """The files: the JSON and the figure, by default beside the checkpoints (OUT_DIR/bench.json
+    and OUT_DIR/bench.png, so that `python plot.py out/bench.json` redraws the figure; '' skips
+    either), and the markdown table when asked for."""
+    path = os.path.join(args.out_dir, "bench.json") if args.json is None else args.json
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=2)
+        print(f"results: {path}")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(out["methods"]) + "\n")

@@ -2,19 +2,25 @@
 plot.py -- the benchmark's results as one figure.
 
 bench.py measures and prints; this file adds the pictures a reader would rather look at than
-read, drawn from bench.py's results (the dict it returns, or the JSON it writes):
+read, drawn from bench.py's results (the dict it returns, or the JSON it writes), top to bottom:
 
-  1. speedup over plain decoding and tau (tokens per target forward) per method;
-  2. acceptance by draft position per drafter: how fast the draft goes wrong;
-  3. draft and verify latency per round against k (from the sweep): a drafter that drafts
+  1. speedup over plain decoding and tau (tokens per target forward) of the main methods;
+  2. their acceptance by draft position: how fast the draft goes wrong (the share of all
+     rounds in which position i survived, so a curve's sum plus one is the drafter's tau);
+  3. the ablations (names with a '-': dspark-full, mtp-k1, ...) under the method each changes,
+     with a line saying what each one changes: apart, so that none hides a main method;
+  4. draft and verify latency per round against k (from the sweep): a drafter that drafts
      token by token pays per token, one that drafts the whole block in one forward barely does.
 
-matplotlib is optional: it is imported only when drawing (with the Agg backend, so no display
-is needed), and without it save() prints how to get it instead of failing the run.
+Every share is a fraction from 0 to 1, as bench.py's tables print them. matplotlib is optional:
+it is imported only when drawing (with the Agg backend, so no display is needed), and without
+it save() prints how to get it instead of failing the run.
 
-    python plot.py out/bench.json out/bench.png      # redraw from a saved run
+    python plot.py out/bench.json                    # redraw a saved run to out/bench.png
+    python plot.py out/bench.json fig.svg            # or anywhere else
 """
 
+import itertools
 import json
 import os
 
@@ -35,10 +41,31 @@ def save(results, path):
     return True
 
 
+# one line per ablation, written under its panel: what was switched off or changed
+ABLATIONS = {
+    "dspark-full": "DSpark without its scheduler: every round verifies the whole block",
+    "dspark-threshold": "DSpark with a fixed rule instead of its scheduler: verify the drafts "
+                        "while their predicted survival is at least 0.5",
+    "dspark-nomarkov": "DSpark without its Markov head: every slot picked at once, as DFlash does",
+    "mtp-k1": "MTP drafting one token a round (the second-token acceptance DeepSeek-V3 reports)",
+}
+
+
+def is_ablation(name):
+    """Ablation variants are named after the method they change: 'dspark-full', 'mtp-k1'."""
+    return "-" in name
+
+
+def explain(name):
+    return ABLATIONS.get(name, f"a variant of {name.split('-')[0]} with one part changed")
+
+
 def colors(names):
-    """One color per method, the same in every panel; plain decoding is gray."""
+    """One color per method, the same in every panel; plain decoding is gray. The main methods
+    take the first colors, so adding an ablation never repaints them."""
     from matplotlib import colormaps
-    drafters = [n for n in dict.fromkeys(names) if n != "ar"]  # each once, in order
+    names = sorted(dict.fromkeys(names), key=is_ablation)  # each once, main methods first
+    drafters = [n for n in names if n != "ar"]
     palette = list(colormaps["tab10"].colors)
     del palette[7]  # tab10's gray: kept for plain decoding
     if len(drafters) > len(palette):
@@ -66,87 +93,143 @@ def title(r):
             + " · ".join(w for w in where if w) + "\n" + " · ".join(w for w in what if w))
 
 
+def ablation_rows(methods):
+    """The ablation panel's rows: each method that has ablations (as a reference), then its
+    ablations, a gap (None) between groups."""
+    rows = []
+    for name in methods:
+        if is_ablation(name):
+            continue
+        variants = [n for n in methods if is_ablation(n) and n.split("-")[0] == name]
+        if variants:
+            rows += ([None] if rows else []) + [name, *variants]
+    orphans = [n for n in methods if is_ablation(n) and n not in rows]  # parent did not run
+    return rows + ([None] if rows and orphans else []) + orphans
+
+
 def draw(results, path):
-    """The figure: per-method bars on top, then acceptance by position, then latency against k
-    (a view with nothing to show, e.g. a run with --sweep '', is left out)."""
+    """The figure: the views() one under another, the run's machine and workload on top.
+    Returns the matplotlib Figure, already saved to `path`."""
     import matplotlib  # lazily: bench.py runs without it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     methods = results["methods"]
     sweep = {n: rows for n, rows in (results.get("sweep") or {}).items() if rows}
-    color = colors([*methods, *sweep])
-    accepted = any(r.get("per_position_acceptance") for r in methods.values())
-    heights = [1.2 + 0.35 * len(methods)]  # inches per row: the bars, then each view that has data
-    heights += [4] if accepted else []
-    heights += [4] if sweep else []
+    rows = views(methods, sweep, colors([*methods, *sweep]))
     with matplotlib.rc_context({"font.size": 10, "axes.titlesize": 11, "axes.titleweight": "bold",
                                 "axes.spines.top": False, "axes.spines.right": False}):
-        fig = Figure(figsize=(10, 1 + sum(heights)), layout="constrained")
+        fig = Figure(figsize=(10, 1 + sum(h for h, _ in rows)), layout="constrained")
         FigureCanvasAgg(fig)
-        grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
-        bars(fig.add_subplot(grid[0, 0]), methods, color, "speedup", "{:.2f}×",
-             "speedup over plain decoding", "× plain decoding's tokens/s (median)", at_one=True)
-        bars(fig.add_subplot(grid[0, 1]), methods, color, "tau", "{:.2f}",
-             "τ: tokens per target forward", "tokens per target forward (bonus included)",
-             labelled=False)
-        if accepted:
-            acceptance(fig.add_subplot(grid[1, :]), methods, color)
-        if sweep:
-            top = max(s[key] for rows in sweep.values() for s in rows
-                      for key in ("draft_ms", "verify_ms"))
-            latency(fig.add_subplot(grid[-1, 0]), sweep, color, "draft_ms",
-                    "draft latency against k", top, legend=True)
-            latency(fig.add_subplot(grid[-1, 1]), sweep, color, "verify_ms",
-                    "verify latency against k (one target forward)", top)
+        grid = fig.add_gridspec(len(rows), 1, height_ratios=[h for h, _ in rows])
+        for i, (_, view) in enumerate(rows):
+            view(fig, grid[i].subgridspec(1, 2))  # each view: one panel, or two side by side
         fig.suptitle(title(results), fontsize=10)
         fig.savefig(path, dpi=100)
+    return fig  # for the tests, which read what each panel shows
 
 
-def bars(ax, methods, color, key, fmt, heading, xlabel, labelled=True, at_one=False):
-    """A horizontal bar per method, its value written at the bar's end (names on the left panel
-    only)."""
-    names = list(methods)
+def views(methods, sweep, color):
+    """The figure's rows, top to bottom, as (height in inches, draw(fig, spec)): speedup and tau
+    of the headline methods (no '-' in the name); their acceptance by position; the ablations
+    under the methods they change, each explained in a line; latency against k. The headline
+    methods stand alone so that no ablation hides one of them; a view with nothing to show
+    (e.g. --sweep '') is left out."""
+    headline = {n: r for n, r in methods.items() if not is_ablation(n)}
+    ablations = [n for n in methods if is_ablation(n)]
+    top = {key: max([r[key] for r in methods.values()] + [1]) * 1.2 for key in ("speedup", "tau")}
+    out = [(1.2 + 0.35 * len(headline),
+            lambda fig, g: speed_and_tau(fig, g, headline, list(headline), color, top, ""))]
+    if any(r.get("per_position_acceptance") for r in headline.values()):
+        out.append((4, lambda fig, g: acceptance(fig.add_subplot(g[:]), headline, color)))
+    if ablations:
+        rows = ablation_rows(methods)
+        out.append((1.2 + 0.35 * len(rows),
+                    lambda fig, g: speed_and_tau(fig, g, methods, rows, color, top, "ablations: ")))
+        out.append((0.2 + 0.2 * (1 + len(ablations)),
+                    lambda fig, g: notes(fig.add_subplot(g[:]), ablations)))
+    if sweep:
+        out.append((4, lambda fig, g: latencies(fig, g, sweep, color)))
+    return out
+
+
+def speed_and_tau(fig, g, methods, rows, color, top, heading):
+    """Two bar panels side by side, speedup and tau, one bar per row (on shared scales)."""
+    bars(fig.add_subplot(g[0, 0]), methods, rows, color, "speedup", "{:.2f}×", top["speedup"],
+         heading + "speedup over plain decoding", "× plain decoding's tokens/s (median)",
+         at_one=True)
+    bars(fig.add_subplot(g[0, 1]), methods, rows, color, "tau", "{:.2f}", top["tau"],
+         heading + "τ: tokens per target forward", "tokens per target forward (bonus included)",
+         labelled=False)
+
+
+def bars(ax, methods, rows, color, key, fmt, right, heading, xlabel, labelled=True,
+         at_one=False):
+    """A horizontal bar per row (None: a gap), its value written at the bar's end (names on the
+    left panel only)."""
+    y = [i for i, n in enumerate(rows) if n is not None]
+    names = [n for n in rows if n is not None]
     values = [methods[n][key] for n in names]
-    y = range(len(names))
     ax.barh(y, values, color=[color[n] for n in names], height=0.7)
-    ax.set_yticks(list(y), names if labelled else [""] * len(names))
-    ax.invert_yaxis()  # first method on top, as in the printed table
+    ax.set_yticks(y, names if labelled else [""] * len(names))
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top, as in the printed table
     for yi, v in zip(y, values):
         ax.text(v, yi, " " + fmt.format(v), va="center", fontsize=9, zorder=3,
                 bbox=dict(facecolor="white", edgecolor="none", pad=0.5))  # readable over 1x line
-    ax.set_xlim(0, max(values + [1]) * 1.2)  # room for the value labels
+    ax.set_xlim(0, right)  # room for the value labels
     if at_one:
         ax.axvline(1, color="0.3", lw=1, ls="--")
     ax.set_title(heading, loc="left")
     ax.set_xlabel(xlabel)
 
 
+def notes(ax, ablations):
+    """One line per ablation: what it switches off, so the bars above need no README."""
+    ax.axis("off")
+    lines = ["The ablations above, each under the method it changes:"]
+    lines += [f"    {n}: {explain(n)}" for n in ablations]
+    ax.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=9, linespacing=1.6,
+            transform=ax.transAxes)
+
+
 def acceptance(ax, methods, color):
-    """Share of rounds in which draft position i survived, per drafter (plain decoding drafts
-    nothing)."""
-    for name, r in methods.items():
-        acc = r.get("per_position_acceptance") or []
-        if acc:
-            # clip_on=False: 0% and 100% stay visible
-            ax.plot(range(1, len(acc) + 1), [100 * a for a in acc], marker="o", ms=4,
-                    color=color[name], label=f"{name} (k = {r['k']})", clip_on=False)
-    ax.set_title("acceptance by draft position", loc="left")
+    """Per drafter, the share of all rounds in which draft position i survived (plain decoding
+    drafts nothing): a curve's sum plus one is the drafter's tau."""
+    drafters = [(n, r) for n, r in methods.items() if r.get("per_position_acceptance")]
+    for (name, r), marker in zip(drafters, itertools.cycle("osD^vP")):
+        acc = r["per_position_acceptance"]
+        # a marker of its own: where two curves meet, both still show; clip_on=False: 0 and 1 too
+        ax.plot(range(1, len(acc) + 1), acc, marker=marker, ms=5, color=color[name],
+                label=f"{name} (k = {r['k']})", clip_on=False)
+    ax.set_title("acceptance by draft position (τ = 1 + the sum of a curve)", loc="left")
     ax.set_xlabel("draft position i (1 = the first drafted token)")
-    ax.set_ylabel("rounds in which position i\nwas accepted (%)")
-    ax.set_ylim(0, 100)
+    ax.set_ylabel("share of all rounds in\nwhich position i survived")
+    ax.set_ylim(0, 1)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
 
 
+def latencies(fig, g, sweep, color):
+    """Draft and verify milliseconds per round against k, on one shared scale."""
+    top = max(s[key] for rows in sweep.values() for s in rows for key in ("draft_ms", "verify_ms"))
+    latency(fig.add_subplot(g[0, 0]), sweep, color, "draft_ms", "draft latency against k", top,
+            legend=True)
+    latency(fig.add_subplot(g[0, 1]), sweep, color, "verify_ms",
+            "verify latency against k (one target forward)", top)
+
+
 def latency(ax, sweep, color, key, heading, top, legend=False):
-    """Milliseconds per round against k, one line per swept drafter; both panels share 0..top."""
+    """Milliseconds per round against k, one line per swept drafter. An ablation (DSpark's full
+    block) is thin, dashed, with hollow markers, on top of its method's thick line: where both
+    cost the same (the same network drafts), both stay visible."""
     for name, rows in sweep.items():
+        style = (dict(ls="--", lw=1.2, ms=7, mfc="none", zorder=3) if is_ablation(name)
+                 else dict(ls="-", lw=2.2, ms=4, zorder=2))
         # clip_on=False: a drafter that costs nothing (lookup) lies on the axis, still visible
-        ax.plot([s["k"] for s in rows], [s[key] for s in rows], marker="o", ms=4,
-                color=color[name], label=name, clip_on=False)
+        ax.plot([s["k"] for s in rows], [s[key] for s in rows], marker="o",
+                color=color[name], label=name, clip_on=False, **style)
     ax.set_title(heading, loc="left")
-    ax.set_xlabel("k: tokens drafted per round (block size k + 1)")
+    ax.set_xlabel("k (tokens drafted per round)")
     ax.set_ylabel("ms per round")
     ax.set_ylim(0, 1.1 * top if top > 0 else 1)
     ax.set_xticks(sorted({s["k"] for rows in sweep.values() for s in rows}))
@@ -155,9 +238,9 @@ def latency(ax, sweep, color, key, heading, top, legend=False):
 
 
 def main(argv=None):
-    p = ArgumentParser(description="Draw bench.py's figures from the JSON it wrote "
-                                   "(bench.py --json).")
-    p.add_argument("json", help="a results file written by bench.py --json")
+    p = ArgumentParser(description="Draw bench.py's figure from the JSON it wrote "
+                                   "(OUT_DIR/bench.json, or bench.py --json).")
+    p.add_argument("json", help="a results file written by bench.py")
     p.add_argument("image", nargs="?", default=None,
                    help="where to draw (default: the JSON's path with .png)")
     args = p.parse_args(argv)

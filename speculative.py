@@ -323,7 +323,12 @@ class Stats:
         return self.tokens / max(1, self.target_forwards)
 
     def acceptance(self):
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        """Per draft position i, the share of ALL rounds in which position i survived: every
+        target forward is a round here, the prefill included, and a round that drafted fewer
+        than i tokens counts as one where position i did not survive. Why all rounds: then
+        tau = 1 + sum(acceptance) exactly (each forward keeps a token of its own plus the
+        drafts that survived), and a drafter that seldom drafts deep cannot look good there."""
+        return [a / max(1, self.target_forwards) for a in self.accepted_at]
 
     def record(self, n_drafted, n_accepted):
         """One round: one target forward; positions 1..n_drafted were drafted, the first
@@ -495,12 +500,13 @@ DEFAULT_TEMPERATURE = 1.0  # the flag's default is None, so that parse_args can 
 def add_sampling_flags(p):
     """--sampling, --temperature, --top-k, --seed: the same four flags here and in bench.py."""
     p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"],
-                   help="acceptance rule")
+                   help="acceptance rule (default: %(default)s)")
     p.add_argument("--temperature", type=number(float, above=0), default=None,
-                   help=f"sampling temperature (coupled/rejection; default {DEFAULT_TEMPERATURE})")
+                   help=f"sampling temperature (coupled/rejection; default: {DEFAULT_TEMPERATURE})")
     p.add_argument("--top-k", type=number(int, 1), default=None,
-                   help="sample only among the k most likely tokens")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="sampling seed")
+                   help="sample only among the k most likely tokens (default: all of them)")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+                   help="sampling seed (default: %(default)s)")
 
 
 def build_parser():

@@ -1,11 +1,16 @@
 """bench.py end to end on the tiny trained pipeline: every method runs, the JSON follows the
-documented schema, and in float64 every drafter reproduces plain decoding exactly."""
+documented schema (and is written beside the checkpoints by default), in float64 every drafter
+reproduces plain decoding exactly, and the flags are grouped, each saying its default."""
 
 import json
+import shutil
 import time
 from types import SimpleNamespace
 
+import pytest
+
 import bench
+import plot
 from speculative import DRAFTERS, Stats
 
 
@@ -27,6 +32,8 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
             assert key in r, (name, key)
         assert r["exact_match"] == 1.0, name  # float64: token-identical, no near-tie excuses
         assert r["tau"] >= 1.0
+        # acceptance is a share of all rounds: it adds up to tau, whatever each round drafted
+        assert r["tau"] == pytest.approx(1 + sum(r["per_position_acceptance"]), rel=1e-9), name
     assert saved["methods"]["ar"]["tau"] == 1.0
     for name, rows in saved["sweep"].items():
         assert [r["k"] for r in rows] == [1, 3], name
@@ -35,12 +42,44 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # the figure, from the same run
 
 
-def test_bench_with_coupled_sampling_matches_plain_sampling(trained):
-    out = bench.main(["--out-dir", str(trained), "--n-prompts", "2", "--max-new-tokens", "10",
+def test_bench_with_coupled_sampling_matches_plain_sampling(trained, tmp_path):
+    """Also bench.py's default output: the JSON beside the checkpoints, where plot.py (and the
+    README's `python plot.py out/bench.json`) finds it. On a copy: the shared run stays as
+    train.py left it."""
+    out_dir = tmp_path / "out"
+    shutil.copytree(trained, out_dir)
+    out = bench.main(["--out-dir", str(out_dir), "--n-prompts", "2", "--max-new-tokens", "10",
                       "--repeats", "1", "--sweep", "", "--plot", "", "--dtype", "float64",
                       "--sampling", "coupled", "--temperature", "0.9",
                       "--methods", "ar,small,dflash"])
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
+    saved = json.loads((out_dir / "bench.json").read_text())
+    assert saved["sampling"] == "coupled" and saved["methods"].keys() == out["methods"].keys()
+    assert not (out_dir / "bench.png").exists()  # --plot '': no figure
+    plot.main([str(out_dir / "bench.json")])
+    assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flags_are_grouped_and_each_says_its_default():
+    """--help reads as what to run, how to sample, how to measure and what to write, and every
+    flag's help names its default (the effective one: OUT_DIR/bench.json, not None)."""
+    p = bench.build_parser()
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
+    assert groups["what to run"] == ["--methods", "--k", "--prompts", "--n-prompts",
+                                     "--prompt-len", "--max-new-tokens"]
+    assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
+    assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",
+                                     "--dtype", "--device"]
+    assert groups["output"] == ["--out-dir", "--json", "--markdown", "--plot"]
+    flags = [a for a in p._actions if a.option_strings and a.option_strings[0] != "-h"]
+    assert len(flags) == sum(len(v) for k, v in groups.items() if k != "options")
+    text = p.format_help()
+    for a in flags:
+        assert "default" in a.help, a.option_strings[0]
+    assert "OUT_DIR/bench.json" in text and "(default: 1,2,3,4,5,7,10,15)" in text
+    args = p.parse_args(["--json", "", "--plot", ""])
+    assert args.json == "" and args.plot == ""  # '' skips a file; None (not given): the default
+    assert p.parse_args([]).json is None
 
 
 def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypatch):

@@ -136,4 +136,7 @@ def test_tiny_overfit_reaches_near_full_acceptance():
     out, stats = generate_speculative(target, DFlashDrafter(net), prompt[0].tolist(), 30, 4,
                                       Sampler("greedy"))
     assert out == generate_plain(target, prompt[0].tolist(), 30, Sampler("greedy"))
-    assert stats.acceptance()[0] > 0.9 and stats.tau > 4.0, (stats.acceptance(), stats.tau)
+    # of the rounds that drafted a first token, the share in which it survived (acceptance()
+    # divides by every round, the prefill's too, so a 30-token run can't reach 0.9 with it)
+    first = stats.accepted_at[0] / stats.drafted_at[0]
+    assert first > 0.9 and stats.tau > 4.0, (first, stats.tau)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import DRAFTER_FACTORIES, tiny_gpt
-from speculative import (NOISE_CHUNK, Drafter, Sampler, generate_plain, generate_speculative, k_for,
-                         keyed_gumbel)
+from speculative import (NOISE_CHUNK, Drafter, Sampler, Stats, generate_plain, generate_speculative,
+                         k_for, keyed_gumbel)
 
 
 def prompts(n, vocab, seed=0):
@@ -55,7 +55,25 @@ def test_random_drafter_is_rejected_often(target):
     assert stats.acceptance()[0] < 0.9
     self_drafter = DRAFTER_FACTORIES["self"](target)
     _, stats = generate_speculative(target, self_drafter, [1, 2, 3], 60, 4, Sampler("greedy"))
-    assert stats.acceptance() == [1.0] * 4 and stats.tau > 4
+    assert stats.accepted_at == stats.drafted_at and stats.tau > 4  # every draft survives
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_tau_is_one_plus_the_summed_acceptance(target, drafter_name, mode):
+    """Acceptance at position i is the share of all rounds (target forwards) in which position i
+    survived, so tau = 1 + its sum, per prompt and summed over prompts -- also for drafters that
+    draft fewer than k tokens in some rounds (DSpark's scheduler, prompt lookup), where dividing
+    by the rounds that drafted position i would not add up."""
+    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    total = Stats()
+    for seed, p in enumerate(prompts(6, target.config.vocab_size, seed=2)):
+        _, stats = generate_speculative(target, drafter, p, 40, 4, Sampler(mode, 0.8, None, seed))
+        assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12, abs=0)
+        total.add(stats)
+    assert total.tau == pytest.approx(1 + sum(total.acceptance()), rel=1e-12, abs=0)
+    assert all(0 <= a <= 1 for a in total.acceptance())
+    if drafter_name in ("dspark", "lookup"):  # the case the metric is about: short rounds
+        assert total.drafted_at[-1] < total.rounds
 
 
 # -----------------------------------------------------------------------------
