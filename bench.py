@@ -406,9 +406,8 @@ def run(target, prompts, drafters, args, device, cache):
     by prompt: each prompt runs under every method before the next one starts, so the drift of
     a shared machine (its speed moves over seconds) hits every method alike. The order is
     shuffled from prompt to prompt (seeded): in a fixed order a method always runs after the
-    same one and finds that one's weights in the cache (on the README's CPU, DSpark's full-block
-    variant ran 0.3-0.9% faster right after DSpark, whose weights it shares, than after
-    DFlash)."""
+    same one and finds that one's weights in the cache (docs/experiments.md: Bench:
+    interleaving)."""
     names = ["ar", *drafters]
     for name in names:  # warm-up: first calls allocate and pick kernels
         run_method(name, target, drafters, prompts[:2], args, cache)
@@ -479,8 +478,7 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     and every drafter that drafts that k run in a shuffled order, and each speedup is against
     plain decoding over those same prompts and seconds. Why: timed one drafter after another
     against plain decoding timed once at the start, the drift of a shared machine went into
-    the ratios (DSpark's scheduler 2.14x against its full block's 2.34x at k = 7, where both
-    verified the same blocks and the main table, interleaved, had them 2.19x and 2.23x)."""
+    the ratios (docs/experiments.md: Bench: interleaving)."""
     swept = {n: d for n, (d, _) in drafters.items() if "-" not in n or n.endswith("-full")}
     if not args.sweep or not swept:
         return {}

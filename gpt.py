@@ -107,8 +107,8 @@ def pack_weight(weight):
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     try:
-        # the layout is tuned for a batch of about 8 rows (a verify pass), and measured as fast
-        # as one packed for 1 row on a one-token step
+        # the layout is tuned for a verify pass's ~8 rows; a one-token step runs as fast on it,
+        # so one copy serves both (docs/experiments.md: Packed matmul for inference)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
         packed_linear(weight.new_zeros(1, weight.size(1)), packed, None)  # runs here at all?
         return packed
@@ -125,9 +125,8 @@ def packed_linear(x, packed, bias):
 class Linear(nn.Linear):
     """nn.Linear, except at float32 inference on a CPU, where it multiplies by a copy of its
     weight packed for oneDNN. Why: torch's default CPU matmul (MKL) is slow at the few rows a
-    decode step or a verify pass has: on the README's CPU all the target's Linears together
-    cost 0.6-1.5 ms in a one-token step and 1.6-1.8 ms in an 8-token verify, against 0.6-0.7 and
-    0.7 ms packed (measured, weights cycled as in a forward). Plain decoding and every drafter use
+    decode step or a verify pass has, and a weight packed for oneDNN is not (docs/experiments.md:
+    Packed matmul for inference). Plain decoding and every drafter use
     this same class, so the baseline gets the same speed-up as the speculative paths.
     The copy is made on the first inference call and again whenever the weight has changed
     (an optimizer step, a load, a .to()): training itself never uses it."""
@@ -152,9 +151,8 @@ class Linear(nn.Linear):
 def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(hs) + mask) v: F.scaled_dot_product_attention, except when training
     on a CPU, where it is written out as one baddbmm, a softmax and one bmm. Why: there SDPA's
-    fused kernel is slow to differentiate. Measured under bfloat16 autocast on the README's CPU
-    (forward + backward): causal (8, 8, 256, 32) 20 vs 16 ms, a target training step 288 vs
-    242 ms; DFlash's masked (8, 8, 128, 352) 15 vs 5.5 ms, a DFlash step 89 vs 70 ms.
+    fused kernel is slow to differentiate, DFlash's masked shape most of all
+    (docs/experiments.md: Training attention written out).
     q (B, nh, Tq, hs), k and v (B, nh, Tk, hs); mask broadcastable to (B, nh, Tq, Tk), either
     boolean (True = may attend, SDPA's convention) or additive float (-inf: not visible).
     is_causal: query i sees keys 0..Tk-Tq+i, i.e. the queries are the LAST Tq positions of the

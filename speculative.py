@@ -42,7 +42,8 @@ from gpt import (CheckpointError, load_checkpoint, load_target, number, path_arg
 def sampling_dtype(device):
     """The float type sampling computes in: float64 where the device has it (CPU, CUDA), float32
     on MPS, which has no float64. Why not float32 everywhere: it would be exact too (below), but
-    float64 is what every CPU result in the README was measured with (same seed, same text), and
+    float64 is what the published results were sampled in (docs/results.md), so a seed keeps
+    giving the same text, and
     it costs nothing that shows: V values per token, next to a whole forward pass. What makes
     coupled sampling token-identical is that plain and speculative decoding compute the same
     function of (logits, seed, position) -- true in either dtype, as long as both use the same."""
@@ -147,9 +148,9 @@ class Sampler:
         """keyed_gumbel's rows for these consecutive positions, made NOISE_CHUNK positions at a
         time and kept until the positions move past them. Why: a round's drafter and its verify
         pass want the same positions (drafts at S..S+k-1, the target's picks at S..S+k), and one
-        call for 32 rows costs about what three one-row calls do (on the README's CPU). Chunks
-        start at multiples of NOISE_CHUNK, and plain decoding reads the same chunks: both see the
-        very same numbers, however they ask."""
+        call for 32 rows costs far less than 32 one-row calls (docs/experiments.md: Coupled
+        sampling: noise in chunks). Chunks start at multiples of NOISE_CHUNK, and plain decoding
+        reads the same chunks: both see the very same numbers, however they ask."""
         dtype = self.float_dtype(device)
         start, n = consecutive(positions, "noise")
         first, last = start // NOISE_CHUNK, (start + n - 1) // NOISE_CHUNK
@@ -298,7 +299,8 @@ class Drafter:
 
 def k_for(drafter, mode):
     """The k a drafter drafts unless told: its best in a bench sweep on the CPU preset, greedy or
-    sampled (coupled, temperature 0.8). Sampling lowers acceptance, so long drafts stop paying."""
+    sampled (coupled, temperature 0.8; each drafter's k in docs/experiments.md). Sampling lowers
+    acceptance, so long drafts stop paying."""
     return drafter.sampled_k if mode != "greedy" and drafter.sampled_k else drafter.default_k
 
 
