@@ -23,7 +23,7 @@ from gpt import CheckpointError, load_checkpoint, number, save_checkpoint, setti
 
 SETTINGS = {
     "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, quick=384, tiny=8),
+                        "drafter stage with text 'gen'", cuda=2048, quick=256, tiny=8),
     "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
                            "(so drafters see sampled text too)", type=number(float, 0, 1)),
     "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "

@@ -498,7 +498,7 @@ SETTINGS = {
                               "sequence at the full block", cuda=32, quick=16, tiny=4),
     "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
                             "(DFlash trains --dflash-narrow-iters + these in all)",
-                            cuda=2000, quick=600, tiny=6),
+                            cuda=2000, quick=500, tiny=6),
     "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
                          quick=2e-3, tiny=3e-3),
     "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",

@@ -544,7 +544,7 @@ def load_dspark(ckpt, target, device, dtype):
 SETTINGS = {
     "dspark_rank": setting(256, "dspark: rank r of the Markov head W1[x] W2 (the paper's 256)",
                            tiny=8),
-    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, quick=200,
+    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, quick=150,
                             tiny=8),
     "dspark_lr": setting(2e-3, "dspark: peak learning rate", cuda=1e-3, tiny=3e-3),
     "dspark_init": setting("dflash", "dspark: 'dflash' (the backbone starts from DFlash's own "
@@ -556,7 +556,7 @@ SETTINGS = {
     "dspark_sampled_iters": setting(400, "dspark: steps of its sampling weights, a copy "
                                     "fine-tuned on the sampled share of the distillation set, "
                                     "which bench.py and speculative.py draft with when sampling "
-                                    "(0: none)", type=number(int, 0), cuda=800, quick=60, tiny=4),
+                                    "(0: none)", type=number(int, 0), cuda=800, quick=50, tiny=4),
     "dspark_sampled_block": setting(5, "dspark: the block those steps train, anchor included "
                                     "(what a sampled round drafts is its first slots)",
                                     type=number(int, 2), tiny=3),

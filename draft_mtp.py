@@ -274,7 +274,7 @@ SETTINGS = {
                            "the last one"),
     "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
                           type=number(float, 0)),
-    "mtp_iters": setting(2000, "mtp: optimizer steps in posthoc mode", quick=300, tiny=10),
+    "mtp_iters": setting(2000, "mtp: optimizer steps in posthoc mode", quick=250, tiny=10),
     "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
     "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
                            "distribution of the token after next (1 = pure distillation, 0 = "

@@ -63,7 +63,7 @@ TARGET = {
     "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
     "n_head": setting(8, "target: attention heads per block", tiny=2),
     "n_embd": setting(256, "target: model width", cuda=512, tiny=32),
-    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=300, tiny=30),
+    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=250, tiny=30),
     "target_lr": setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3),
 }
 SHARED = {
