@@ -205,8 +205,7 @@ class Trainer:
         self.args, self.device = args, args.device_resolved
         self.info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
         self.data = datamod.Batches(self.info, args.block_size, args.batch_size, args.seed)
-        self._target = None
-        self.distill = distill.DistillationSet(args, self.data, self.target, self.device)
+        self.forget_target()  # no target loaded yet, and so no distillation set
         self.stage, self.stage_t0, self.shared0 = None, time.time(), 0.0  # the running stage
         self.clock = Clock(plan)
 
@@ -227,7 +226,7 @@ class Trainer:
                 "seconds": self.elapsed()}
 
     def forget_target(self):
-        """After the target is retrained: drop it and everything computed from it."""
+        """Drop the loaded target and everything computed from it (after it is retrained)."""
         self._target = None
         self.distill = distill.DistillationSet(self.args, self.data, self.target, self.device)
 
