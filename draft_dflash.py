@@ -37,6 +37,7 @@ only (docs/experiments.md: DFlash: lean round).
     python train.py --only dflash && python speculative.py --method dflash
 """
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -44,9 +45,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import MLP, Linear, attention
+from gpt import MLP, Linear, Packing, Ragged, attention
 from gpt import cpu_state_dict, number, save_checkpoint, setting
 from draft_small import total_variation
+from batched import BatchDrafter, Confirmed
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -158,6 +160,8 @@ class InjectedAttention(nn.Module):
         concatenated after them. Inference (gpt-fast style): kv is a static cache whose first
         `start` positions hold the context; the block's K/V are written at start.. (stale past
         the context, overwritten next round) and the prefix is attended to, with no copy."""
+        if isinstance(start, Ragged):  # a batch of rows, each at its own position (batched.py)
+            return self.forward_ragged(x, cs, kv, start, mask)
         B, T, C = x.shape
         q = rope(self.heads(self.c_q(x)), *cs)  # (B, nh, T, hs)
         k, v = self.kv(x, cs)
@@ -169,6 +173,16 @@ class InjectedAttention(nn.Module):
         # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
         y = attention(q, k, v, mask)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward_ragged(self, x, cs, kv, rag, mask):
+        """x: the real slots packed (N, C), or (B, T, C) with no padding. The projections run on
+        the packed rows, the attention on the padded (B, nh, T, hs); K/V written per row."""
+        q = rope(self.heads(rag.unpack(self.c_q(x))), *cs)  # (B, nh, T, hs)
+        k, v = rag.unpack(self.c_kv(x)).split(x.size(-1), dim=2)
+        k, v = rag.write(kv[0], rope(self.heads(k), *cs)), rag.write(kv[1], self.heads(v))
+        y = attention(q, k, v, mask)  # (B, nh, T, hs)
+        B, nh, T, hs = y.shape
+        return self.c_proj(rag.pack(y.transpose(1, 2).reshape(B, T, nh * hs)))
 
 
 class DraftLayer(nn.Module):
@@ -327,13 +341,8 @@ class DFlashDrafter(Drafter):
         # sampling: acceptance falls fast by position, so a short draft pays; 3 was the best of a
         # coupled sweep (docs/experiments.md: DFlash: k)
         self.sampled_k = min(3, self.max_k)
+        self.new_caches()
         p = net.fc.weight
-        # (n_layer, 1, nh, Tmax, hs): Tmax = the target's context window plus one block
-        shape = (cfg.n_layer, 1, cfg.n_head, tcfg.block_size + cfg.block, cfg.n_embd // cfg.n_head)
-        self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
-        self.n_ctx = 0
         # every layer's c_kv stacked into one Linear, for the commit's single product (a commit is
         # a few dozen tiny ops on a CPU: one product pays, not one per layer). A copy, taken here:
         # a drafter is built after training, never trained itself
@@ -344,6 +353,25 @@ class DFlashDrafter(Drafter):
             self.ctx_kv.weight.copy_(torch.cat([c.weight for c in c_kvs]))
             if cfg.bias:
                 self.ctx_kv.bias.copy_(torch.cat([c.bias for c in c_kvs]))
+
+    def new_caches(self):
+        """Its own static K/V caches, (n_layer, 1, nh, Tmax, hs): Tmax = the target's context
+        window plus one block."""
+        cfg, p = self.net.config, self.net.fc.weight
+        shape = (cfg.n_layer, 1, cfg.n_head, self.net.target.config.block_size + cfg.block,
+                 cfg.n_embd // cfg.n_head)
+        self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
+        self.n_ctx = 0
+
+    def fresh(self):
+        c = copy.copy(self)
+        c.new_caches()
+        return c
+
+    def batched(self):
+        return BatchDFlash(self)
 
     def _extend(self, hidden):
         """Append the context K/V of the positions whose target states just arrived: every draft
@@ -400,6 +428,116 @@ def load_dflash(ckpt, target, device, dtype):
     net = DFlash(DFlashConfig.from_dict(ckpt["config"]), target)
     net.load_state_dict(ckpt["state_dict"])
     return DFlashDrafter(net.to(device=device, dtype=dtype).eval())
+
+
+# -----------------------------------------------------------------------------
+# many requests at once (batched.py): the same drafter over a ragged batch
+
+
+class BatchDFlash(BatchDrafter):
+    """DFlashDrafter over B rows: one static K/V cache per draft layer with a context length per
+    row, and one block forward a round for every row. Row r's block (anchor + ks[r] masks at its
+    own positions) sees its own context and its own real slots only: the block is bidirectional,
+    so a padding slot is masked as a key too, or it would change the real slots' drafts."""
+    name = DFlashDrafter.name
+
+    def __init__(self, drafter):
+        self.one = drafter  # the batch-1 drafter: its network and stacked context projection
+        self.net = drafter.net
+        for name in ("hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
+            setattr(self, name, getattr(drafter, name))
+
+    @torch.inference_mode()
+    def begin(self, seqs, hidden):
+        cfg, p, B = self.net.config, self.net.fc.weight, len(seqs)
+        self.slack = cfg.block + 64  # room for a row near the end of the window to write padding
+        width = self.net.target.config.block_size + self.slack
+        if getattr(self, "states", None) is None or self.states.size(0) != B:
+            # made once per batch size: everything past a row's valid length is stale, never read
+            shape = (cfg.n_layer, B, cfg.n_head, width, cfg.n_embd // cfg.n_head)
+            self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+            self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+            self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
+            # the target's tap states of every confirmed position, concatenated: (B, width, taps*d)
+            self.states = torch.zeros(B, width, len(self.hidden_layers) * cfg.n_embd,
+                                      device=p.device, dtype=p.dtype)
+        self.n_ctx = [0] * B
+        self.rows = Confirmed(seqs, width)
+        self.n_states = [0] * B
+        self.stash(hidden, [s.numel() - 1 for s in seqs])
+
+    def stash(self, hidden, kept):
+        """Keep row r's first kept[r] target states (at its positions n_states[r]..). They become
+        context only when the next block needs them (flush): a round that drafts nothing (a
+        scheduler may choose that) then costs one copy, not the context projection."""
+        h = torch.cat([hidden[t] for t in self.hidden_layers], dim=-1)  # (B, T, taps * d)
+        pos = torch.tensor(self.n_states, device=h.device)[:, None] + torch.arange(
+            h.size(1), device=h.device)
+        self.states[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
+        self.n_states = [n + m for n, m in zip(self.n_states, kept)]
+
+    def flush(self):
+        """Every stashed state not yet in the context, through the context projection in one
+        pass: DFlashDrafter._extend per row, row r's new context at positions n_ctx[r].. (the
+        other slots are written past its end: stale)."""
+        kept = [s - n for s, n in zip(self.n_states, self.n_ctx)]
+        T = max(kept)
+        if T == 0:
+            return
+        B = len(kept)
+        pos = torch.tensor(self.n_ctx, device=self.states.device)[:, None] + torch.arange(
+            T, device=self.states.device)  # (B, T)
+        rows = torch.arange(B, device=pos.device)[:, None]
+        ctx = self.net.ctx_norm(self.net.fc(self.states[rows, pos]))  # (B, T, d)
+        n_layer, _, nh, _, hs = self.k_cache.shape
+        kv = self.one.ctx_kv(ctx).view(B, T, n_layer, 2, nh, hs).permute(2, 3, 0, 4, 1, 5)
+        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
+        at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
+              pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
+        self.k_cache[at] = rope(kv[:, 0], cos[pos][:, None], sin[pos][:, None])
+        self.v_cache[at] = kv[:, 1]
+        self.n_ctx = list(self.n_states)
+
+    def block_states(self, ks):
+        """Every row's anchor + masks through the draft layers at once -> (B, K, d): the states
+        that draft each row's next K = max(ks) tokens (row r's first ks[r] are its own; zeros
+        after). A row drafting nothing has no slot at all: the Linears run on real slots only."""
+        self.flush()
+        shift, K = self.net.config.shift, max(ks)
+        slots = K + 1 - shift
+        x = self.net.block_input(self.rows.last()[:, None], slots)  # (B, slots, d)
+        real = [k + 1 - shift if k > 0 else 0 for k in ks]
+        rag = Ragged(self.n_ctx, real, slots, x.device)
+        # row r's query sees its context and its own real slots: keys < n_ctx[r] + real[r] (at
+        # least one key, so that a row with no slot has no empty softmax)
+        ends = torch.tensor([max(n + m, 1) for n, m in zip(self.n_ctx, real)], device=x.device)
+        visible = (torch.arange(rag.L, device=x.device) < ends[:, None])[:, None, None]
+        _, _, bias = self.net.tables(x.device, x.dtype)
+        if bias is not None:  # the ALiBi rows of these positions: (B, nh, slots, L)
+            mask = bias[0][:, rag.pos, :rag.L].transpose(0, 1).masked_fill(~visible, float("-inf"))
+        else:
+            mask = visible
+        cs = self.net.cs(rag.pos, x.dtype)
+        x = rag.pack(x)
+        for layer, kv in zip(self.net.layers, self.kv_caches):
+            x = layer(x, cs, kv, rag, mask)
+        return rag.unpack(x)[:, 1 - shift:1 - shift + K]
+
+    def head(self, h, ks):
+        """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
+        pk = Packing(ks, h.size(1), h.device)
+        return pk.unpack(self.net.head(pk.pack(h)))
+
+    @torch.inference_mode()
+    def propose(self, ks, sampler):
+        h = self.block_states(ks)  # (B, K, d)
+        toks, q = sampler.draft(self.head(h, ks), self.rows.lengths, ks)
+        return toks, list(ks), q
+
+    @torch.inference_mode()
+    def commit(self, kept, new, hidden):
+        self.stash(hidden, kept)
+        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------

@@ -48,7 +48,9 @@ from torch.nn import functional as F
 from gpt import cpu_state_dict, load_checkpoint, number, setting, synchronize
 from draft_small import total_variation
 import draft_dflash
-from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, anchored, block_states,
+from batched import (CostTable, admit_batch, best_single_k, fill_budget, interpolate,
+                     plan_budget)
+from draft_dflash import (BatchDFlash, DFlash, DFlashConfig, DFlashDrafter, anchored, block_states,
                           network_config, position_weights, soft_labels)
 
 # -----------------------------------------------------------------------------
@@ -305,6 +307,10 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
 # Why: a row lookup is far cheaper than re-reading W2, which the target's forward pushes out of
 # the cache between rounds (docs/experiments.md: DSpark: Markov table)
 MARKOV_TABLE_BYTES = 256 * 2**20
+# the batched budget rule (BatchDSpark) probes with this many drafts a row when it has no estimate
+# (and every SCORE_EVERY-th round while it drafts nothing): enough to see whether drafting pays
+PROBE_WIDTH = 2
+MAX_WAIT = 256
 # while scoring does not pay (DSparkDrafter.closed), one round in this many is still scored, so a
 # change (a longer context, a busier device) is seen
 SCORE_EVERY = 16
@@ -403,6 +409,11 @@ class DSparkDrafter(DFlashDrafter):
         self.schedule, self.threshold = saved
         self.reset_account()
         return min(ts)
+
+    def batched(self, schedule="budget"):
+        """The batched twin (BatchDSpark); its default rule is the one that pays in the serving
+        sweep (docs/results.md: Many requests at once)."""
+        return BatchDSpark(self, schedule)
 
     def begin(self, tokens, hidden):
         self._last = None  # (start time, verified drafts) of this generation's previous round
@@ -533,6 +544,202 @@ def load_dspark(ckpt, target, device, dtype):
     net = DSpark(backbone_cfg, DSparkConfig(**ckpt["config"]["dspark"]), target)
     net.load_state_dict(ckpt["state_dict"])
     return DSparkDrafter(net.to(device=device, dtype=dtype).eval())
+
+
+# -----------------------------------------------------------------------------
+# many requests at once (batched.py): the scheduler as the paper defines it, over the batch
+
+BATCH_SCHEDULES = ("auto", "goodput", "budget", "full")
+
+
+class BatchDSpark(BatchDFlash):
+    """DSparkDrafter over B rows: the batched DFlash block, then the Markov chain for every row at
+    once, then every row's confidences in one product and ONE host read, then one choice of how
+    many drafts each row verifies:
+      auto     DSpark's Algorithm 1 over the whole batch (batched.admit_batch): (row, position)
+               pairs admitted in order of survival until expected throughput stops rising;
+      goodput  one length for every row, the best for the batch (batched.best_single_k), the rule
+               a serving engine without per-request lengths uses;
+      budget   the production variant: the budget is set before drafting from the previous
+               round's survivals (batched.plan_budget), so a round the cost table says will not
+               pay skips the draft itself; fresh confidences then fill it (batched.fill_budget);
+      full     every row verifies all it drafted (a fixed k).
+    The cost table (batched.CostTable) is profiled once per batch size, at the first begin();
+    t_draft, one full-block draft of the batch, is timed there too, and t_rest (the rest of a
+    round: commit, loop) is measured as the rounds run."""
+    name = "dspark"
+
+    def __init__(self, drafter, schedule="auto"):
+        if schedule not in BATCH_SCHEDULES:
+            raise ValueError(f"unknown batch schedule {schedule!r}: use {', '.join(BATCH_SCHEDULES)}")
+        super().__init__(drafter)
+        self.spark, self.schedule = drafter.spark, schedule
+        self.markov_table = drafter.markov_table
+        self.conf_h, self.conf_code = drafter.conf_h, drafter.conf_code
+        self.conf_temp = drafter.spark.conf_temp.to(self.conf_h.dtype)
+        self.costs = {}  # batch size -> (CostTable, t_draft)
+        self.adapt, self.verified, self.rounds, self.skipped = {}, 0, 0, 0
+        self.estimate = None
+
+    def variants(self):
+        """bench.py's rows beside auto: the same drafter under each other rule."""
+        out = {}
+        for s in BATCH_SCHEDULES[1:]:
+            v = copy.copy(self)
+            v.schedule, v.verified, v.rounds, v.skipped, v.adapt, v.estimate = s, 0, 0, 0, {}, None
+            out[f"dspark-{s}"] = v
+        return out
+
+    @torch.inference_mode()
+    def begin(self, seqs, hidden):
+        super().begin(seqs, hidden)
+        B = len(seqs)
+        if self.schedule != "full" and B not in self.costs:
+            table = CostTable.profile(self.net.target, B, self.max_k + 1)
+            self.costs[B] = (table, self.time_draft(B))
+        # the last generation's survivals are this one's first estimate (they describe the drafter
+        # on this text, at this batch size); without any, the first round probes
+        if self.estimate is not None and len(self.estimate) != B:
+            self.estimate = None
+        self._last, self.idle, self._plan = None, 0, None
+
+    def time_draft(self, B, reps=5):
+        """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
+        t_draft(slots), slots = B * (w + 1) block slots in all, linear in between (the draft's
+        Linears run on real slots only, so its cost follows their total). Proposing writes only
+        past every row's context, so it can run on the state begin() just made."""
+        points = {}
+        for w in sorted({1, 2, 4, 8, self.max_k}):
+            if w > self.max_k:
+                continue
+            best = float("inf")
+            for _ in range(reps):
+                synchronize(self.k_cache.device)
+                t0 = time.perf_counter()
+                self.draft([w] * B, None)
+                synchronize(self.k_cache.device)
+                best = min(best, time.perf_counter() - t0)
+            points[B * (w + 1)] = best
+        return interpolate(points)
+
+    def draft(self, ks, sampler):
+        """The block for every row, then the Markov chain left to right, every row at once ->
+        (tokens (B, K), q or None, block states (B, K, d)). sampler None: greedy (profiling)."""
+        h = self.block_states(ks)  # (B, K, d)
+        base = self.head(h, ks)  # (B, K, V)
+        prev, S = self.rows.last(), self.rows.lengths
+        toks, qs = [], []
+        w1, w2, table = self.spark.w1.weight, self.spark.w2, self.markov_table
+        for j in range(h.size(1)):
+            logits = base[:, j] + table[prev] if table is not None else torch.addmm(
+                base[:, j], w1[prev], w2)  # (B, V)
+            if sampler is None:
+                tok, q = logits.argmax(-1, keepdim=True), None
+            else:
+                tok, q = sampler.draft(logits[:, None], [s + j for s in S], [int(k > j) for k in ks])
+            prev = tok[:, 0]
+            toks.append(tok)
+            qs.append(q)
+        q = torch.cat(qs, 1) if qs[0] is not None else None
+        return torch.cat(toks, 1), q, h
+
+    def survival(self, h, toks, ks):
+        """Every row's prefix survivals a_{r,j} = prod_{i<=j} c_{r,i}, capped at ks[r]: one
+        product and one host read for the whole batch."""
+        prev = torch.cat([self.rows.last()[:, None], toks[:, :-1]], 1)
+        z = h @ self.conf_h + self.conf_code[prev]  # (B, K) confidence logits
+        a = torch.sigmoid(z / self.conf_temp[:z.size(1)]).cumprod(1).tolist()  # host sync
+        return [row[:k] for row, k in zip(a, ks)]
+
+    @torch.inference_mode()
+    def propose(self, ks, sampler):
+        now, B = time.perf_counter(), len(ks)
+        base = sum(k > 0 for k in ks)
+        cost, t_draft = self.costs.get(B, (None, None))
+        self.measure(now, cost, t_draft, B)
+        if self.schedule == "budget" and self.estimate is not None:
+            ks = self.planned(ks, base, cost, t_draft, B)
+            if not any(ks):  # the cost table says no draft pays: a plain step, not even drafted
+                self.rounds, self.skipped = self.rounds + 1, self.skipped + 1
+                self._last = (now, time.perf_counter() - now, 0, base)
+                return self.rows.toks[:, :0], [0] * B, None
+        elif self.schedule == "budget":  # no estimate yet: a narrow probe, cut by Algorithm 1
+            ks = [min(k, PROBE_WIDTH) for k in ks]
+        toks, q, h = self.draft(ks, sampler)
+        lengths = list(ks) if self.schedule == "full" else self.choose(h, toks, ks, base, cost,
+                                                                        t_draft, B)
+        L = max(lengths)
+        self.verified += sum(lengths)
+        self.rounds += 1
+        self._last = (now, time.perf_counter() - now, sum(k + 1 for k in ks if k),
+                      base + sum(lengths))
+        return toks[:, :L], lengths, (q[:, :L] if q is not None else None)
+
+    def choose(self, h, toks, ks, base, cost, t_draft, B):
+        """After drafting: every row's survivals (one host read), then the rule -> lengths."""
+        a = self.survival(h, toks, ks)
+        # the draft is spent already: t_fixed only scales theta
+        t_fixed = self.adapt[B]["scale"] * float(t_draft(sum(k + 1 for k in ks if k)))
+        t_fixed += self.adapt[B]["rest"][1]
+        if self.schedule == "auto" or (self.schedule == "budget" and self.estimate is None):
+            lengths = admit_batch(a, base, t_fixed, cost)
+        elif self.schedule == "goodput":
+            lengths = best_single_k(a, base, t_fixed, cost)
+        else:
+            lengths = fill_budget(a, self.budget_k)
+        self.estimate = a
+        return lengths
+
+    def planned(self, ks, base, cost, t_draft, B):
+        """budget: this round's K from last round's survivals (plan_budget) -> what each row
+        drafts (the plan's width, or 0). A row's estimate is its last scored one. While K stays
+        0, every SCORE_EVERY-th round drafts every row anyway (scored by Algorithm 1), so the
+        estimates stay fresh."""
+        ad = self.adapt[B]
+        key = (id(self.estimate), base, tuple(ks))
+        if self._plan is None or self._plan[0] != key or self._plan[1][0]:
+            est = [row[:k] for row, k in zip(self.estimate, ks)]
+            # (a plan of no draft is kept while nothing it depends on moves: a skipped round
+            # changes no estimate, so the same search would give the same answer)
+            self._plan = (key, plan_budget(est, base, lambda n: ad["scale"] * t_draft(n),
+                                           ad["rest"], cost, sum(ks)))
+        self.budget_k, width, rows = self._plan[1]
+        if self.budget_k == 0:
+            self.idle += 1
+            if self.idle < ad["wait"]:
+                return [0] * len(ks)
+            # a probe round, scored by Algorithm 1; while probes keep finding that drafting does
+            # not pay, each waits twice as long as the last (a probe costs a draft and the
+            # context of every skipped round)
+            self.estimate, self.idle, ad["wait"] = None, 0, min(2 * ad["wait"], MAX_WAIT)
+            return [min(k, PROBE_WIDTH) for k in ks]
+        self.idle, ad["wait"] = 0, SCORE_EVERY
+        # one slot past the plan: the fresh confidences pick which K tokens fill the budget, and
+        # the plan can grow a position a round where it pays
+        return [min(k, width + 1) if on else 0 for k, on in zip(ks, rows)]
+
+    def measure(self, now, cost, t_draft, B, rate=0.3):
+        """What the tables miss, measured as the rounds run (running averages, per batch size:
+        they describe the machine, not the text). scale: a draft in the loop over the profiled
+        t_draft (inside the loop the target's forward evicts the drafter's weights from the
+        cache, and scoring and choosing add to it). rest[0] / rest[1]: the rest of a round
+        without / with a draft, apart from its propose and its verify as the table prices it
+        (commit, the loop; a round without a draft also its planning)."""
+        if cost is None:
+            return
+        ad = self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY})
+        if self._last is not None:
+            start, spent, slots, n = self._last
+            if slots:
+                ad["scale"] += rate * (spent / float(t_draft(slots)) - ad["scale"])
+                rest = now - start - float(cost(n)) - spent
+            else:
+                rest = now - start - float(cost(n))
+            ad["rest"][int(slots > 0)] += rate * (max(0.0, rest) - ad["rest"][int(slots > 0)])
+
+    @property
+    def mean_verify_len(self):
+        return self.verified / max(1, self.rounds)
 
 
 # -----------------------------------------------------------------------------

@@ -40,7 +40,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import Block, GPTConfig, KVCache, Linear, chunk_mask, number, setting
+from gpt import (Block, GPTConfig, KVCache, Linear, Ragged, RaggedCache, chunk_mask, number,
+                 setting)
+from batched import BatchDrafter, Confirmed
 from draft_small import total_variation
 from speculative import Drafter
 
@@ -196,6 +198,14 @@ class MTPDrafter(Drafter):
         self.caches = [KVCache(cfg.block_config(), 1, p.device, p.dtype) for _ in range(D)]
         self.H = torch.zeros(D + 1, cfg.block_size, cfg.n_embd, device=p.device, dtype=p.dtype)
 
+    def fresh(self):
+        return MTPDrafter(self.mtp, self.target)
+
+    def batched(self):
+        if self.mtp.config.n_modules != 1:
+            return super().batched()  # a deeper stack: row by row (batched.PerRow)
+        return BatchMTP(self)
+
     def begin(self, tokens, hidden):
         self.seq = tokens.view(-1).clone()
         S = self.seq.numel()
@@ -246,6 +256,77 @@ class MTPDrafter(Drafter):
             c.rollback(max(0, min(c.length, S - k)))  # keep exact entries 0..S-1-k, drop the rest
         self.H[0, S - 1:S + n] = hidden[self.hidden_layers[0]][0]  # h_{S-1} .. h_{S+n-1}
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+
+
+# -----------------------------------------------------------------------------
+# many requests at once (batched.py): one module over a ragged batch
+
+
+class BatchMTP(BatchDrafter):
+    """MTPDrafter over B rows, for the one-module head (n_modules = 1, what train.py makes; a
+    deeper stack is batched row by row, batched.PerRow): one RaggedCache for the module, each row
+    at its own length. A round first lets every row catch up on the target states its last
+    commit handed over (a ragged chunk, packed), whose last output drafts its first token; then
+    the module recurses on its own outputs, every row at once, a row that wants fewer drafts
+    getting zero tokens. Bookkeeping per row exactly as MTPDrafter's (its docstring)."""
+    name = MTPDrafter.name
+    default_k, sampled_k = MTPDrafter.default_k, MTPDrafter.sampled_k
+
+    def __init__(self, drafter):
+        if drafter.mtp.config.n_modules != 1:
+            raise ValueError("BatchMTP batches a one-module MTP head; wrap a deeper one in "
+                             "batched.PerRow")
+        self.mtp, self.target, self.mod = drafter.mtp, drafter.target, drafter.mtp.mods[0]
+        self.hidden_layers = drafter.hidden_layers
+
+    def begin(self, seqs, hidden):
+        cfg, p, B = self.mtp.config, self.target.lm_head.weight, len(seqs)
+        self.cache = RaggedCache(cfg.block_config(), B, p.device, p.dtype)
+        width = cfg.block_size + self.cache.slack
+        self.rows = Confirmed(seqs, width)
+        self.H = torch.zeros(B, width, cfg.n_embd, device=p.device, dtype=p.dtype)  # h_0, h_1, ..
+        self.H[:, :hidden[self.hidden_layers[0]].size(1)] = hidden[self.hidden_layers[0]]
+
+    def step(self, h, toks, counts):
+        """The module over row r's counts[r] entries (h, toks) at its next indices -> (B, T, d)."""
+        rag = Ragged(self.cache.lengths, counts, h.size(1), h.device)
+        emb = self.target.transformer.wte(toks)
+        out = self.mod(rag.pack(h), rag.pack(emb), (self.cache.k[0], self.cache.v[0]), rag)
+        self.cache.lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
+        return rag.unpack(out), rag
+
+    @torch.inference_mode()
+    def propose(self, ks, sampler):
+        S, first = self.rows.lengths, self.cache.lengths
+        # catch up: entries first..S-2, (h_i, t_{i+1}); the output at S-2 drafts token S
+        chunk = [s - 1 - f if k > 0 else 0 for s, f, k in zip(S, first, ks)]
+        T = max(max(chunk), 1)
+        idx = torch.tensor(first, device=self.H.device)[:, None] + torch.arange(
+            T, device=self.H.device)
+        h = self.H.gather(1, idx[..., None].expand(-1, -1, self.H.size(2)))
+        out, rag = self.step(h, self.rows.at([f + 1 for f in first], T), chunk)
+        h_last = rag.last(out)  # (B, 1, d)
+        drafts, qs = [], []
+        for j in range(max(ks)):
+            if j > 0:  # the recursion: its own last output and its own last draft
+                h_last, _ = self.step(h_last, drafts[-1], [int(k > j) for k in ks])
+            tok, q = sampler.draft(head(self.target, h_last), [s + j for s in S],
+                                   [int(k > j) for k in ks])
+            drafts.append(tok)
+            qs.append(q)
+        q = torch.cat(qs, 1) if qs[0] is not None else None
+        return torch.cat(drafts, 1), list(ks), q
+
+    def commit(self, kept, new, hidden):
+        S = self.rows.lengths
+        # exact entries only (indices < S - 1); the target's states of the kept slots go to H
+        self.cache.rollback([min(n, s - 1) if m else n
+                             for n, s, m in zip(self.cache.lengths, S, kept)])
+        h = hidden[self.hidden_layers[0]]  # (B, T, d)
+        pos = torch.tensor([s - 1 for s in S], device=h.device)[:, None] + torch.arange(
+            h.size(1), device=h.device)
+        self.H[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
+        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig, number, setting
+from batched import BatchDrafter, Confirmed
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -63,6 +64,12 @@ class DraftModel(Drafter):
                 pending = tok.view(1, 1)
         return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
 
+    def fresh(self):
+        return DraftModel(self.model)
+
+    def batched(self):
+        return BatchSmall(self)
+
     def commit(self, n, new, hidden):
         S = self.seq.numel()
         k_minus_1 = self.cache.length - S  # how many drafts were fed
@@ -74,6 +81,49 @@ def load_small(ckpt, target, device, dtype):
     model = GPT(GPTConfig.from_dict(ckpt["config"]))
     model.load_state_dict(ckpt["state_dict"])
     return DraftModel(model.to(device=device, dtype=dtype).eval())
+
+
+# -----------------------------------------------------------------------------
+# many requests at once (batched.py): the same drafter over a ragged batch
+
+
+class BatchSmall(BatchDrafter):
+    """DraftModel over B rows in one pass: one RaggedCache for the small GPT, each row at its own
+    length. A round feeds every row its pending confirmed tokens (1 or 2) and then its drafts one
+    step at a time, all rows together; a row that wants fewer drafts gets zero tokens in the
+    later steps (packed away). The cache bookkeeping is DraftModel's, per row."""
+    name = DraftModel.name
+    default_k, sampled_k = DraftModel.default_k, DraftModel.sampled_k
+
+    def __init__(self, drafter):
+        self.model = drafter.model
+
+    def begin(self, seqs, hidden):
+        self.cache = self.model.new_cache(len(seqs), ragged=True)
+        self.rows = Confirmed(seqs, self.model.config.block_size + self.cache.slack)
+
+    @torch.inference_mode()
+    def propose(self, ks, sampler):
+        S, B, K = self.rows.lengths, len(ks), max(ks)
+        pending = [s - n for s, n in zip(S, self.cache.lengths)]  # not yet in the cache (>= 1)
+        x = self.rows.at(self.cache.lengths, max(pending))
+        counts = [p if k > 0 else 0 for p, k in zip(pending, ks)]
+        drafts, qs = [], []
+        for j in range(K):
+            logits = self.model(x, cache=self.cache, counts=counts, last_only=True)[0]  # (B, 1, V)
+            x, q = sampler.draft(logits, [s + j for s in S], [int(k > j) for k in ks])  # (B, 1)
+            drafts.append(x)
+            qs.append(q)
+            counts = [1 if k > j + 1 else 0 for k in ks]  # the last draft is never fed
+        q = torch.cat(qs, 1) if qs[0] is not None else None
+        return torch.cat(drafts, 1), list(ks), q
+
+    def commit(self, kept, new, hidden):
+        S = self.rows.lengths
+        # row r keeps its confirmed prefix plus the surviving drafts it was fed
+        self.cache.rollback([min(n, s + max(m - 1, 0)) if m else n
+                             for n, s, m in zip(self.cache.lengths, S, kept)])
+        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------

@@ -97,6 +97,95 @@ class KVCache:
         self.length = 0
 
 
+class RaggedCache(KVCache):
+    """A KVCache for B rows that each have their own length (many requests at once, batched.py).
+
+    lengths[r]: the valid positions of row r. A forward over a ragged batch writes row r's new
+    tokens at lengths[r].. and its padding slots after them: padding and stale K/V always sit past
+    every valid query of their row, so the mask built from positions never shows them (Ragged).
+    `slack` extra positions past the context window hold the padding of a row that is already
+    near the end of it. Rollback is per row and O(1), like KVCache's: a list of new lengths."""
+
+    def __init__(self, config, batch_size, device="cpu", dtype=torch.float32, slack=64):
+        super().__init__(config, batch_size, device, dtype, max_len=config.block_size + slack)
+        self.window, self.slack = config.block_size, slack
+        self.lengths = [0] * batch_size
+
+    @property
+    def length(self):
+        raise AttributeError("a RaggedCache has a length per row: use .lengths")
+
+    @length.setter
+    def length(self, n):  # KVCache.__init__ sets it; a ragged cache keeps lengths instead
+        pass
+
+    def rollback(self, ns):
+        """Row r forgets its positions >= ns[r]."""
+        if len(ns) != len(self.lengths) or not all(0 <= n <= m for n, m in zip(ns, self.lengths)):
+            raise ValueError(f"cannot roll back rows of lengths {self.lengths} to {list(ns)}")
+        self.lengths = list(ns)
+
+    def reset(self):
+        self.lengths = [0] * len(self.lengths)
+
+
+class Packing:
+    """The real slots of a (B, T, ...) batch whose row r has counts[r] real slots (then padding):
+      pack / unpack: (B, T, ...) <-> (N, ...) over the N = sum(counts) real slots. Linears and
+      MLPs run on the packed rows, so their cost follows the real tokens. With no padding both
+      are the identity."""
+
+    def __init__(self, counts, T, device):
+        self.B, self.T, self.counts = len(counts), T, list(counts)
+        self.index = None
+        if any(c != T for c in counts):
+            flat = [r * T + t for r, c in enumerate(counts) for t in range(c)]
+            self.index = torch.tensor(flat, device=device, dtype=torch.long)
+
+    def pack(self, x):
+        """(B, T, ...) -> (N, ...), the real slots only."""
+        return x if self.index is None else x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x):
+        """(N, ...) -> (B, T, ...), zeros in the padding slots."""
+        if self.index is None:
+            return x
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.B, self.T, *x.shape[1:])
+
+    def last(self, x):
+        """x (B, T, ...) -> (B, 1, ...): each row's last real slot (slot 0 for a row with none)."""
+        idx = torch.tensor([max(c - 1, 0) for c in self.counts], device=x.device)
+        return x[torch.arange(self.B, device=x.device), idx][:, None]
+
+
+class Ragged(Packing):
+    """Where the real tokens of a ragged batch are: row r has counts[r] new tokens at absolute
+    positions starts[r]..; its other slots, up to T, are padding. Built once per forward and
+    handed to every layer (in place of an int `start`):
+      pos   (B, T) absolute position of every slot (padding continues its row's count)
+      mask  (B, 1, T, L) query at p may see key j iff j <= p: the cached prefix of its own row
+            and the new tokens before it. Padding and stale K/V sit past p, so never show.
+      pack / unpack (Packing): the Linears and the MLP run on the real tokens; only the attention
+            is padded."""
+
+    def __init__(self, starts, counts, T, device):
+        super().__init__(counts, T, device)
+        self.pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        self.L = max(starts) + T  # keys to attend over: through the last slot written
+        self.mask = (torch.arange(self.L, device=device) <= self.pos[..., None])[:, None]
+
+    def write(self, cache, new):
+        """Write new (B, nh, T, hs) into cache (B, nh, Tmax, hs) at every slot's position, padding
+        included (past its row's valid length: stale, overwritten later) -> the (B, nh, L, hs)
+        prefix to attend over."""
+        B, nh = new.shape[:2]
+        rows = torch.arange(B, device=new.device)[:, None, None]
+        heads = torch.arange(nh, device=new.device)[None, :, None]
+        cache.index_put_((rows, heads, self.pos[:, None, :]), new)  # faster than scatter_ here
+        return cache[:, :, :self.L]
+
+
 # -----------------------------------------------------------------------------
 # Linear: nn.Linear plus a faster CPU inference path
 
@@ -197,6 +286,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x, kv=None, start=0, attn_mask=None):
+        if isinstance(start, Ragged):  # many rows at their own positions (batched.py)
+            return self.forward_ragged(x, kv, start)
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # each (B, nh, T, hs)
@@ -213,6 +304,17 @@ class CausalSelfAttention(nn.Module):
         y = attention(q, k, v, attn_mask, attn_mask is None and T > 1, dp)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def forward_ragged(self, x, kv, rag):
+        """x: the real tokens packed, (N, C) (or (B, T, C) with no padding); rag: where they are.
+        The projections run on the packed rows; the attention on the padded (B, nh, T, hs)."""
+        qkv = rag.unpack(self.c_attn(x))  # (B, T, 3C)
+        B, T, C = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in qkv.split(C, dim=2))  # each (B, nh, T, hs)
+        k, v = rag.write(kv[0], k), rag.write(kv[1], v)  # (B, nh, L, hs)
+        y = attention(q, k, v, rag.mask).transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(rag.pack(y)))
 
 
 class MLP(nn.Module):
@@ -281,11 +383,14 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
-    def new_cache(self, batch_size=1, device=None, dtype=None):
+    def new_cache(self, batch_size=1, device=None, dtype=None, ragged=False):
+        """A KVCache (one length for every row), or with ragged=True a RaggedCache (one per row)."""
         p = self.lm_head.weight
-        return KVCache(self.config, batch_size, device or p.device, dtype or p.dtype)
+        cls = RaggedCache if ragged else KVCache
+        return cls(self.config, batch_size, device or p.device, dtype or p.dtype)
 
-    def forward(self, idx, targets=None, cache=None, start=None, hidden_layers=(), last_only=False):
+    def forward(self, idx, targets=None, cache=None, start=None, hidden_layers=(), last_only=False,
+                counts=None):
         """idx (B, T) token ids at absolute positions start .. start+T-1.
 
         cache=None: an ordinary full-sequence forward from position 0 (training).
@@ -295,8 +400,11 @@ class GPT(nn.Module):
         hidden_layers: which hidden states to return; layer 0 is the embedding output, layer i
           the output of block i (so n_layer is the last block, before ln_f).
         last_only: compute logits for the last position only (cheap one-token decoding).
+        counts: with a RaggedCache, how many of the T tokens of each row are real (forward_ragged).
         Returns (logits, loss, hiddens) with hiddens a dict {layer: (B, T, n_embd)}.
         """
+        if isinstance(cache, RaggedCache):
+            return self.forward_ragged(idx, cache, counts, hidden_layers, last_only)
         B, T = idx.size()
         if cache is not None:
             if start is None:
@@ -332,6 +440,34 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1)
         return logits, loss, hiddens
+
+    def forward_ragged(self, idx, cache, counts, hidden_layers, last_only):
+        """forward() over a RaggedCache: row r's first counts[r] tokens of idx (B, T) are real and
+        go at positions cache.lengths[r]..; the rest is padding. The same logits and hidden states
+        (B, T, ...) as running each row alone (up to float rounding), zeros at padding slots."""
+        B, T = idx.size()
+        counts = list(counts) if counts is not None else [T] * B
+        starts, window = cache.lengths, self.config.block_size
+        if len(counts) != B or not all(0 <= c <= T for c in counts):
+            raise ValueError(f"counts {counts} do not fit a batch of {B} rows of {T} tokens")
+        if max(starts) + T > cache.max_len:  # padding slots too are written at their positions
+            raise ValueError(f"a ragged forward of {T} slots after {max(starts)} cached positions "
+                             f"overruns the cache ({cache.max_len} positions, its slack included)")
+        if any(s + c > window for s, c in zip(starts, counts)):
+            raise ValueError(f"sequence exceeds the context window of {window}")
+        rag = Ragged(starts, counts, T, idx.device)
+        pos = rag.pos.clamp_max(window - 1)  # a padding slot past the window: any position will do
+        x = rag.pack(self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)))
+        hiddens = {0: rag.unpack(x)} if 0 in hidden_layers else {}
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, (cache.k[i], cache.v[i]), rag)
+            if i + 1 in hidden_layers:
+                hiddens[i + 1] = rag.unpack(x)
+        cache.lengths = [s + c for s, c in zip(starts, counts)]
+        x = rag.unpack(self.transformer.ln_f(x))  # (B, T, C)
+        if last_only:
+            x = rag.last(x)
+        return self.lm_head(x), None, hiddens
 
 
 # -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ target forward, the target's own token included -- plain decoding has τ = 1.
     python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
 """
 
+import copy
 import importlib
 import os
 import sys
@@ -295,6 +296,18 @@ class Drafter:
 
     def commit(self, n, new, hidden):
         raise NotImplementedError
+
+    def batched(self):
+        """This drafter over a batch of rows (batched.BatchDrafter). The default asks one fresh
+        copy of it per row (batched.PerRow); drafters with a network override it with a native
+        batched twin, which drafts every row in one pass."""
+        from batched import PerRow
+        return PerRow(self)
+
+    def fresh(self):
+        """A copy with state of its own (caches, sequence) and the same weights: one per row
+        when batched.PerRow batches a drafter. Drafters with buffers override it."""
+        return copy.copy(self)
 
 
 def k_for(drafter, mode):

@@ -1,0 +1,514 @@
+"""
+batched.py -- many requests at once: plain decoding and the draft-then-verify loop over a batch.
+
+speculative.py decoded one sequence; this file adds what serving needs: B prompts of different
+lengths decoded together, every target forward shared by all of them. Each row keeps its own
+length in one static cache (gpt.RaggedCache), its own positions, its own accepted count every
+round and its own O(1) rollback; the mask is built from positions, so padding and stale K/V of
+a row always sit past every valid query of that row (gpt.Ragged). A verify runs its Linears and
+MLP on the real tokens only, packed, and pads only the attention: its cost follows the total
+number of tokens, which is what a serving engine budgets.
+
+What changes with load: at batch 1 a 16-token verify costs little more than a 1-token step, so
+drafting long always pays. At batch 32 the same verify is a 512-token forward and costs several
+times a plain batched step: a fixed draft length turns into a slowdown. DSpark's scheduler
+(draft_dspark.BatchDSpark) spends one verify budget over the whole batch instead; this file holds
+the cost table it reads (CostTable) and the rules a serving engine would use beside it.
+
+Rows are exact one by one: greedy and coupled sampling give each row the tokens its own batch-1
+decoding gives (the coupled noise is keyed on the row's own seed and absolute positions);
+rejection sampling gives each row the target's distribution, from the row's own generator.
+
+    python bench.py --batch-size 1,4,16,32     # the serving sweep: every method, batched
+"""
+
+import copy
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpt import synchronize
+from speculative import Sampler, Stats, check_k, tokens_allowed
+
+# -----------------------------------------------------------------------------
+# sampling, one row at a time but in one pass: a Sampler per row (its own seed and generator)
+
+
+class BatchSampler:
+    """The batched twin of speculative.Sampler: `rows[r]` is row r's own Sampler, so row r's
+    coupled noise and rejection draws are exactly those of its own batch-1 run. Logits come as
+    (B, T, V) with row r's slot t at absolute position starts[r] + t. Greedy and the picks of
+    coupled sampling are one batched argmax; only the noise lookup and rejection's random draws
+    go row by row (each a slice or a tiny draw). One host read a round, in verify()."""
+
+    def __init__(self, mode, batch_size, temperature=1.0, top_k=None, seeds=0, device="cpu"):
+        seeds = [seeds] * batch_size if isinstance(seeds, int) else list(seeds)
+        if len(seeds) != batch_size:
+            raise ValueError(f"{len(seeds)} seeds for a batch of {batch_size}")
+        self.rows = [Sampler(mode, temperature, top_k, s, device) for s in seeds]
+        self.mode = mode
+
+    def scaled(self, logits):
+        return self.rows[0].scaled(logits)
+
+    def probs(self, logits):
+        return F.softmax(self.scaled(logits), dim=-1)
+
+    def noise(self, starts, T, V, device):
+        """(B, T, V) keyed noise: row r's at positions starts[r] .. starts[r] + T - 1."""
+        return torch.stack([s.noise(range(p, p + T), V, device) for s, p in zip(self.rows, starts)])
+
+    def pick(self, logits, starts):
+        """(B, T, V) -> (B, T) tokens, deterministic: greedy argmax or coupled Gumbel-max."""
+        if self.mode == "greedy":
+            return logits.argmax(-1)
+        B, T, V = logits.shape
+        return (self.scaled(logits) + self.noise(starts, T, V, logits.device)).argmax(-1)
+
+    def sample(self, p, live=None):
+        """p (B, V) -> (B,) one draw per row, each from its own row's generator; a row that is
+        not `live` draws nothing (its generator untouched) and gets token 0."""
+        zero = torch.zeros((), dtype=torch.long, device=p.device)
+        return torch.stack([s.sample(p[r]) if live is None or live[r] else zero
+                            for r, s in enumerate(self.rows)])
+
+    def first_token(self, logits, starts):
+        """(B, 1, V) after the prefill -> (B, 1)."""
+        if self.mode != "rejection":
+            return self.pick(logits, starts)
+        return self.sample(self.probs(logits[:, 0]))[:, None]
+
+    def draft(self, logits, starts, ks=None):
+        """A drafter's choice from (B, T, V): (tokens (B, T), q (B, T, V) or None). ks: row r
+        drafts only its first ks[r] slots (rejection mode draws nothing for the others, so each
+        row's generator moves as in its batch-1 run); None: every slot."""
+        if self.mode != "rejection":
+            return self.pick(logits, starts), None
+        q = self.probs(logits)
+        T = q.size(1)
+        ks = ks if ks is not None else [T] * q.size(0)
+        # slot by slot, row r from its own generator
+        return torch.stack([self.sample(q[:, t], [t < k for k in ks]) for t in range(T)], 1), q
+
+    def verify(self, logits, drafts, counts, q, starts):
+        """logits (B, T, V) of the target over each row's [last, d1..d_counts[r]]; drafts (B, K).
+        Returns (n, ids, new): n[r] drafts of row r survived (host ints); new (B, T) holds, in
+        row r's first n[r] + 1 slots, those drafts and the target's own token after them, and
+        ids[r] the same as a host list."""
+        if self.mode == "rejection":
+            return self.verify_rejection(logits, drafts, counts, q)
+        t = self.pick(logits, starts)  # (B, T) what the target itself would emit
+        K = drafts.size(1)
+        if K == 0:
+            return self.read(torch.zeros(t.size(0), dtype=torch.long, device=t.device), t)
+        live = torch.arange(K, device=t.device) < torch.tensor(counts, device=t.device)[:, None]
+        n = ((drafts == t[:, :K]) & live).int().cumprod(1).sum(1)
+        # the survivors equal the target's picks, so t serves as both
+        return self.read(n, t)
+
+    def verify_rejection(self, logits, drafts, counts, q):
+        """Rejection sampling per row (speculative.Sampler.verify_rejection, for every row in one
+        pass): accept d_i with probability min(1, p/q); at the first rejection n draw from
+        norm(max(0, p_n - q_n)); after full acceptance a bonus from p. Row r draws from its own
+        generator, in its batch-1 order (its rand for its own drafts, then its token)."""
+        p = self.probs(logits)  # (B, T, V)
+        (B, T, V), K, dev = p.shape, drafts.size(1), p.device
+        c = torch.tensor(counts, device=dev)
+        n = c
+        if K > 0:
+            pd = p[:, :K].gather(2, drafts[..., None])[..., 0]  # (B, K) p(d_i)
+            qd = q.gather(2, drafts[..., None])[..., 0]
+            u = torch.ones(B, K, device=dev, dtype=pd.dtype)  # padding: never accepted
+            for r, (s, m) in enumerate(zip(self.rows, counts)):
+                if m:
+                    u[r, :m] = torch.rand(m, generator=s.gen, device=dev, dtype=pd.dtype)
+            rejected = (u >= pd / qd) | (torch.arange(K, device=dev) >= c[:, None])
+            n = torch.where(rejected.any(1), rejected.int().argmax(1), K).minimum(c)
+        p_n = p.gather(1, n.view(B, 1, 1).expand(B, 1, V))[:, 0]  # (B, V)
+        rows = p_n
+        if K > 0:
+            q_n = q.gather(1, n.clamp_max(K - 1).view(B, 1, 1).expand(B, 1, V))[:, 0]
+            resid = (p_n - q_n).clamp_min(0)
+            mass = resid.sum(-1, keepdim=True)
+            # mass is 0 only if rounding made p <= q everywhere: then take p itself
+            fixed = torch.where(mass > 0, resid / mass.clamp_min(1e-300), p_n)
+            rows = torch.where((n < c)[:, None], fixed, p_n)
+        tok = self.sample(rows)  # (B,)
+        new = drafts.new_zeros(B, K + 1)
+        new[:, :K] = drafts
+        new.scatter_(1, n.view(B, 1), tok.view(B, 1))
+        return self.read(n, new)
+
+    @staticmethod
+    def read(n, new):
+        """-> (n as host ints, each row's n[r] + 1 new tokens as host lists, new on the device):
+        the round's one host sync."""
+        vals = torch.cat([n.view(-1, 1).to(new.dtype), new], 1).tolist()
+        ns = [v[0] for v in vals]
+        return ns, [v[1:2 + m] for v, m in zip(vals, ns)], new
+
+
+# -----------------------------------------------------------------------------
+# plain batched decoding: the baseline at batch B
+
+
+def check_prompts(model, prompts, max_new_tokens):
+    """How many tokens each row may generate (speculative.tokens_allowed per row): one clear
+    ValueError naming the row for an empty or over-long prompt, or an empty batch."""
+    if len(prompts) == 0:
+        raise ValueError("the batch is empty: give at least one prompt")
+    allowed = []
+    for r, p in enumerate(prompts):
+        try:
+            allowed.append(tokens_allowed(model, len(p), max_new_tokens))
+        except ValueError as e:
+            raise ValueError(f"prompt {r} of the batch: {e}") from None
+    return allowed
+
+
+def padded(rows, device, width=None):
+    """A list of token lists -> (B, width) long tensor, zeros after each row's end."""
+    width = width or max(len(r) for r in rows)
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return x.to(device)
+
+
+@torch.inference_mode()
+def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
+    """Token-by-token decoding of B prompts at once: one ragged prefill, then one (B, 1) forward
+    a step. A row that has all its tokens gets zero tokens (its slot is padding, packed away).
+    No host sync until the end. Returns one token list per row."""
+    dev = model.lm_head.weight.device
+    allowed = check_prompts(model, prompts, max_new_tokens)
+    P = [len(p) for p in prompts]
+    B, n = len(prompts), max(allowed)
+    cache = cache or model.new_cache(B, ragged=True)
+    cache.reset()
+    out = torch.empty(B, n, dtype=torch.long, device=dev)
+    logits = model(padded(prompts, dev), cache=cache, counts=P, last_only=True)[0]  # (B, 1, V)
+    out[:, :1] = sampler.first_token(logits, P)
+    for i in range(1, n):
+        counts = [1 if i < a else 0 for a in allowed]
+        logits = model(out[:, i - 1:i], cache=cache, counts=counts)[0]  # (B, 1, V)
+        out[:, i:i + 1] = sampler.pick(logits, [p + i for p in P])
+    rows = out.tolist()  # host sync (the only one)
+    return [row[:a] for row, a in zip(rows, allowed)]
+
+
+# -----------------------------------------------------------------------------
+# the batched drafter interface
+
+
+class BatchDrafter:
+    """What the batched loop needs from a drafter: speculative.Drafter, one more axis.
+
+    begin(seqs, hidden)        B new sequences: seqs, a list of (n_r,) token tensors; hidden
+                               {layer: (B, P, d)}, row r's first n_r - 1 slots valid.
+    propose(ks, sampler)       draft up to ks[r] tokens for row r (0: none) -> (drafts (B, K),
+                               counts, q (B, K, V) or None): row r's first counts[r] <= ks[r]
+                               slots are real. A scheduler may give a row fewer, or none.
+    commit(kept, new, hidden)  row r keeps kept[r] tokens, new[r, :kept[r]] (its surviving
+                               drafts and the target's own; 0 for a row that has finished), and
+                               hidden {layer: (B, T, d)}: the target's states at those slots.
+    """
+    name = "drafter"
+    hidden_layers = ()
+    max_k = None
+    default_k = 4
+    sampled_k = None
+    budget = []
+
+    def begin(self, seqs, hidden):
+        raise NotImplementedError
+
+    def propose(self, ks, sampler):
+        raise NotImplementedError
+
+    def commit(self, kept, new, hidden):
+        raise NotImplementedError
+
+
+class Confirmed:
+    """Each row's confirmed tokens, kept on the device as one (B, width) buffer with the lengths
+    on the host: what a native batched drafter reads its anchors and pending tokens from."""
+
+    def __init__(self, seqs, width):
+        self.lengths = [s.numel() for s in seqs]
+        self.toks = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].device)
+        for r, s in enumerate(seqs):
+            self.toks[r, :s.numel()] = s
+
+    def at(self, starts, T):
+        """(B, T): row r's tokens at starts[r] .. starts[r] + T - 1 (past its end: whatever)."""
+        idx = torch.tensor(starts, device=self.toks.device)[:, None] + torch.arange(
+            T, device=self.toks.device)
+        return self.toks.gather(1, idx.clamp_max(self.toks.size(1) - 1))
+
+    def last(self):
+        """(B,) each row's last confirmed token."""
+        return self.at([n - 1 for n in self.lengths], 1)[:, 0]
+
+    def extend(self, new, kept):
+        """Row r appends new[r, :kept[r]] (the slots after them land past its end: stale)."""
+        T = new.size(1)
+        idx = torch.tensor(self.lengths, device=new.device)[:, None] + torch.arange(
+            T, device=new.device)
+        self.toks.scatter_(1, idx, new)
+        self.lengths = [n + m for n, m in zip(self.lengths, kept)]
+
+
+class PerRow(BatchDrafter):
+    """Any batch-1 Drafter batched the simple way: one copy of it per row (Drafter.fresh), each
+    asked in turn. Exact by construction, the reference the native batched drafters are tested
+    against, and what prompt lookup (a dictionary per row, on the host) is anyway. Its draft cost
+    grows with B: a network drafter run this way pays B forwards a round."""
+
+    def __init__(self, drafter):
+        self.proto = drafter
+        for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
+            setattr(self, name, getattr(drafter, name))
+        self.rows = []
+
+    def begin(self, seqs, hidden):
+        self.device = seqs[0].device
+        while len(self.rows) < len(seqs):
+            self.rows.append(self.proto.fresh())
+        self.rows = self.rows[:len(seqs)]
+        for r, (d, s) in enumerate(zip(self.rows, seqs)):
+            d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})
+
+    def propose(self, ks, sampler):
+        got = [d.propose(k, s) if k > 0 else (None, None)
+               for d, k, s in zip(self.rows, ks, sampler.rows)]
+        counts = [0 if t is None else t.numel() for t, _ in got]
+        K = max(counts)
+        drafts = torch.zeros(len(ks), K, dtype=torch.long, device=self.device)
+        q = None
+        for r, ((t, _), c) in enumerate(zip(got, counts)):
+            if c:
+                drafts[r, :c] = t
+        if sampler.mode == "rejection" and K > 0:
+            V = next(x for t, x in got if t is not None and t.numel()).size(-1)
+            q = torch.zeros(len(ks), K, V, device=self.device, dtype=torch.float64)
+            for r, ((_, x), c) in enumerate(zip(got, counts)):
+                if c:
+                    q[r, :c] = x
+            q = q.to(next(x for _, x in got if x is not None).dtype)
+        return drafts, counts, q
+
+    def commit(self, kept, new, hidden):
+        for r, (d, m) in enumerate(zip(self.rows, kept)):
+            if m:
+                d.commit(m - 1, new[r, :m], {k: h[r:r + 1, :m] for k, h in hidden.items()})
+
+
+# -----------------------------------------------------------------------------
+# the batched loop
+
+
+@torch.inference_mode()
+def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache=None):
+    """speculative.generate_speculative over B prompts: every row drafts up to k (fewer near its
+    end; the drafter may give it fewer, or none), one target forward verifies every row's
+    [last, drafts] packed, each row keeps its own survivors plus the target's token and rolls back
+    alone. A row that has all its tokens gets nothing more: zero tokens in every forward.
+    Returns (token lists, BatchStats). Host syncs: one after the prefill, one a round (verify),
+    plus what a drafter takes itself (DSpark's scheduler reads its confidences)."""
+    check_k(drafter, k)
+    dev = target.lm_head.weight.device
+    allowed = check_prompts(target, prompts, max_new_tokens)
+    B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
+    cache = cache or target.new_cache(B, ragged=True)
+    cache.reset()
+    x = padded(prompts, dev)
+    logits, _, hid = target(x, cache=cache, counts=P, hidden_layers=layers, last_only=True)
+    last = sampler.first_token(logits, P)[:, 0]  # (B,) each row's last confirmed token
+    drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
+    out = [[t] for t in last.tolist()]  # host sync (once, after the prefill)
+    stats = BatchStats(B, k)
+    while True:
+        active = [len(o) < a for o, a in zip(out, allowed)]
+        if not any(active):
+            break
+        ks = [min(k, a - len(o) - 1) if on else 0 for o, a, on in zip(out, allowed, active)]
+        t0 = time.perf_counter()
+        if any(ks):
+            drafts, counts, q = drafter.propose(ks, sampler)
+        else:
+            drafts, counts, q = last.new_zeros(B, 0), [0] * B, None
+        t1 = time.perf_counter()
+        starts = list(cache.lengths)  # row r: len(seq) - 1, its last token not cached yet
+        vcounts = [c + 1 if on else 0 for c, on in zip(counts, active)]
+        logits, _, hid = target(torch.cat([last[:, None], drafts], 1), cache=cache,
+                                counts=vcounts, hidden_layers=layers)
+        n, ids, new = sampler.verify(logits, drafts, counts, q, [s + 1 for s in starts])
+        kept = [m + 1 if on else 0 for m, on in zip(n, active)]
+        cache.rollback([s + m for s, m in zip(starts, kept)])  # keep [last, d1..dn] per row
+        drafter.commit(kept, new, hid)
+        at = torch.tensor([max(m - 1, 0) for m in kept], device=dev)
+        last = torch.where(torch.tensor(active, device=dev), new.gather(1, at[:, None])[:, 0], last)
+        for r, on in enumerate(active):
+            if on:
+                out[r].extend(ids[r])
+        stats.record(counts, n, active, drafts.size(1) + 1, t1 - t0, time.perf_counter() - t1)
+    stats.tokens = sum(len(o) for o in out)
+    return out, stats
+
+
+class BatchStats(Stats):
+    """speculative.Stats summed over rows (target_forwards counts (row, round) pairs, so tau is
+    tokens per row per forward, 1 + sum of acceptance as at batch 1), plus what a batch spends:
+    verify_tokens (real tokens in every verify), slots (what the padded attention ran: active
+    rows x the round's widest row), and given[l]: rows verified with l drafts."""
+
+    def __init__(self, batch_size, k):
+        super().__init__(drafted_at=[0] * k, accepted_at=[0] * k)
+        self.target_forwards = batch_size  # each row's prefill, as at batch 1
+        self.batch_size, self.verify_tokens, self.slots, self.batches = batch_size, 0, 0, 0
+        self.given = [0] * (k + 1)
+
+    def record(self, counts, n, active, width, t_draft, t_verify):
+        self.batches += 1
+        self.draft_time += t_draft
+        self.verify_time += t_verify
+        for c, m, on in zip(counts, n, active):
+            if on:
+                super().record(c, m)
+                self.verify_tokens += c + 1
+                self.slots += width
+                self.given[c] += 1
+
+    @property
+    def padding(self):
+        """The share of the attention's slots that were padding."""
+        return 1 - self.verify_tokens / max(1, self.slots)
+
+
+# -----------------------------------------------------------------------------
+# what a verify costs at batch B, and the rules that spend it (DSpark's and a serving engine's)
+
+
+class CostTable:
+    """Seconds of one target forward over a batch carrying N real tokens in all (the verify
+    budget, every row's [last, drafts]), profiled once at start-up on the device in use, as the
+    DSpark paper's SPS(B) "cost table" and vLLM's verify_cost are: rows of m = 1..width tokens
+    each (N = B*m), the fastest of `reps` tries, made non-decreasing, linear in between. Called
+    with a number or a numpy array of them."""
+
+    def __init__(self, batch_size, seconds):
+        self.batch_size, self.seconds = batch_size, list(seconds)  # seconds[m - 1]: N = B * m
+        self.n = np.arange(1, len(seconds) + 1) * batch_size
+
+    def __call__(self, n):
+        return np.interp(n, self.n, self.seconds)
+
+    @classmethod
+    @torch.inference_mode()
+    def profile(cls, target, batch_size, width, context=None, reps=5):
+        dev, window = target.lm_head.weight.device, target.config.block_size
+        n_ctx = min(context if context is not None else window // 2, window - width)
+        cache = target.new_cache(batch_size, ragged=True)
+        x = torch.zeros(batch_size, n_ctx + width, dtype=torch.long, device=dev)
+        target(x[:, :n_ctx], cache=cache)
+        seconds = []
+        for m in range(1, width + 1):
+            best = float("inf")
+            for _ in range(reps):
+                cache.rollback([n_ctx] * batch_size)
+                synchronize(dev)
+                t0 = time.perf_counter()
+                target(x[:, n_ctx:n_ctx + m], cache=cache)
+                synchronize(dev)
+                best = min(best, time.perf_counter() - t0)
+            seconds.append(max(best, seconds[-1] if seconds else 0.0))
+        return cls(batch_size, seconds)
+
+
+def interpolate(points):
+    """{x: y} measured at a few x -> a function of a number or a numpy array, linear in
+    between, flat past the ends."""
+    xs = sorted(points)
+    ys = [points[x] for x in xs]
+    return lambda x: np.interp(x, xs, ys)
+
+
+def by_survival(survival):
+    """Every (row, draft position) pair, most likely to survive first (within a row in order:
+    a_{r,j} never rises with j, and ties go to the earlier position) -> numpy arrays (a, j, r)."""
+    a = np.array([x for row in survival for x in row], dtype=np.float64)
+    j = np.array([i for row in survival for i in range(len(row))], dtype=np.int64)
+    r = np.array([k for k, row in enumerate(survival) for _ in row], dtype=np.int64)
+    order = np.lexsort((j, -a))
+    return a[order], j[order], r[order]
+
+
+def lengths_of(j, r, K, batch_size):
+    """The per-row lengths the first K pairs of by_survival make."""
+    lengths = [0] * batch_size
+    for jj, rr in zip(j[:K].tolist(), r[:K].tolist()):
+        lengths[rr] = max(lengths[rr], jj + 1)
+    return lengths
+
+
+def admit_batch(survival, base, t_fixed, cost):
+    """DSpark's scheduler over the batch (paper §3.2.2, Algorithm 1). survival[r]: row r's prefix
+    survivals a_{r,1}, a_{r,2}, ... (as many as it drafted); base: rows verified this round (each
+    verifies at least its last token). Start with every length 0, admit (row, position) pairs in
+    order of a, each one raising the budget N by a token and the expected tokens tau by a; stop
+    at the first admission that does not raise theta = tau / (t_fixed + cost(N)). The early stop
+    is what keeps sampling lossless (paper, Appendix A). -> a length per row, 0 allowed."""
+    a, j, r = by_survival(survival)
+    K = np.arange(len(a) + 1)
+    theta = (base + np.concatenate([[0.0], np.cumsum(a)])) / (t_fixed + cost(base + K))
+    drops = np.flatnonzero(theta[1:] <= theta[:-1])
+    stop = int(drops[0]) if len(drops) else len(a)
+    return lengths_of(j, r, stop, len(survival))
+
+
+def best_single_k(survival, base, t_fixed, cost):
+    """The serving engines' rule (vLLM's goodput choice; SmartSpec, arXiv 2406.14066): ONE draft
+    length l for every row of the batch, the l in 0..K that maximises expected tokens per second
+    from the same survivals and cost table. -> a length per row (l, or fewer where a row has
+    fewer drafts)."""
+    best, best_l = base / (t_fixed + float(cost(base))), 0
+    K = max((len(row) for row in survival), default=0)
+    for l in range(1, K + 1):
+        tau = base + sum(sum(row[:l]) for row in survival)
+        n = base + sum(min(l, len(row)) for row in survival)
+        theta = tau / (t_fixed + float(cost(n)))
+        if theta > best:
+            best, best_l = theta, l
+    return [min(best_l, len(row)) for row in survival]
+
+
+def plan_budget(estimate, base, t_draft, t_rest, cost, cap):
+    """The production variant's budget (DSpark §5.2-5.3), set BEFORE drafting from survivals one
+    round old: the K in 0..cap that maximises (base + the K best estimated survivals) /
+    (t_rest[K > 0] + t_draft(slots) + cost(base + K)), slots = the block slots those K pairs need
+    (every row that gets one drafts the widest such row's width), by a full search (the table is
+    jagged). K = 0 drafts nothing at all. Lossless because K does not depend on this round's
+    tokens. t_rest: the rest of a round, measured apart for rounds without and with a draft.
+    -> (K, width, which rows draft)."""
+    a, j, r = by_survival(estimate)
+    a, j, r = a[:cap], j[:cap], r[:cap]
+    width = np.maximum.accumulate(j + 1) if len(a) else j
+    rows = np.cumsum(j == 0)  # each row's first pair comes first among its own
+    K = np.arange(1, len(a) + 1)
+    theta = (base + np.cumsum(a)) / (t_rest[1] + t_draft(rows * (width + 1)) + cost(base + K))
+    skip = base / (t_rest[0] + float(cost(base)))
+    if len(a) == 0 or theta.max() <= skip:
+        return 0, 0, [False] * len(estimate)
+    best = int(theta.argmax())
+    lengths = lengths_of(j, r, best + 1, len(estimate))
+    return best + 1, int(width[best]), [m > 0 for m in lengths]
+
+
+def fill_budget(survival, K):
+    """Which K (row, position) pairs fill a budget: the K most likely to survive, fresh
+    confidences, a prefix of each row. -> a length per row."""
+    _, j, r = by_survival(survival)
+    return lengths_of(j, r, K, len(survival))
