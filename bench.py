@@ -312,6 +312,10 @@ def add_run_flags(g):
                    "(default: 64, or a quarter of a smaller context)")
     g.add_argument("--max-new-tokens", type=number(int, 1), default=128,
                    help="tokens generated per prompt (default: %(default)s)")
+    g.add_argument("--batch-size", type=number_list(int, 1), default=None,
+                   help="the serving sweep instead: comma list of batch sizes, each method "
+                   "batched against batched plain decoding, e.g. 1,2,4,8,16,32; at most "
+                   "--n-prompts (bench_batched.py; default: none, one request at a time)")
 
 
 def add_measurement_flags(g):
@@ -541,6 +545,8 @@ def write(out, args):
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
+    if args.batch_size is not None:
+        return main_batched(args)
     device, target, prompts, drafters = load(args)
     temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
     header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
@@ -558,6 +564,37 @@ def main(argv=None):
            "references": references(res)}
     print_report(out, header)
     write(out, args)
+    return out
+
+
+def main_batched(args):
+    """--batch-size: the serving sweep (bench_batched.py), its tables, OUT_DIR/serving.json and
+    OUT_DIR/serving.png."""
+    import bench_batched
+    if not args.batch_size:
+        raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
+    device, target, prompts, drafters = load(args)
+    if max(args.batch_size) > len(prompts):
+        raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
+                         "prompts: raise --n-prompts or lower --batch-size")
+    print(f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
+          f"{len(prompts)} prompts (cut to different lengths) x {args.max_new_tokens} new tokens |"
+          f" sampling {args.sampling} | batch sizes {args.batch_size} | {args.repeats} repeats")
+    serving = bench_batched.sweep(target, prompts, drafters, args, device)
+    out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
+           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}
+    print()
+    print(bench_batched.report(serving))
+    path = os.path.join(args.out_dir, "serving.json") if args.json is None else args.json
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"results: {path}")
+    path = os.path.join(args.out_dir, "serving.png") if args.plot is None else args.plot
+    if path:
+        plot.save(out, path)
     return out
 
 

@@ -579,6 +579,7 @@ class BatchDSpark(BatchDFlash):
         self.conf_temp = drafter.spark.conf_temp.to(self.conf_h.dtype)
         self.costs = {}  # batch size -> (CostTable, t_draft)
         self.adapt, self.verified, self.rounds, self.skipped = {}, 0, 0, 0
+        self.flush_cost = {}  # batch size -> seconds per pending target state a flush takes
         self.estimate = None
 
     def variants(self):
@@ -596,7 +597,9 @@ class BatchDSpark(BatchDFlash):
         B = len(seqs)
         if self.schedule != "full" and B not in self.costs:
             table = CostTable.profile(self.net.target, B, self.max_k + 1)
-            self.costs[B] = (table, self.time_draft(B))
+            t_draft, per_state = self.time_draft(B)
+            self.costs[B] = (table, t_draft)
+            self.flush_cost[B] = per_state
         # the last generation's survivals are this one's first estimate (they describe the drafter
         # on this text, at this batch size); without any, the first round probes
         if self.estimate is not None and len(self.estimate) != B:
@@ -606,21 +609,35 @@ class BatchDSpark(BatchDFlash):
     def time_draft(self, B, reps=5):
         """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
         t_draft(slots), slots = B * (w + 1) block slots in all, linear in between (the draft's
-        Linears run on real slots only, so its cost follows their total). Proposing writes only
-        past every row's context, so it can run on the state begin() just made."""
-        points = {}
-        for w in sorted({1, 2, 4, 8, self.max_k}):
-            if w > self.max_k:
-                continue
+        Linears run on real slots only, so its cost follows their total); and the seconds per
+        target state a flush takes (a draft after skipped rounds first projects their context).
+        Each try follows a target forward, as a draft does in the loop: timed back to back, the
+        drafter's weights stay in the cache and a draft looks several times cheaper than it is.
+        Proposing writes only past every row's context, so it runs on the state begin() made."""
+        target, dev = self.net.target, self.k_cache.device
+        scratch = target.new_cache(B, ragged=True)
+        x = torch.zeros(B, 1, dtype=torch.long, device=dev)
+
+        def timed(fn):
             best = float("inf")
             for _ in range(reps):
-                synchronize(self.k_cache.device)
+                scratch.reset()
+                target(x, cache=scratch)  # the target's weights back in the cache
+                synchronize(dev)
                 t0 = time.perf_counter()
-                self.draft([w] * B, None)
-                synchronize(self.k_cache.device)
+                fn()
+                synchronize(dev)
                 best = min(best, time.perf_counter() - t0)
-            points[B * (w + 1)] = best
-        return interpolate(points)
+            return best
+        points = {B * (w + 1): timed(lambda: self.draft([w] * B, None))
+                  for w in sorted({1, 2, 4, 8, self.max_k}) if w <= self.max_k}
+        n = min(16, self.net.target.config.block_size // 4)
+
+        def flush():
+            self.n_ctx = [max(0, c - n) for c in self.n_ctx]  # re-project the last n states
+            self.flush()
+        per_state = timed(flush) / (n * B)
+        return interpolate(points), per_state
 
     def draft(self, ks, sampler):
         """The block for every row, then the Markov chain left to right, every row at once ->
@@ -696,12 +713,14 @@ class BatchDSpark(BatchDFlash):
         0, every SCORE_EVERY-th round drafts every row anyway (scored by Algorithm 1), so the
         estimates stay fresh."""
         ad = self.adapt[B]
-        key = (id(self.estimate), base, tuple(ks))
+        pending = sum(s - n for s, n in zip(self.n_states, self.n_ctx))  # a draft flushes these
+        key = (id(self.estimate), base, tuple(ks), pending // (8 * B))
         if self._plan is None or self._plan[0] != key or self._plan[1][0]:
             est = [row[:k] for row, k in zip(self.estimate, ks)]
+            flush = pending * self.flush_cost.get(B, 0.0)
             # (a plan of no draft is kept while nothing it depends on moves: a skipped round
             # changes no estimate, so the same search would give the same answer)
-            self._plan = (key, plan_budget(est, base, lambda n: ad["scale"] * t_draft(n),
+            self._plan = (key, plan_budget(est, base, lambda n: ad["scale"] * t_draft(n) + flush,
                                            ad["rest"], cost, sum(ks)))
         self.budget_k, width, rows = self._plan[1]
         if self.budget_k == 0:

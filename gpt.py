@@ -129,25 +129,37 @@ class RaggedCache(KVCache):
         self.lengths = [0] * len(self.lengths)
 
 
+def bucket(n):
+    """n rounded up to one of a few sizes, four per octave (8, 16, 24, ..., 64, 80, 96, 112, 128,
+    160, ...). Why: oneDNN builds a kernel for every new row count it sees, about half a
+    millisecond a Linear, and a ragged batch would show it a new count almost every round
+    (docs/experiments.md: Batched: packing in buckets)."""
+    step = max(8, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
 class Packing:
     """The real slots of a (B, T, ...) batch whose row r has counts[r] real slots (then padding):
-      pack / unpack: (B, T, ...) <-> (N, ...) over the N = sum(counts) real slots. Linears and
-      MLPs run on the packed rows, so their cost follows the real tokens. With no padding both
-      are the identity."""
+      pack / unpack: (B, T, ...) <-> (N, ...) over the real slots, N = sum(counts) rounded up to
+      a bucket() size with padding slots. Linears and MLPs run on the packed rows, so their cost
+      follows the real tokens. Where that would save nothing (no padding, or a bucket as large
+      as the batch) both are the identity, and the whole padded batch runs."""
 
     def __init__(self, counts, T, device):
         self.B, self.T, self.counts = len(counts), T, list(counts)
         self.index = None
-        if any(c != T for c in counts):
+        n = bucket(sum(counts))
+        if n < self.B * T:
             flat = [r * T + t for r, c in enumerate(counts) for t in range(c)]
-            self.index = torch.tensor(flat, device=device, dtype=torch.long)
+            pad = [r * T + t for r, c in enumerate(counts) for t in range(c, T)]
+            self.index = torch.tensor(flat + pad[:n - len(flat)], device=device, dtype=torch.long)
 
     def pack(self, x):
         """(B, T, ...) -> (N, ...), the real slots only."""
         return x if self.index is None else x.flatten(0, 1).index_select(0, self.index)
 
     def unpack(self, x):
-        """(N, ...) -> (B, T, ...), zeros in the padding slots."""
+        """(N, ...) -> (B, T, ...); the padding slots hold zeros or what the padding computed."""
         if self.index is None:
             return x
         out = x.new_zeros(self.B * self.T, *x.shape[1:])
@@ -173,16 +185,24 @@ class Ragged(Packing):
         super().__init__(counts, T, device)
         self.pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         self.L = max(starts) + T  # keys to attend over: through the last slot written
-        self.mask = (torch.arange(self.L, device=device) <= self.pos[..., None])[:, None]
+        # every row at one position (always so at batch 1): the batch-1 path's slice writes and
+        # masks, which cost less than per-row indexing
+        self.start = starts[0] if len(set(starts)) == 1 else None
+        if self.start is not None:
+            self.mask = chunk_mask(self.start, T, device) if T > 1 else None
+        else:
+            self.mask = (torch.arange(self.L, device=device) <= self.pos[..., None])[:, None]
+        self.rows = torch.arange(self.B, device=device)[:, None, None]
 
     def write(self, cache, new):
         """Write new (B, nh, T, hs) into cache (B, nh, Tmax, hs) at every slot's position, padding
         included (past its row's valid length: stale, overwritten later) -> the (B, nh, L, hs)
         prefix to attend over."""
-        B, nh = new.shape[:2]
-        rows = torch.arange(B, device=new.device)[:, None, None]
-        heads = torch.arange(nh, device=new.device)[None, :, None]
-        cache.index_put_((rows, heads, self.pos[:, None, :]), new)  # faster than scatter_ here
+        if self.start is not None:
+            cache[:, :, self.start:self.L] = new
+        else:
+            heads = torch.arange(new.size(1), device=new.device)[None, :, None]
+            cache.index_put_((self.rows, heads, self.pos[:, None, :]), new)  # faster than scatter_
         return cache[:, :, :self.L]
 
 

@@ -109,10 +109,14 @@ def ablation_rows(methods):
 
 def draw(results, path):
     """The figure: the views() one under another, the run's machine and workload on top.
-    Returns the matplotlib Figure, already saved to `path`."""
+    Returns the matplotlib Figure, already saved to `path`. A serving sweep (bench.py
+    --batch-size) draws draw_serving's figure instead."""
     import matplotlib  # lazily: bench.py runs without it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    if "serving" in results:
+        return draw_serving(results, path)
 
     methods = results["methods"]
     sweep = {n: rows for n, rows in (results.get("sweep") or {}).items() if rows}
@@ -127,6 +131,47 @@ def draw(results, path):
         fig.suptitle(title(results), fontsize=10)
         fig.savefig(path, dpi=100)
     return fig  # for the tests, which read what each panel shows
+
+
+def draw_serving(results, path):
+    """The serving sweep: speedup over batched plain decoding against batch size, one line per
+    method (DSpark's rules solid, its fixed k dashed, the other drafters dotted), and beside it
+    the verify tokens a round spent per request: what each rule bought with the batch's budget."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    s = results["serving"]
+    Bs, res = s["batch_sizes"], s["results"]
+    names = [n for n in res[Bs[0]] if n != "ar"]
+    color = colors(["ar", *names])
+    style = {n: "-" if n in ("dspark", "dspark-cut", "dspark-goodput") else
+             "--" if n.startswith("dspark-") else ":" for n in names}
+    with matplotlib.rc_context({"font.size": 10, "axes.titlesize": 11, "axes.titleweight": "bold",
+                                "axes.spines.top": False, "axes.spines.right": False}):
+        fig = Figure(figsize=(12, 5), layout="constrained")
+        FigureCanvasAgg(fig)
+        left, right = fig.subplots(1, 2)
+        for n in names:
+            width = 2.5 if n == "dspark" else 1.3
+            left.plot(Bs, [res[B][n]["speedup"] for B in Bs], style[n], marker="o", ms=3,
+                      lw=width, color=color[n], label=f"{n} (k={s['k'][n]})")
+            right.plot(Bs, [res[B][n]["verify_tokens_per_request_round"] for B in Bs], style[n],
+                       marker="o", ms=3, lw=width, color=color[n])
+        left.axhline(1.0, color="0.5", lw=1)
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(Bs, [str(B) for B in Bs])
+            ax.set_xlabel("batch size (requests decoded together)")
+        left.set_title("speedup over batched plain decoding, same batch size")
+        left.set_ylabel("speedup (x)")
+        right.set_title("verify tokens per request per round")
+        right.set_ylabel("tokens (1 = plain decoding)")
+        left.legend(fontsize=8, ncol=2)
+        fig.suptitle(title(results).replace("against plain decoding",
+                                            "over a batch of requests"), fontsize=10)
+        fig.savefig(path, dpi=100)
+    return fig
 
 
 def views(methods, sweep, color):

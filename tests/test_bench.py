@@ -66,7 +66,7 @@ def test_flags_are_grouped_and_each_says_its_default():
     p = bench.build_parser()
     groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
     assert groups["what to run"] == ["--methods", "--k", "--prompts", "--n-prompts",
-                                     "--prompt-len", "--max-new-tokens"]
+                                     "--prompt-len", "--max-new-tokens", "--batch-size"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
     assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",
                                      "--dtype", "--device"]
@@ -114,3 +114,35 @@ def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypat
     calls.clear()  # nothing to sweep: nothing runs, not even plain decoding
     assert bench.sweep_k(None, [[1]], {"b-threshold": fake("t", 1)}, args, "cpu", None) == {}
     assert calls == []
+
+
+def test_the_serving_sweep_runs_every_method_exact_at_every_batch_size(trained, tmp_path):
+    """bench.py --batch-size: every method at every batch size, each against batched plain
+    decoding; in float64 every row equals batched and batch-1 plain decoding; the JSON and the
+    figure are written beside the checkpoints' results."""
+    out = bench.main(["--out-dir", str(trained), "--n-prompts", "4", "--max-new-tokens", "10",
+                      "--repeats", "1", "--batch-size", "1,2,4", "--dtype", "float64",
+                      "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])
+    s = json.loads((tmp_path / "s.json").read_text())["serving"]
+    assert s["batch_sizes"] == [1, 2, 4] and (tmp_path / "s.png").exists()
+    names = set(out["serving"]["results"][1])
+    assert {"ar", "dspark", "dspark-cut", "dspark-goodput", "dspark-full", "lookup"} <= names
+    for B in ("1", "2", "4"):
+        assert s["results"][B]["ar"]["speedup"] == 1.0
+        for name, e in s["results"][B].items():
+            assert e["exact_match"] == 1.0, (B, name)
+            assert s["batch_one_match"][B][name] == 1.0, (B, name)
+            assert e["tau"] >= 1.0 and 0 <= e["padding"] < 1
+            assert sum(e["given"]) == pytest.approx(1.0)  # shares of the row-rounds
+
+
+@pytest.mark.parametrize("value, why", [("0", "out of range"), ("-2", "out of range"),
+                                        ("", "at least one batch size"),
+                                        ("8", "more than the 3 prompts")])
+def test_bad_batch_sizes_are_one_error_line(trained, value, why, capsys):
+    with pytest.raises(SystemExit) as e:
+        try:
+            bench.main(["--out-dir", str(trained), "--n-prompts", "3", "--batch-size", value])
+        except ValueError as err:  # what bench.py's __main__ turns into one error line
+            raise SystemExit(f"error: {err}")
+    assert why in str(e.value.code) + capsys.readouterr().err

@@ -1,0 +1,242 @@
+"""Many requests at once (batched.py), for every drafter in conftest.DRAFTER_FACTORIES: in float64
+every row of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with
+rows that finish early and rows that start at the edge of the context window; native batched
+drafters equal the per-row reference; rejection sampling gives every row the target's
+distribution; DSpark's batch rules cut, skip and stay exact; bad batches are one clear error."""
+
+import math
+
+import pytest
+import torch
+
+import batched
+from batched import (BatchSampler, CostTable, PerRow, admit_batch, best_single_k, fill_budget,
+                     generate_batched, generate_plain_batched, interpolate, plan_budget)
+from conftest import DRAFTER_FACTORIES, fit_mtp, tiny_gpt
+from gpt import RaggedCache
+from speculative import Sampler, generate_plain
+
+
+def ragged_prompts(n, vocab, seed=0, window=None):
+    """n prompts of 1..19 tokens; with `window`, the last one ends 6 tokens before the window's
+    end, so its row finishes long before the others (the context limit)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(1, 20, (1,), generator=g))
+        out.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+    if window:
+        out[-1] = torch.randint(0, vocab, (window - 6,), generator=g).tolist()
+    return out
+
+
+def fixed_costs(drafter, B):
+    """A deterministic cost table for BatchDSpark (the real one is profiled): a verify of N tokens
+    over B rows costs 1 + N/B units, a draft half a unit per row."""
+    drafter.costs[B] = (CostTable(B, [1.0 + m for m in range(1, drafter.max_k + 2)]),
+                        interpolate({B: 0.5, B * (drafter.max_k + 1): 0.5 + 0.1 * drafter.max_k}))
+    drafter.flush_cost[B] = 0.0
+    return drafter
+
+
+def batched_drafter(name, target, B):
+    d = DRAFTER_FACTORIES[name](target).batched()
+    return fixed_costs(d, B) if hasattr(d, "flush_cost") else d
+
+
+# -----------------------------------------------------------------------------
+# the ragged target
+
+
+def test_a_ragged_forward_equals_each_row_alone(target):
+    prompts = ragged_prompts(4, target.config.vocab_size, seed=3)
+    P = [len(p) for p in prompts]
+    cache = target.new_cache(4, ragged=True)
+    with torch.no_grad():
+        logits = target(batched.padded(prompts, "cpu"), cache=cache, counts=P)[0]
+        for r, p in enumerate(prompts):
+            ref = target(torch.tensor([p]))[0][0]
+            assert torch.allclose(logits[r, :len(p)], ref, atol=1e-12)
+        # a ragged second chunk: rows of 3, 0, 5 and 1 new tokens, at their own positions
+        new = [[1, 2, 3], [], [4, 5, 6, 7, 8], [9]]
+        logits = target(batched.padded([n or [0] for n in new], "cpu", 5), cache=cache,
+                        counts=[len(n) for n in new])[0]
+        for r, (p, n) in enumerate(zip(prompts, new)):
+            if n:
+                ref = target(torch.tensor([p + n]))[0][0][len(p):]
+                assert torch.allclose(logits[r, :len(n)], ref, atol=1e-12)
+    assert cache.lengths == [p + len(n) for p, n in zip(P, new)]
+    cache.rollback([1, P[1], 2, 0])
+    with pytest.raises(ValueError, match="roll back"):
+        cache.rollback([100, 0, 0, 0])
+
+
+def test_a_ragged_forward_refuses_to_pass_the_window(target):
+    cache = target.new_cache(2, ragged=True)
+    window = target.config.block_size
+    with torch.no_grad(), pytest.raises(ValueError, match="context window"):
+        target(torch.zeros(2, window + 1, dtype=torch.long), cache=cache, counts=[1, window + 1])
+    assert isinstance(cache, RaggedCache) and cache.lengths == [0, 0]
+
+
+# -----------------------------------------------------------------------------
+# every row equals its own batch-1 decoding
+
+
+def test_plain_batched_equals_batch_one(target):
+    window = target.config.block_size
+    prompts = ragged_prompts(5, target.config.vocab_size, window=window)
+    for mode in ("greedy", "coupled"):
+        ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 7)) for p in prompts]
+        out = generate_plain_batched(target, prompts, 30, BatchSampler(mode, 5, 0.8, None, 7))
+        assert out == ref
+    assert len(out[-1]) == 6  # the long prompt's row stopped at the window
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k):
+    window = target.config.block_size
+    prompts = ragged_prompts(5, target.config.vocab_size, seed=k, window=window)
+    ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
+    d = batched_drafter(drafter_name, target, len(prompts))
+    out, stats = generate_batched(target, d, prompts, 30, k, BatchSampler(mode, 5, 0.9, None, 11))
+    for r, (o, want) in enumerate(zip(out, ref)):
+        assert o == want, f"row {r} diverged"
+    assert stats.tokens == sum(len(o) for o in out)
+    assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
+def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
+    """The batched twins draft exactly what one batch-1 copy per row drafts: same tokens, same
+    draft lengths, in rejection mode too (each row's generator moves as in its own run)."""
+    prompts = ragged_prompts(4, target.config.vocab_size, seed=5)
+    factories = {**DRAFTER_FACTORIES, "mtp1": lambda t: __import__("draft_mtp").MTPDrafter(
+        fit_mtp(t, n_modules=1), t)}
+    for name in ("small", "mtp1", "dflash"):
+        one = factories[name](target)
+        native = one.batched()
+        assert not isinstance(native, PerRow), name
+        runs = [generate_batched(target, d, prompts, 24, 3, BatchSampler(mode, 4, 0.9, None, 2))
+                for d in (native, PerRow(one))]
+        assert runs[0][0] == runs[1][0], name
+        assert runs[0][1].given == runs[1][1].given, name
+
+
+def test_rows_that_finish_cost_nothing_and_keep_their_tokens(target):
+    """A row at its last token gets zero tokens in every later forward: the batch goes on
+    without it, and its output has exactly its allowed length."""
+    prompts = ragged_prompts(3, target.config.vocab_size, seed=9, window=target.config.block_size)
+    d = batched_drafter("dflash", target, 3)
+    out, stats = generate_batched(target, d, prompts, 40, 4, BatchSampler("greedy", 3))
+    assert [len(o) for o in out] == [40, 40, 6]
+    assert stats.slots > stats.verify_tokens  # ragged rounds: the attention padded some slots
+
+
+# -----------------------------------------------------------------------------
+# rejection sampling: the target's distribution per row
+
+
+def exact_marginals(target, prompt, temperature):
+    """The target's distribution of the first and the second generated token (V and V x V)."""
+    s = Sampler("rejection", temperature)
+    with torch.no_grad():
+        p1 = s.probs(target(torch.tensor([prompt]))[0][0, -1])  # (V,)
+        V = p1.numel()
+        seqs = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = s.probs(target(seqs)[0][:, -1])  # (V, V): row t = p(. | first token t)
+    return p1, p1 @ p2
+
+
+@pytest.mark.parametrize("name", ["small", "dspark", "lookup"])
+def test_rejection_sampling_per_row_has_the_targets_distribution(target, name):
+    prompt, rows, T = [3, 1, 4, 1, 5], 2000, 1.0
+    p1, p2 = exact_marginals(target, prompt, T)
+    d = batched_drafter(name, target, rows)
+    sampler = BatchSampler("rejection", rows, T, None, seeds=list(range(rows)))
+    out, stats = generate_batched(target, d, [prompt] * rows, 3, 2, sampler)
+    assert sum(stats.drafted_at) > 0 and stats.accepted_at[0] < stats.drafted_at[0]  # both paths
+    for pos, p in ((0, p1), (1, p2)):
+        counts = torch.bincount(torch.tensor([o[pos] for o in out]), minlength=p.numel())
+        tv = 0.5 * (counts / rows - p).abs().sum().item()
+        # 2,000 draws of plain sampling land about 0.06 from these distributions in TV; a sampler
+        # that kept the drafter's q (or ignored rejections) lands far further off
+        assert tv < 0.1, (name, pos, tv)
+
+
+# -----------------------------------------------------------------------------
+# DSpark's rules over the batch
+
+
+def test_algorithm_1_admits_by_survival_and_stops_at_the_first_drop():
+    cost = CostTable(2, [1.0, 1.2, 1.6, 2.4])  # N = 2, 4, 6, 8 tokens
+    survival = [[0.9, 0.8, 0.1], [0.5, 0.05]]
+    lengths = admit_batch(survival, 2, 0.5, cost)
+    assert lengths == [2, 1]  # 0.9, 0.8, 0.5 pay; 0.1 does not, and the search stops there
+    # a flat cost admits everything that survives at all
+    assert admit_batch(survival, 2, 0.5, CostTable(2, [1.0] * 4)) == [3, 2]
+    # a steep one admits nothing: a row may verify no draft at all
+    assert admit_batch(survival, 2, 0.0, CostTable(2, [1.0, 3.0, 9.0, 27.0])) == [0, 0]
+
+
+def test_goodput_gives_every_row_one_length_and_budget_plans_before_drafting():
+    cost = CostTable(2, [1.0, 1.2, 1.6, 2.4])
+    survival = [[0.9, 0.8, 0.1], [0.5, 0.05]]
+    assert best_single_k(survival, 2, 0.5, cost) in ([1, 1], [2, 2], [3, 2])
+    assert len(set(best_single_k(survival, 2, 0.5, cost))) == 1
+    K, width, rows = plan_budget(survival, 2, lambda n: 0.1 + 0 * n, [0.2, 0.2], cost, 5)
+    assert K == 3 and width == 2 and rows == [True, True]
+    # when a draft costs more than any survival buys, the plan is not to draft at all
+    assert plan_budget(survival, 2, lambda n: 5.0 + 0 * n, [0.0, 0.0], cost, 5)[0] == 0
+    assert fill_budget(survival, 3) == [2, 1]
+    assert fill_budget(survival, 0) == [0, 0]
+
+
+@pytest.mark.parametrize("schedule", ["auto", "goodput", "budget", "full"])
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_every_batch_rule_is_exact(target, schedule, mode):
+    from draft_dspark import BatchDSpark
+    prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.block_size)
+    ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
+    d = fixed_costs(BatchDSpark(DRAFTER_FACTORIES["dspark"](target), schedule), 4)
+    out, stats = generate_batched(target, d, prompts, 30, 6, BatchSampler(mode, 4, 0.8, None, 5))
+    assert out == ref
+    if schedule == "full":
+        assert sum(stats.given[1:6]) <= 4 * 3  # only near the end does a row get fewer than 6
+
+
+def test_the_budget_rule_skips_drafting_when_verifying_is_dear(target):
+    """With a verify that costs ten times per token what a row's step does, no draft pays: the
+    budget rule skips the draft itself (every row verifies its last token alone) and probes now
+    and then; the tokens stay exact."""
+    from draft_dspark import BatchDSpark
+    prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
+    d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "budget")
+    d.costs[4] = (CostTable(4, [1.0 + 10.0 * m for m in range(d.max_k + 1)]),
+                  interpolate({4: 0.5, 4 * (d.max_k + 1): 2.0}))
+    d.flush_cost[4] = 0.0
+    out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
+    assert out == [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
+    assert d.skipped > 0 and stats.given[0] > stats.rounds // 2
+
+
+# -----------------------------------------------------------------------------
+# bad batches
+
+
+def test_bad_batches_are_one_clear_error(target):
+    window = target.config.block_size
+    s = BatchSampler("greedy", 2)
+    with pytest.raises(ValueError, match="batch is empty"):
+        generate_plain_batched(target, [], 4, BatchSampler("greedy", 1))
+    with pytest.raises(ValueError, match="prompt 1 of the batch: the prompt is empty"):
+        generate_plain_batched(target, [[1, 2], []], 4, s)
+    with pytest.raises(ValueError, match="prompt 0 of the batch: the prompt has"):
+        generate_plain_batched(target, [[1] * window, [1]], 4, s)
+    with pytest.raises(ValueError, match="seeds for a batch"):
+        BatchSampler("coupled", 3, seeds=[1, 2])
+    d = DRAFTER_FACTORIES["dflash"](target).batched()
+    with pytest.raises(ValueError, match="prompt 1 of the batch"):
+        generate_batched(target, d, [[1, 2], []], 4, 2, s)
+    assert math.isfinite(generate_batched(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)
