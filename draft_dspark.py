@@ -704,7 +704,9 @@ class BatchDSpark(BatchDFlash):
             lengths = best_single_k(a, base, t_fixed, cost)
         else:
             lengths = fill_budget(a, self.budget_k)
-        self.estimate = a
+        # a row that drafted nothing this round keeps its last estimate
+        old = self.estimate or [[] for _ in a]
+        self.estimate = [row if row else prev for row, prev in zip(a, old)]
         return lengths
 
     def planned(self, ks, base, cost, t_draft, B):
