@@ -185,18 +185,31 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
     P = [len(p) for p in prompts]
-    B, n = len(prompts), max(allowed)
-    cache = cache or model.new_cache(B, ragged=True)
+    cache = cache or model.new_cache(len(prompts), ragged=True)
     cache.reset()
-    out = torch.empty(B, n, dtype=torch.long, device=dev)
     logits = model(padded(prompts, dev), cache=cache, counts=P, last_only=True)[0]  # (B, 1, V)
-    out[:, :1] = sampler.first_token(logits, P)
-    for i in range(1, n):
-        counts = [1 if i < a else 0 for a in allowed]
-        logits = model(out[:, i - 1:i], cache=cache, counts=counts)[0]  # (B, 1, V)
-        out[:, i:i + 1] = sampler.pick(logits, [p + i for p in P])
+    first = sampler.first_token(logits, P)  # (B, 1)
+    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler)
+    return [[t] + r for t, r in zip(first[:, 0].tolist(), rest)]
+
+
+def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None):
+    """Plain decoding of every row to its end: row r has done[r] of its allowed[r] tokens, the
+    last of them, last[r], not yet in the cache; its next token sits at position P[r] + done[r].
+    One (B, 1) forward a step, a row with all its tokens getting zero. No host sync until the
+    end. Returns each row's new tokens. stats: a BatchStats to count the steps in (a round each,
+    nothing drafted)."""
+    B, steps = len(done), max(a - d for a, d in zip(allowed, done))
+    out = torch.empty(B, max(steps, 0), dtype=torch.long, device=last.device)
+    x = last[:, None]
+    for i in range(steps):
+        counts = [1 if d + i < a else 0 for d, a in zip(done, allowed)]
+        logits = model(x, cache=cache, counts=counts)[0]  # (B, 1, V)
+        x = out[:, i:i + 1] = sampler.pick(logits, [p + d + i for p, d in zip(P, done)])
+        if stats is not None:
+            stats.record([0] * B, [0] * B, [c > 0 for c in counts], 1, 0.0, 0.0)
     rows = out.tolist()  # host sync (the only one)
-    return [row[:a] for row, a in zip(rows, allowed)]
+    return [row[:a - d] for row, a, d in zip(rows, allowed, done)]
 
 
 # -----------------------------------------------------------------------------
@@ -206,6 +219,8 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
 class BatchDrafter:
     """What the batched loop needs from a drafter: speculative.Drafter, one more axis.
 
+    on                         False once it will not draft again in this batch (BatchDSpark's
+                               budget rule): the loop decodes the rest plainly, no bookkeeping.
     begin(seqs, hidden)        B new sequences: seqs, a list of (n_r,) token tensors; hidden
                                {layer: (B, P, d)}, row r's first n_r - 1 slots valid.
     propose(ks, sampler)       draft up to ks[r] tokens for row r (0: none) -> (drafts (B, K),
@@ -221,6 +236,9 @@ class BatchDrafter:
     default_k = 4
     sampled_k = None
     budget = []
+    # False: the drafter's own rule says no draft will pay for the rest of this batch, and the
+    # loop finishes it by plain decoding (the drafter then stays out of sync until its next begin)
+    on = True
 
     def begin(self, seqs, hidden):
         raise NotImplementedError
@@ -334,6 +352,14 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         active = [len(o) < a for o, a in zip(out, allowed)]
         if not any(active):
             break
+        if not drafter.on:  # the drafter's own rule says no draft will pay in this batch
+            t0 = time.perf_counter()
+            rest = plain_steps(target, cache, last, [len(o) for o in out], allowed, P, sampler,
+                               stats)
+            stats.verify_time += time.perf_counter() - t0
+            for o, r in zip(out, rest):
+                o.extend(r)
+            break
         ks = [min(k, a - len(o) - 1) if on else 0 for o, a, on in zip(out, allowed, active)]
         t0 = time.perf_counter()
         if any(ks):
@@ -349,8 +375,8 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         kept = [m + 1 if on else 0 for m, on in zip(n, active)]
         cache.rollback([s + m for s, m in zip(starts, kept)])  # keep [last, d1..dn] per row
         drafter.commit(kept, new, hid)
-        at = torch.tensor([max(m - 1, 0) for m in kept], device=dev)
-        last = torch.where(torch.tensor(active, device=dev), new.gather(1, at[:, None])[:, 0], last)
+        # each row's last token (a finished row's is never read again)
+        last = new.gather(1, torch.tensor([max(m - 1, 0) for m in kept], device=dev)[:, None])[:, 0]
         for r, on in enumerate(active):
             if on:
                 out[r].extend(ids[r])
@@ -424,7 +450,11 @@ class CostTable:
                 target(x[:, n_ctx:n_ctx + m], cache=cache)
                 synchronize(dev)
                 best = min(best, time.perf_counter() - t0)
-            seconds.append(max(best, seconds[-1] if seconds else 0.0))
+            seconds.append(best)
+        # non-decreasing from the right: m tokens never cost more than any longer forward. (A
+        # running max from the left would let one slow try raise every longer entry with it)
+        for m in range(len(seconds) - 2, -1, -1):
+            seconds[m] = min(seconds[m], seconds[m + 1])
         return cls(batch_size, seconds)
 
 
@@ -436,22 +466,33 @@ def interpolate(points):
     return lambda x: np.interp(x, xs, ys)
 
 
+def as_table(survival):
+    """Survivals as (A, L): A (B, K) float array, row r's first L[r] entries its a_{r,1..L[r]}.
+    Takes that pair as it is, or a list of rows (the readable form, used by the tests)."""
+    if isinstance(survival, tuple):
+        return survival
+    K = max((len(row) for row in survival), default=0)
+    A = np.zeros((len(survival), K))
+    for r, row in enumerate(survival):
+        A[r, :len(row)] = row
+    return A, np.array([len(row) for row in survival], dtype=np.int64)
+
+
 def by_survival(survival):
     """Every (row, draft position) pair, most likely to survive first (within a row in order:
     a_{r,j} never rises with j, and ties go to the earlier position) -> numpy arrays (a, j, r)."""
-    a = np.array([x for row in survival for x in row], dtype=np.float64)
-    j = np.array([i for row in survival for i in range(len(row))], dtype=np.int64)
-    r = np.array([k for k, row in enumerate(survival) for _ in row], dtype=np.int64)
+    A, L = as_table(survival)
+    r, j = np.nonzero(np.arange(A.shape[1]) < L[:, None])
+    a = A[r, j]
     order = np.lexsort((j, -a))
     return a[order], j[order], r[order]
 
 
 def lengths_of(j, r, K, batch_size):
     """The per-row lengths the first K pairs of by_survival make."""
-    lengths = [0] * batch_size
-    for jj, rr in zip(j[:K].tolist(), r[:K].tolist()):
-        lengths[rr] = max(lengths[rr], jj + 1)
-    return lengths
+    lengths = np.zeros(batch_size, dtype=np.int64)
+    np.maximum.at(lengths, r[:K], j[:K] + 1)
+    return lengths.tolist()
 
 
 def admit_batch(survival, base, t_fixed, cost):
@@ -466,7 +507,7 @@ def admit_batch(survival, base, t_fixed, cost):
     theta = (base + np.concatenate([[0.0], np.cumsum(a)])) / (t_fixed + cost(base + K))
     drops = np.flatnonzero(theta[1:] <= theta[:-1])
     stop = int(drops[0]) if len(drops) else len(a)
-    return lengths_of(j, r, stop, len(survival))
+    return lengths_of(j, r, stop, len(as_table(survival)[1]))
 
 
 def best_single_k(survival, base, t_fixed, cost):
@@ -474,36 +515,39 @@ def best_single_k(survival, base, t_fixed, cost):
     length l for every row of the batch, the l in 0..K that maximises expected tokens per second
     from the same survivals and cost table. -> a length per row (l, or fewer where a row has
     fewer drafts)."""
+    A, L = as_table(survival)
+    C = np.cumsum(A * (np.arange(A.shape[1]) < L[:, None]), axis=1)  # tokens expected by l
     best, best_l = base / (t_fixed + float(cost(base))), 0
-    K = max((len(row) for row in survival), default=0)
-    for l in range(1, K + 1):
-        tau = base + sum(sum(row[:l]) for row in survival)
-        n = base + sum(min(l, len(row)) for row in survival)
-        theta = tau / (t_fixed + float(cost(n)))
+    for l in range(1, A.shape[1] + 1):
+        m = np.minimum(l, L)
+        tau = base + C[m > 0, m[m > 0] - 1].sum()
+        theta = tau / (t_fixed + float(cost(base + m.sum())))
         if theta > best:
             best, best_l = theta, l
-    return [min(best_l, len(row)) for row in survival]
+    return np.minimum(best_l, L).tolist()
 
 
-def plan_budget(estimate, base, t_draft, t_rest, cost, cap):
+def plan_budget(estimate, base, t_draft, t_rest, cost, cap, margin=0.0):
     """The production variant's budget (DSpark §5.2-5.3), set BEFORE drafting from survivals one
     round old: the K in 0..cap that maximises (base + the K best estimated survivals) /
     (t_rest[K > 0] + t_draft(slots) + cost(base + K)), slots = the block slots those K pairs need
     (every row that gets one drafts the widest such row's width), by a full search (the table is
     jagged). K = 0 drafts nothing at all. Lossless because K does not depend on this round's
     tokens. t_rest: the rest of a round, measured apart for rounds without and with a draft.
-    -> (K, width, which rows draft)."""
+    margin: draft only where theta beats the no-draft round's by more than this share (the
+    tables' own error). -> (K, width, which rows draft)."""
     a, j, r = by_survival(estimate)
     a, j, r = a[:cap], j[:cap], r[:cap]
+    B = len(as_table(estimate)[1])
     width = np.maximum.accumulate(j + 1) if len(a) else j
     rows = np.cumsum(j == 0)  # each row's first pair comes first among its own
     K = np.arange(1, len(a) + 1)
     theta = (base + np.cumsum(a)) / (t_rest[1] + t_draft(rows * (width + 1)) + cost(base + K))
     skip = base / (t_rest[0] + float(cost(base)))
-    if len(a) == 0 or theta.max() <= skip:
-        return 0, 0, [False] * len(estimate)
+    if len(a) == 0 or theta.max() <= skip * (1 + margin):
+        return 0, 0, [False] * B
     best = int(theta.argmax())
-    lengths = lengths_of(j, r, best + 1, len(estimate))
+    lengths = lengths_of(j, r, best + 1, B)
     return best + 1, int(width[best]), [m > 0 for m in lengths]
 
 
@@ -511,4 +555,4 @@ def fill_budget(survival, K):
     """Which K (row, position) pairs fill a budget: the K most likely to survive, fresh
     confidences, a prefix of each row. -> a length per row."""
     _, j, r = by_survival(survival)
-    return lengths_of(j, r, K, len(survival))
+    return lengths_of(j, r, K, len(as_table(survival)[1]))

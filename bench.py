@@ -55,12 +55,15 @@ import time
 
 import torch
 
+import bench_batched
 import data
 import plot
 from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
                  ArgumentParser, synchronize)
 from speculative import (DRAFTERS, Sampler, Stats, add_sampling_flags, generate_plain,
                          generate_speculative, k_for, load_drafter, parse_args)
+
+MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
 
 # -----------------------------------------------------------------------------
 # what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
@@ -310,8 +313,9 @@ def add_run_flags(g):
     g.add_argument("--prompt-len", type=number(int, 1), default=None,
                    help="tokens per validation prompt "
                    "(default: 64, or a quarter of a smaller context)")
-    g.add_argument("--max-new-tokens", type=number(int, 1), default=128,
-                   help="tokens generated per prompt (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=number(int, 1), default=None,
+                   help="tokens generated per prompt (default: 128; with --batch-size "
+                   f"{bench_batched.NEW_TOKENS})")
     g.add_argument("--batch-size", type=number_list(int, 1), default=None,
                    help="the serving sweep instead: comma list of batch sizes, each method "
                    "batched against batched plain decoding, e.g. 1,2,4,8,16,32; at most "
@@ -546,7 +550,9 @@ def write(out, args):
 def main(argv=None):
     args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
     if args.batch_size is not None:
+        args.max_new_tokens = args.max_new_tokens or bench_batched.NEW_TOKENS
         return main_batched(args)
+    args.max_new_tokens = args.max_new_tokens or MAX_NEW_TOKENS
     device, target, prompts, drafters = load(args)
     temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
     header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
@@ -570,7 +576,6 @@ def main(argv=None):
 def main_batched(args):
     """--batch-size: the serving sweep (bench_batched.py), its tables, OUT_DIR/serving.json and
     OUT_DIR/serving.png."""
-    import bench_batched
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
     device, target, prompts, drafters = load(args)

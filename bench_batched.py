@@ -25,10 +25,11 @@ import statistics
 import torch
 
 from batched import BatchSampler, generate_batched, generate_plain_batched
-from bench import margin_at, timed
 from speculative import Sampler, generate_plain
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat
+NEW_TOKENS = 48  # tokens per request unless --max-new-tokens says otherwise: the sweep in minutes
+MAX_BATCHES = 6  # batches timed per batch size: small batch sizes decode the first B * 6 prompts
 
 
 def ragged(prompts, seed=0):
@@ -75,9 +76,10 @@ def run_batch(name, entry, target, batch, args, cache):
 
 def at_batch_size(B, target, prompts, table, args, device):
     """Every method over the prompts in batches of B, `repeats` times, interleaved -> results."""
-    batches = [prompts[i:i + B] for i in range(0, len(prompts) - B + 1, B)]
+    batches = [prompts[i:i + B] for i in range(0, len(prompts) - B + 1, B)][:MAX_BATCHES]
     cache = target.new_cache(B, ragged=True)
     names = list(table)
+    import bench  # (bench.py imports this file)
     for name in names:  # warm-up; DSpark profiles its cost table for this batch size here
         run_batch(name, table[name], target, batches[0], args, cache)
     times = {n: [] for n in names}
@@ -89,7 +91,7 @@ def at_batch_size(B, target, prompts, table, args, device):
         for i, batch in enumerate(batches):
             order = random.Random(1000 * B + rep * len(batches) + i).sample(names, len(names))
             for name in order:
-                t, (out, st) = timed(lambda: run_batch(name, table[name], target, batch, args,
+                t, (out, st) = bench.timed(lambda: run_batch(name, table[name], target, batch, args,
                                                        cache), device)
                 times[name][-1] += t
                 outs[name][i], stats[name][i] = out, st
@@ -123,6 +125,7 @@ def summarize(name, times, ar_times, outs, ref, stats, n_tokens, B):
 
 
 def against_batch_one(name, outs, batches, single, target):
+    from bench import margin_at  # (bench.py imports this file)
     """Rows of `outs` that differ from batch-1 plain decoding -> divergences with the margin."""
     rows, prompts = [o for b in outs for o in b], [p for b in batches for p in b]
     found = []

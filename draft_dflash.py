@@ -484,17 +484,21 @@ class BatchDFlash(BatchDrafter):
         T = max(kept)
         if T == 0:
             return
-        B = len(kept)
-        pos = torch.tensor(self.n_ctx, device=self.states.device)[:, None] + torch.arange(
-            T, device=self.states.device)  # (B, T)
-        rows = torch.arange(B, device=pos.device)[:, None]
+        B, dev = len(kept), self.states.device
+        t = torch.arange(T, device=dev)
+        pos = torch.tensor(self.n_ctx, device=dev)[:, None] + t  # (B, T)
+        # a row with fewer pending states than T: its extra slots go to the buffers' last
+        # position, past every valid one (a row near the window's end would run off them)
+        pos = torch.where(t < torch.tensor(kept, device=dev)[:, None], pos, self.states.size(1) - 1)
+        rows = torch.arange(B, device=dev)[:, None]
         ctx = self.net.ctx_norm(self.net.fc(self.states[rows, pos]))  # (B, T, d)
         n_layer, _, nh, _, hs = self.k_cache.shape
         kv = self.one.ctx_kv(ctx).view(B, T, n_layer, 2, nh, hs).permute(2, 3, 0, 4, 1, 5)
         cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
+        pos_rope = pos.clamp_max(cos.size(0) - 1)
         at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
               pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
-        self.k_cache[at] = rope(kv[:, 0], cos[pos][:, None], sin[pos][:, None])
+        self.k_cache[at] = rope(kv[:, 0], cos[pos_rope][:, None], sin[pos_rope][:, None])
         self.v_cache[at] = kv[:, 1]
         self.n_ctx = list(self.n_states)
 

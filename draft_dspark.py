@@ -41,6 +41,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -311,6 +312,15 @@ MARKOV_TABLE_BYTES = 256 * 2**20
 # (and every SCORE_EVERY-th round while it drafts nothing): enough to see whether drafting pays
 PROBE_WIDTH = 2
 MAX_WAIT = 256
+# after OFF_AFTER batches in a row at one batch size skipped the draft in OFF_SHARE of their
+# rounds, its batches are decoded plainly from the start (the drafter off), except one in
+# OFF_EVERY, which looks again
+OFF_AFTER, OFF_SHARE, OFF_EVERY = 2, 0.9, 16
+# the budget rule drafts only where its tables promise more than this much over a round without a
+# draft: the tables' own error, measured in the loop, is about that (docs/experiments.md:
+# Batched: the budget rule's margin)
+PLAN_MARGIN = 0.25
+CALIBRATION_PRIOR = 5.0  # pseudo-rounds at the confidence head's own estimate (recalibrate)
 # while scoring does not pay (DSparkDrafter.closed), one round in this many is still scored, so a
 # change (a longer context, a busier device) is seen
 SCORE_EVERY = 16
@@ -580,6 +590,10 @@ class BatchDSpark(BatchDFlash):
         self.costs = {}  # batch size -> (CostTable, t_draft)
         self.adapt, self.verified, self.rounds, self.skipped = {}, 0, 0, 0
         self.flush_cost = {}  # batch size -> seconds per pending target state a flush takes
+        self.batches = {}  # batch size -> batches begun
+        # per draft position: (survivals seen, survivals predicted), decaying sums (recalibrate)
+        self.calibration = np.zeros((2, self.max_k))
+        self._scored, self.on, self.batch_rounds, self.skipped_in_batch = None, True, 0, 0
         self.estimate = None
 
     def variants(self):
@@ -588,6 +602,8 @@ class BatchDSpark(BatchDFlash):
         for s in BATCH_SCHEDULES[1:]:
             v = copy.copy(self)
             v.schedule, v.verified, v.rounds, v.skipped, v.adapt, v.estimate = s, 0, 0, 0, {}, None
+            v.batches, v.calibration, v._scored = {}, self.calibration.copy(), None
+            v.on, v.batch_rounds, v.skipped_in_batch = True, 0, 0
             out[f"dspark-{s}"] = v
         return out
 
@@ -600,11 +616,22 @@ class BatchDSpark(BatchDFlash):
             t_draft, per_state = self.time_draft(B)
             self.costs[B] = (table, t_draft)
             self.flush_cost[B] = per_state
-        # the last generation's survivals are this one's first estimate (they describe the drafter
-        # on this text, at this batch size); without any, the first round probes
-        if self.estimate is not None and len(self.estimate) != B:
-            self.estimate = None
-        self._last, self.idle, self._plan = None, 0, None
+        ad = self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY,
+                                       "failed": 0})
+        if self.on and self.batch_rounds:  # the batch before this one: did it draft at all?
+            done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
+            ad["failed"] = ad["failed"] + 1 if done else 0
+        # new requests: no estimate of their own yet (the first round probes), and the head's
+        # confidences taken at their word again
+        self.estimate, self._last, self.idle, self._plan = None, None, 0, None
+        self.calibration = np.zeros((2, self.max_k))
+        self.batches[B] = self.batches.get(B, 0) + 1
+        self.batch_rounds, self.skipped_in_batch = 0, 0
+        # where OFF_AFTER batches in a row at this batch size found that no draft pays, a batch is
+        # decoded plainly from its start (no drafter to keep in sync: that costs a few percent a
+        # round, docs/results.md); one batch in OFF_EVERY stays on and looks again
+        self.on = not (self.schedule == "budget" and ad["failed"] >= OFF_AFTER
+                       and self.batches[B] % OFF_EVERY)
 
     def time_draft(self, B, reps=5):
         """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
@@ -662,11 +689,39 @@ class BatchDSpark(BatchDFlash):
 
     def survival(self, h, toks, ks):
         """Every row's prefix survivals a_{r,j} = prod_{i<=j} c_{r,i}, capped at ks[r]: one
-        product and one host read for the whole batch."""
+        product and one host read for the whole batch (as the head gives them: choose() scales
+        them by what verification has shown, recalibrate)."""
         prev = torch.cat([self.rows.last()[:, None], toks[:, :-1]], 1)
         z = h @ self.conf_h + self.conf_code[prev]  # (B, K) confidence logits
-        a = torch.sigmoid(z / self.conf_temp[:z.size(1)]).cumprod(1).tolist()  # host sync
-        return [row[:k] for row, k in zip(a, ks)]
+        a = torch.sigmoid(z / self.conf_temp[:z.size(1)]).cumprod(1)
+        return a.to("cpu", torch.float64).numpy(), np.array(ks)  # host sync
+
+    def recalibrate(self, row):
+        """row: survivals (A, L) as survival() gives them -> the same, recalibrated."""
+        """a_j times the ratio of survivals seen to survivals predicted at position j, so far
+        (kept non-increasing in j, at most 1). Why: the confidence head is calibrated on held-out
+        training windows, and on other text it can be far off (on short prompts it predicted
+        a_5 = 0.39 where 0.16 survived, docs/experiments.md: Batched: online recalibration),
+        and every rule here spends the budget by these numbers. The ratio comes from earlier
+        rounds only, so a round's choice never depends on its own outcome."""
+        A, L = row
+        seen, said = self.calibration[:, :A.shape[1]]
+        # a prior of CALIBRATION_PRIOR rounds at the head's own word: thin evidence moves the
+        # estimate little
+        ratio = (seen + CALIBRATION_PRIOR) / (said + CALIBRATION_PRIOR)
+        return np.minimum.accumulate(np.minimum(A * ratio, 1.0), axis=1), L
+
+    def observe(self, lengths, a, kept, decay=0.98):
+        """After a verify: which verified drafts survived (row r kept kept[r] - 1 of its
+        lengths[r]), against the survivals a it was predicted (before recalibration)."""
+        A, _ = a
+        j = np.arange(A.shape[1])[None, :]
+        verified = j < np.asarray(lengths)[:, None]
+        survived = verified & (j < np.asarray(kept)[:, None] - 1)
+        cal = self.calibration[:, :A.shape[1]]
+        cal *= decay
+        cal[0] += survived.sum(0)
+        cal[1] += (A * verified).sum(0)
 
     @torch.inference_mode()
     def propose(self, ks, sampler):
@@ -676,8 +731,10 @@ class BatchDSpark(BatchDFlash):
         self.measure(now, cost, t_draft, B)
         if self.schedule == "budget" and self.estimate is not None:
             ks = self.planned(ks, base, cost, t_draft, B)
+            self.batch_rounds += 1
             if not any(ks):  # the cost table says no draft pays: a plain step, not even drafted
                 self.rounds, self.skipped = self.rounds + 1, self.skipped + 1
+                self.skipped_in_batch += 1
                 self._last = (now, time.perf_counter() - now, 0, base)
                 return self.rows.toks[:, :0], [0] * B, None
         elif self.schedule == "budget":  # no estimate yet: a narrow probe, cut by Algorithm 1
@@ -694,7 +751,8 @@ class BatchDSpark(BatchDFlash):
 
     def choose(self, h, toks, ks, base, cost, t_draft, B):
         """After drafting: every row's survivals (one host read), then the rule -> lengths."""
-        a = self.survival(h, toks, ks)
+        raw = self.survival(h, toks, ks)
+        a = self.recalibrate(raw)
         # the draft is spent already: t_fixed only scales theta
         t_fixed = self.adapt[B]["scale"] * float(t_draft(sum(k + 1 for k in ks if k)))
         t_fixed += self.adapt[B]["rest"][1]
@@ -705,9 +763,21 @@ class BatchDSpark(BatchDFlash):
         else:
             lengths = fill_budget(a, self.budget_k)
         # a row that drafted nothing this round keeps its last estimate
-        old = self.estimate or [[] for _ in a]
-        self.estimate = [row if row else prev for row, prev in zip(a, old)]
+        A, L = a
+        A = np.pad(A, ((0, 0), (0, self.max_k - A.shape[1])))
+        if self.estimate is not None:
+            A = np.where(L[:, None] > 0, A, self.estimate[0])
+            L = np.where(L > 0, L, self.estimate[1])
+        self.estimate = (A, L)
+        self._scored = (raw, lengths)  # observe() compares them with what survives
         return lengths
+
+    @torch.inference_mode()
+    def commit(self, kept, new, hidden):
+        if self._scored is not None:
+            self.observe(self._scored[1], self._scored[0], kept)
+            self._scored = None
+        super().commit(kept, new, hidden)
 
     def planned(self, ks, base, cost, t_draft, B):
         """budget: this round's K from last round's survivals (plan_budget) -> what each row
@@ -718,12 +788,13 @@ class BatchDSpark(BatchDFlash):
         pending = sum(s - n for s, n in zip(self.n_states, self.n_ctx))  # a draft flushes these
         key = (id(self.estimate), base, tuple(ks), pending // (8 * B))
         if self._plan is None or self._plan[0] != key or self._plan[1][0]:
-            est = [row[:k] for row, k in zip(self.estimate, ks)]
+            A, L = self.estimate
+            est = (A, np.minimum(L, ks))
             flush = pending * self.flush_cost.get(B, 0.0)
             # (a plan of no draft is kept while nothing it depends on moves: a skipped round
             # changes no estimate, so the same search would give the same answer)
             self._plan = (key, plan_budget(est, base, lambda n: ad["scale"] * t_draft(n) + flush,
-                                           ad["rest"], cost, sum(ks)))
+                                           ad["rest"], cost, sum(ks), PLAN_MARGIN))
         self.budget_k, width, rows = self._plan[1]
         if self.budget_k == 0:
             self.idle += 1
@@ -748,7 +819,7 @@ class BatchDSpark(BatchDFlash):
         (commit, the loop; a round without a draft also its planning)."""
         if cost is None:
             return
-        ad = self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY})
+        ad = self.adapt[B]
         if self._last is not None:
             start, spent, slots, n = self._last
             if slots:

@@ -216,9 +216,18 @@ def test_the_budget_rule_skips_drafting_when_verifying_is_dear(target):
     d.costs[4] = (CostTable(4, [1.0 + 10.0 * m for m in range(d.max_k + 1)]),
                   interpolate({4: 0.5, 4 * (d.max_k + 1): 2.0}))
     d.flush_cost[4] = 0.0
+    ref = [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
     out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
-    assert out == [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
+    assert out == ref
     assert d.skipped > 0 and stats.given[0] > stats.rounds // 2
+    # once its probes have failed long enough, the rule turns the drafter off for a whole batch:
+    # the loop decodes it plainly, still exact
+    offs = 0
+    for _ in range(6):
+        out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
+        assert out == ref
+        offs += not d.on
+    assert offs >= 2
 
 
 # -----------------------------------------------------------------------------
