@@ -158,9 +158,16 @@ def sweep(target, prompts, drafters, args, device):
             divergences += [dict(d, batch_size=B) for d in found]
         print(f"batch {B}: " + ", ".join(f"{n} {results[B][n]['speedup']:.2f}x" for n in table),
               flush=True)
+    costs = getattr(table.get("dspark", (None,))[0], "costs", {})
     return {"batch_sizes": list(args.batch_size), "results": results,
             "divergences": divergences, "batch_one_match": match,
-            "k": {n: k for n, (_, k) in table.items()}}
+            "k": {n: k for n, (_, k) in table.items()},
+            # DSpark's start-up profile: seconds of a target forward over B rows of m = 1, 2, ...
+            # tokens each, and of a draft of B rows at a few widths
+            "cost_tables": {B: {"verify_ms": [1000 * x for x in c.seconds],
+                                "draft_ms": {str(n): 1000 * float(d(n)) for n in
+                                             (B * 2, B * 3, B * 5, B * 9, B * 16)}}
+                            for B, (c, d) in costs.items()}}
 
 
 def report(serving):
@@ -188,6 +195,11 @@ def report(serving):
                          f"  padding {e['padding']:4.0%}  given most often {top}"
                          f" ({e['given'][top]:.0%})  exact {e['exact_match']:.0%}"
                          f" / {serving['batch_one_match'][B][n]:.0%}")
+    for B, c in serving.get("cost_tables", {}).items():
+        v = c["verify_ms"]
+        lines.append(f"cost table, batch {B}: verify of 1/2/4/8/16 tokens a row "
+                     + "/".join(f"{v[m - 1]:.1f}" for m in (1, 2, 4, 8, 16) if m <= len(v))
+                     + f" ms ({v[min(15, len(v) - 1)] / v[0]:.1f}x a plain step at the widest)")
     if serving["divergences"]:
         lines.append("\ndivergences from batch-1 plain decoding (float32 near-ties):")
         for d in serving["divergences"][:20]:
