@@ -617,7 +617,7 @@ class BatchDSpark(BatchDFlash):
             self.costs[B] = (table, t_draft)
             self.flush_cost[B] = per_state
         ad = self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY,
-                                       "failed": 0})
+                                       "failed": 0, "width": PROBE_WIDTH})
         if self.on and self.batch_rounds:  # the batch before this one: did it draft at all?
             done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
             ad["failed"] = ad["failed"] + 1 if done else 0
@@ -737,8 +737,9 @@ class BatchDSpark(BatchDFlash):
                 self.skipped_in_batch += 1
                 self._last = (now, time.perf_counter() - now, 0, base)
                 return self.rows.toks[:, :0], [0] * B, None
-        elif self.schedule == "budget":  # no estimate yet: a narrow probe, cut by Algorithm 1
-            ks = [min(k, PROBE_WIDTH) for k in ks]
+        elif self.schedule == "budget":  # no estimate yet: a probe, cut by Algorithm 1, as wide as
+            # the last plan at this batch size (new requests, but the same cost table)
+            ks = [min(k, max(PROBE_WIDTH, self.adapt[B]["width"])) for k in ks]
         toks, q, h = self.draft(ks, sampler)
         lengths = list(ks) if self.schedule == "full" else self.choose(h, toks, ks, base, cost,
                                                                         t_draft, B)
@@ -805,7 +806,7 @@ class BatchDSpark(BatchDFlash):
             # context of every skipped round)
             self.estimate, self.idle, ad["wait"] = None, 0, min(2 * ad["wait"], MAX_WAIT)
             return [min(k, PROBE_WIDTH) for k in ks]
-        self.idle, ad["wait"] = 0, SCORE_EVERY
+        self.idle, ad["wait"], ad["width"] = 0, SCORE_EVERY, width
         # one slot past the plan: the fresh confidences pick which K tokens fill the budget, and
         # the plan can grow a position a round where it pays
         return [min(k, width + 1) if on else 0 for k, on in zip(ks, rows)]
