@@ -315,7 +315,7 @@ MAX_WAIT = 256
 # after OFF_AFTER batches in a row at one batch size skipped the draft in OFF_SHARE of their
 # rounds, its batches are decoded plainly from the start (the drafter off), except one in
 # OFF_EVERY, which looks again
-OFF_AFTER, OFF_SHARE, OFF_EVERY = 2, 0.9, 16
+OFF_AFTER, OFF_SHARE, OFF_EVERY, OFF_COST = 2, 0.9, 16, 2.0
 # the budget rule drafts only where its tables promise more than this much over a round without a
 # draft: the tables' own error, measured in the loop, is about that (docs/experiments.md:
 # Batched: the budget rule's margin)
@@ -630,7 +630,11 @@ class BatchDSpark(BatchDFlash):
         # where OFF_AFTER batches in a row at this batch size found that no draft pays, a batch is
         # decoded plainly from its start (no drafter to keep in sync: that costs a few percent a
         # round, docs/results.md); one batch in OFF_EVERY stays on and looks again
-        self.on = not (self.schedule == "budget" and ad["failed"] >= OFF_AFTER
+        # (only where the widest verify costs OFF_COST times a plain step or more: below that a
+        # wrong "off" loses most of what speculation makes, a wrong "on" only the bookkeeping)
+        table = self.costs.get(B, (None,))[0]
+        dear = table is not None and table.seconds[-1] >= OFF_COST * table.seconds[0]
+        self.on = not (self.schedule == "budget" and dear and ad["failed"] >= OFF_AFTER
                        and self.batches[B] % OFF_EVERY)
 
     def time_draft(self, B, reps=5):
