@@ -240,6 +240,12 @@ class BatchDrafter:
     # loop finishes it by plain decoding (the drafter then stays out of sync until its next begin)
     on = True
 
+    def __init__(self, drafter):
+        """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
+        its name, the target layers it reads, its k and its training record."""
+        for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
+            setattr(self, name, getattr(drafter, name))
+
     def begin(self, seqs, hidden):
         raise NotImplementedError
 
@@ -286,10 +292,8 @@ class PerRow(BatchDrafter):
     grows with B: a network drafter run this way pays B forwards a round."""
 
     def __init__(self, drafter):
-        self.proto = drafter
-        for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
-            setattr(self, name, getattr(drafter, name))
-        self.rows = []
+        super().__init__(drafter)
+        self.proto, self.rows = drafter, []
 
     def begin(self, seqs, hidden):
         self.device = seqs[0].device

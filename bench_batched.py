@@ -39,10 +39,9 @@ def ragged(prompts, seed=0):
     return [p[:rng.randint(max(1, len(p) // 4), len(p))] for p in prompts]
 
 
-def methods(drafters, mode):
+def methods(drafters):
     """{name: (batched drafter or None for plain, k)}: each drafter's batched twin at its own k,
     and DSpark under every rule and at every fixed k."""
-    from speculative import k_for
     out = {"ar": (None, 0)}
     for name, (d, k) in drafters.items():
         if "-" in name:  # batch-1 ablations: the serving rows below replace them
@@ -52,12 +51,8 @@ def methods(drafters, mode):
             continue
         full = d.max_k
         out["dspark"] = (d.batched("budget"), full)
-        out["dspark-cut"] = (d.batched("auto"), full)
-        out["dspark-goodput"] = (d.batched("goodput"), full)
-        out["dspark-full"] = (d.batched("full"), full)
-        shared = out["dspark"][0]
-        for v in ("dspark-cut", "dspark-goodput"):  # one cost table per batch size for all
-            out[v][0].costs, out[v][0].flush_cost = shared.costs, shared.flush_cost
+        # the other rules share its profiles: one cost table per batch size for all
+        out.update({v: (vd, full) for v, vd in out["dspark"][0].variants().items()})
         for kk in FIXED_K:
             if kk < full:
                 out[f"dspark-k{kk}"] = (out["dspark-full"][0], kk)
@@ -98,7 +93,7 @@ def at_batch_size(B, target, prompts, table, args, device):
     return times, outs, stats, batches
 
 
-def summarize(name, times, ar_times, outs, ref, stats, n_tokens, B):
+def summarize(times, ar_times, outs, ref, stats, n_tokens, B):
     """One (batch size, method) entry of the results."""
     med = statistics.median(times)
     rows = [o for batch in outs for o in batch]
@@ -141,7 +136,7 @@ def sweep(target, prompts, drafters, args, device):
     """The whole sweep -> {"batch_sizes", "results": {B: {method: entry}}, "divergences",
     "batch_one_match": {B: {method: share of rows equal to batch-1 plain decoding}}}."""
     prompts = ragged(prompts)
-    table = methods(drafters, args.sampling)
+    table = methods(drafters)
     single = [generate_plain(target, p, args.max_new_tokens,
                              Sampler(args.sampling, args.temperature, args.top_k, args.seed,
                                      device)) for p in prompts]
@@ -151,7 +146,7 @@ def sweep(target, prompts, drafters, args, device):
         n_tokens = sum(len(o) for b in outs["ar"] for o in b)
         results[B], match[B] = {}, {}
         for name in table:
-            results[B][name] = summarize(name, times[name], times["ar"], outs[name], outs["ar"],
+            results[B][name] = summarize(times[name], times["ar"], outs[name], outs["ar"],
                                          stats[name], n_tokens, B)
             found = against_batch_one(name, outs[name], batches, single, target)
             match[B][name] = 1 - len(found) / sum(len(b) for b in batches)

@@ -439,13 +439,11 @@ class BatchDFlash(BatchDrafter):
     row, and one block forward a round for every row. Row r's block (anchor + ks[r] masks at its
     own positions) sees its own context and its own real slots only: the block is bidirectional,
     so a padding slot is masked as a key too, or it would change the real slots' drafts."""
-    name = DFlashDrafter.name
 
     def __init__(self, drafter):
+        super().__init__(drafter)
         self.one = drafter  # the batch-1 drafter: its network and stacked context projection
         self.net = drafter.net
-        for name in ("hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
-            setattr(self, name, getattr(drafter, name))
 
     @torch.inference_mode()
     def begin(self, seqs, hidden):

@@ -317,8 +317,8 @@ MAX_WAIT = 256
 # OFF_EVERY, which looks again
 OFF_AFTER, OFF_SHARE, OFF_EVERY, OFF_COST = 2, 0.9, 16, 2.0
 # the budget rule drafts only where its tables promise more than this much over a round without a
-# draft: the tables' own error, measured in the loop, is about that (docs/experiments.md:
-# Batched: the budget rule's margin)
+# draft: below it, the tables' own error decides, and the rounds it drafted lost
+# (docs/experiments.md: Batched: the budget rule's margin)
 PLAN_MARGIN = 0.25
 CALIBRATION_PRIOR = 5.0  # pseudo-rounds at the confidence head's own estimate (recalibrate)
 # while scoring does not pay (DSparkDrafter.closed), one round in this many is still scored, so a
@@ -574,10 +574,9 @@ class BatchDSpark(BatchDFlash):
                round's survivals (batched.plan_budget), so a round the cost table says will not
                pay skips the draft itself; fresh confidences then fill it (batched.fill_budget);
       full     every row verifies all it drafted (a fixed k).
-    The cost table (batched.CostTable) is profiled once per batch size, at the first begin();
-    t_draft, one full-block draft of the batch, is timed there too, and t_rest (the rest of a
-    round: commit, loop) is measured as the rounds run."""
-    name = "dspark"
+    The cost table (batched.CostTable) and the draft's cost by width (time_draft) are profiled
+    once per batch size, at the first begin(); what they miss is measured as the rounds run
+    (measure)."""
 
     def __init__(self, drafter, schedule="auto"):
         if schedule not in BATCH_SCHEDULES:
@@ -588,23 +587,28 @@ class BatchDSpark(BatchDFlash):
         self.conf_h, self.conf_code = drafter.conf_h, drafter.conf_code
         self.conf_temp = drafter.spark.conf_temp.to(self.conf_h.dtype)
         self.costs = {}  # batch size -> (CostTable, t_draft)
-        self.adapt, self.verified, self.rounds, self.skipped = {}, 0, 0, 0
         self.flush_cost = {}  # batch size -> seconds per pending target state a flush takes
-        self.batches = {}  # batch size -> batches begun
-        # per draft position: (survivals seen, survivals predicted), decaying sums (recalibrate)
+        self.new_account()
+
+    def new_account(self):
+        """What it learns as it runs, from nothing: per batch size the measured corrections to its
+        tables (adapt) and the batches begun; its rounds and skipped rounds; the recalibration
+        sums (per draft position: survivals seen, survivals predicted); this batch's state."""
+        self.adapt, self.batches, self.rounds, self.skipped = {}, {}, 0, 0
         self.calibration = np.zeros((2, self.max_k))
         self._scored, self.on, self.batch_rounds, self.skipped_in_batch = None, True, 0, 0
         self.estimate = None
 
     def variants(self):
-        """bench.py's rows beside auto: the same drafter under each other rule."""
+        """The same drafter under each other rule, for bench_batched.py ("auto" is named "cut"):
+        copies that share its start-up profiles and its buffers, each with an account of its own."""
         out = {}
-        for s in BATCH_SCHEDULES[1:]:
-            v = copy.copy(self)
-            v.schedule, v.verified, v.rounds, v.skipped, v.adapt, v.estimate = s, 0, 0, 0, {}, None
-            v.batches, v.calibration, v._scored = {}, self.calibration.copy(), None
-            v.on, v.batch_rounds, v.skipped_in_batch = True, 0, 0
-            out[f"dspark-{s}"] = v
+        for s in BATCH_SCHEDULES:
+            if s != self.schedule:
+                v = copy.copy(self)
+                v.schedule = s
+                v.new_account()
+                out["dspark-" + ("cut" if s == "auto" else s)] = v
         return out
 
     @torch.inference_mode()
@@ -748,7 +752,6 @@ class BatchDSpark(BatchDFlash):
         lengths = list(ks) if self.schedule == "full" else self.choose(h, toks, ks, base, cost,
                                                                         t_draft, B)
         L = max(lengths)
-        self.verified += sum(lengths)
         self.rounds += 1
         self._last = (now, time.perf_counter() - now, sum(k + 1 for k in ks if k),
                       base + sum(lengths))
@@ -833,10 +836,6 @@ class BatchDSpark(BatchDFlash):
             else:
                 rest = now - start - float(cost(n))
             ad["rest"][int(slots > 0)] += rate * (max(0.0, rest) - ad["rest"][int(slots > 0)])
-
-    @property
-    def mean_verify_len(self):
-        return self.verified / max(1, self.rounds)
 
 
 # -----------------------------------------------------------------------------

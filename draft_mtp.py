@@ -269,15 +269,13 @@ class BatchMTP(BatchDrafter):
     commit handed over (a ragged chunk, packed), whose last output drafts its first token; then
     the module recurses on its own outputs, every row at once, a row that wants fewer drafts
     getting zero tokens. Bookkeeping per row exactly as MTPDrafter's (its docstring)."""
-    name = MTPDrafter.name
-    default_k, sampled_k = MTPDrafter.default_k, MTPDrafter.sampled_k
 
     def __init__(self, drafter):
         if drafter.mtp.config.n_modules != 1:
             raise ValueError("BatchMTP batches a one-module MTP head; wrap a deeper one in "
                              "batched.PerRow")
+        super().__init__(drafter)
         self.mtp, self.target, self.mod = drafter.mtp, drafter.target, drafter.mtp.mods[0]
-        self.hidden_layers = drafter.hidden_layers
 
     def begin(self, seqs, hidden):
         cfg, p, B = self.mtp.config, self.target.lm_head.weight, len(seqs)

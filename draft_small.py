@@ -92,10 +92,9 @@ class BatchSmall(BatchDrafter):
     length. A round feeds every row its pending confirmed tokens (1 or 2) and then its drafts one
     step at a time, all rows together; a row that wants fewer drafts gets zero tokens in the
     later steps (packed away). The cache bookkeeping is DraftModel's, per row."""
-    name = DraftModel.name
-    default_k, sampled_k = DraftModel.default_k, DraftModel.sampled_k
 
     def __init__(self, drafter):
+        super().__init__(drafter)
         self.model = drafter.model
 
     def begin(self, seqs, hidden):

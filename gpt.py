@@ -108,7 +108,7 @@ class RaggedCache(KVCache):
 
     def __init__(self, config, batch_size, device="cpu", dtype=torch.float32, slack=64):
         super().__init__(config, batch_size, device, dtype, max_len=config.block_size + slack)
-        self.window, self.slack = config.block_size, slack
+        self.slack = slack
         self.lengths = [0] * batch_size
 
     @property
@@ -464,7 +464,8 @@ class GPT(nn.Module):
     def forward_ragged(self, idx, cache, counts, hidden_layers, last_only):
         """forward() over a RaggedCache: row r's first counts[r] tokens of idx (B, T) are real and
         go at positions cache.lengths[r]..; the rest is padding. The same logits and hidden states
-        (B, T, ...) as running each row alone (up to float rounding), zeros at padding slots."""
+        (B, T, ...) as running each row alone (up to float rounding) at the real slots; the padding
+        slots hold zeros or what the padding computed (Packing)."""
         B, T = idx.size()
         counts = list(counts) if counts is not None else [T] * B
         starts, window = cache.lengths, self.config.block_size
