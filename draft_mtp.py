@@ -30,6 +30,13 @@ set is the target's own choice. A drafter is judged by agreeing with the target,
 the hard half puts weight on the one token greedy decoding accepts (docs/experiments.md: MTP:
 posthoc vs joint; MTP: distillation + text).
 
+Post hoc, the module also learns the recursion it drafts with (FastMTP, Cai et al., Tencent
+2025, arXiv 2509.18362): trained on h_i alone, it would meet its own outputs for the first time
+at inference, from draft 2 on. So training unrolls it over --mtp-unroll draft steps with shared
+weights, each fed its own previous output, with the attention it has at inference, the step
+losses weighted beta^(j-1) (see "learning its own recursion"). EAGLE-3 calls the same thing its
+training-time test (draft_eagle.py).
+
     python train.py --only mtp && python speculative.py --method mtp --k 2
 """
 
@@ -40,8 +47,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import (Block, GPTConfig, KVCache, Linear, Ragged, RaggedCache, chunk_mask, number,
-                 setting)
+from gpt import (Block, GPTConfig, KVCache, Linear, Ragged, RaggedCache, attention, chunk_mask,
+                 number, setting)
 from batched import BatchDrafter, Confirmed
 from draft_small import total_variation
 from speculative import Drafter
@@ -93,9 +100,12 @@ class MTPModule(nn.Module):
         self.proj = Linear(2 * d, d, bias=False)  # M
         self.block = Block(config.block_config())
 
+    def mix(self, h, e):
+        """M · [RMSNorm(h) ; RMSNorm(e)]: the block's input, (B, T, d)."""
+        return self.proj(torch.cat([self.norm_h(h), self.norm_e(e)], dim=-1))
+
     def forward(self, h, e, kv=None, start=0, attn_mask=None):
-        x = self.proj(torch.cat([self.norm_h(h), self.norm_e(e)], dim=-1))  # (B, T, d)
-        return self.block(x, kv, start, attn_mask)
+        return self.block(self.mix(h, e), kv, start, attn_mask)
 
 
 def head(target, h):
@@ -137,24 +147,137 @@ class MTP(nn.Module):
         return logits, targets
 
 
-def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0):
-    """Mean over the D modules of (1 - distill)·CE(data) + distill·(KL(target || module) + TV),
-    with CE the cross-entropy against the text's own next tokens, KL the Kullback-Leibler
-    divergence and TV the total variation distance (draft_small.total_variation).
-    The distillation teacher for module k at index i is the target's own distribution at
-    position i+k (given the true prefix), which is exactly what greedy acceptance compares to."""
+def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0, steps=1, beta=0.6,
+             anchors=None):
+    """Mean over the D modules of step_loss: (1 - distill)·CE(data) + distill·(KL(target ||
+    module) + TV), with CE the cross-entropy against the text's own next tokens, KL the
+    Kullback-Leibler divergence and TV the total variation distance
+    (draft_small.total_variation). The distillation teacher for module k at index i is the
+    target's own distribution at position i+k (given the true prefix), which is exactly what
+    greedy acceptance compares to. steps > 1 (one module): its own recursion unrolled over that
+    many draft steps at `anchors` instead (recursion_loss, below)."""
+    if steps > 1:
+        full = torch.cat([x, y[:, -1:]], dim=1)  # (B, T+1): t_0 .. t_T
+        return recursion_loss(mtp.mods[0], target, hidden, full, target_logits, distill, steps,
+                              beta, anchors)
     logits, targets = mtp(target, hidden, x, y[:, -1:])
     total = 0.0
     for k, (lg, tg) in enumerate(zip(logits, targets), start=1):
-        logq = F.log_softmax(lg, dim=-1)  # (B, T-k, V), once for both terms: the largest tensor
-        loss = F.nll_loss(logq.flatten(0, 1), tg.flatten()) if distill < 1 else 0.0
-        if distill > 0:
-            teacher = F.log_softmax(target_logits[:, k:].detach(), dim=-1)
-            p = teacher.exp()
-            kl = (p * (teacher - logq)).sum(-1) + total_variation(logq, p)
-            loss = (1 - distill) * loss + distill * kl.mean()
-        total = total + loss
+        teacher = target_logits[:, k:] if distill > 0 else None
+        total = total + step_loss(lg, tg, teacher, distill)
     return total / len(logits)
+
+
+# -----------------------------------------------------------------------------
+# learning its own recursion: the draft steps unrolled in training (FastMTP, arXiv 2509.18362;
+# the same idea is EAGLE-3's "training-time test", draft_eagle.py)
+#
+# Trained as above, the module only ever reads the target's state h_i. At inference, drafts 2..k
+# feed it its OWN previous output instead (MTPDrafter.propose), an input it never saw in
+# training, and acceptance decays fast with depth. The fix is to train what inference runs: the
+# module is unrolled over `steps` draft steps with shared weights, step j reading step j-1's
+# output and predicting one token further, with exactly the attention it has at inference. There
+# the module's cache holds one exact entry per confirmed position, fed by the target, and then
+# the round's own recursive entries: a step-j query at index i sees the step-1 entries 0..i and
+# its own chain's entries of steps 2..j at i, nothing else. So step 1 runs teacher-forced over
+# the whole window (plain causal attention), and steps 2.. run at a sample of anchors i, each
+# attending to step 1's keys 0..i plus its chain's own keys. The tokens fed in are the text's
+# (t_{i+j}): a draft that differs from them would be rejected at inference anyway.
+
+
+def qkv(block, x):
+    """q, k, v of a gpt.Block's attention on its input x (B, T, C): each (B, nh, T, hs)."""
+    B, T, C = x.shape
+    nh = block.attn.n_head
+    return [t.view(B, T, nh, C // nh).transpose(1, 2)
+            for t in block.attn.c_attn(block.ln_1(x)).split(C, dim=2)]
+
+
+def block_rest(block, x, y):
+    """The rest of gpt.Block.forward after the attention: y (B, nh, T, hs) its heads' output."""
+    B, nh, T, hs = y.shape
+    x = x + block.attn.resid_dropout(block.attn.c_proj(y.transpose(1, 2).reshape(B, T, nh * hs)))
+    return x + block.mlp(block.ln_2(x))
+
+
+def chain_attention(q, k1, v1, visible, chain):
+    """A step-j query at anchor i over step 1's keys k1, v1 (B, nh, T, hs) where visible (B, A, T)
+    (index <= i) and over its own chain's keys [(k, v) (B, nh, A, hs)], steps 2..j at i."""
+    scale = q.size(-1) ** -0.5
+    s1 = (q @ k1.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
+    ks = torch.stack([k for k, _ in chain], -2)  # (B, nh, A, j-1, hs)
+    vs = torch.stack([v for _, v in chain], -2)
+    s = torch.cat([s1, (q[..., None, :] * ks).sum(-1) * scale], -1).softmax(-1)  # (B, nh, A, T+j-1)
+    T = k1.size(2)
+    return s[..., :T].to(v1.dtype) @ v1 + (s[..., T:, None] * vs).sum(-2).to(v1.dtype)
+
+
+def unrolled(mod, target, h, full, steps, anchors=None):
+    """One module's training forward over `steps` draft steps with shared weights.
+
+    h (B, T, d): what step 1 reads at positions 0..T-1 (MTP: the target's last states; EAGLE-3:
+    its fused taps); full (B, T+1): tokens t_0..t_T; anchors (B, A): the indices at which steps
+    2.. unroll (each <= T-1-steps). Step j at index i reads (its step j-1 output at i, t_{i+j})
+    and predicts t_{i+j+1}; step 1 reads (h_i, t_{i+1}) at every i = 0..T-2.
+    Returns [(outputs (B, n, d), the positions of the tokens they predict (B, n))], one per step:
+    step 1 over every index, later steps at the anchors."""
+    B, T, _ = h.shape
+    wte, blk = target.transformer.wte, mod.block
+    x = mod.mix(h[:, :T - 1], wte(full[:, 1:T]))  # (B, T-1, d)
+    q, k1, v1 = qkv(blk, x)
+    o = block_rest(blk, x, attention(q, k1, v1, is_causal=True))  # (B, T-1, d): plain causal
+    idx = torch.arange(T - 1, device=h.device)
+    out = [(o, (idx + 2).expand(B, -1))]
+    if steps == 1:
+        return out
+    o = o.gather(1, anchors[..., None].expand(-1, -1, o.size(-1)))  # (B, A, d)
+    visible = idx[None, None, :] <= anchors[..., None]  # (B, A, T-1): step 1's entries 0..i
+    chain = []
+    for j in range(2, steps + 1):
+        # (B, A, d): (o^{j-1}_i, t_{i+j}); o in h's dtype, as an autocast Linear left it bf16
+        x = mod.mix(o.to(h.dtype), wte(full.gather(1, anchors + j)))
+        q, k, v = qkv(blk, x)
+        chain.append((k, v))
+        o = block_rest(blk, x, chain_attention(q, k1, v1, visible, chain))
+        out.append((o, anchors + j + 1))
+    return out
+
+
+def unroll_anchors(B, T, steps, n, gen=None, device="cpu"):
+    """(B, n) distinct indices per row at which to unroll `steps` steps in a window of T
+    inputs: every step's label must lie in the window (i + steps <= T - 1); all of them if n
+    is larger."""
+    hi = T - steps  # indices 0 .. T-1-steps
+    if hi < 1:
+        raise ValueError(f"a window of {T} tokens cannot unroll {steps} draft steps")
+    return torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :n].to(device)
+
+
+def step_loss(logits, labels, teacher, distill):
+    """(1 - distill)·CE(labels) + distill·(KL(teacher || drafter) + TV), mean over rows:
+    logits (..., V) the drafter's, labels (...) the text's tokens, teacher (..., V) the target's
+    logits for the same tokens (used only with distill > 0)."""
+    logq = F.log_softmax(logits, dim=-1)  # once for both terms: the largest tensor
+    loss = F.nll_loss(logq.flatten(0, -2), labels.flatten()) if distill < 1 else 0.0
+    if distill > 0:
+        p_log = F.log_softmax(teacher.detach(), dim=-1)
+        p = p_log.exp()
+        kl = (p * (p_log - logq)).sum(-1) + total_variation(logq, p)
+        loss = (1 - distill) * loss + distill * kl.mean()
+    return loss
+
+
+def recursion_loss(mod, target, h, full, t_logits, distill, steps, beta, anchors):
+    """sum_j beta^(j-1) L_j / sum_j beta^(j-1) over the unrolled steps (FastMTP: beta = 0.6),
+    L_j = step_loss of step j; t_logits (B, T, V) the target's logits at positions 0..T-1, the
+    teacher of the token at position p being t_logits[:, p-1]."""
+    total, weights = 0.0, 0.0
+    b = torch.arange(h.size(0), device=h.device)[:, None]
+    for j, (o, pos) in enumerate(unrolled(mod, target, h, full, steps, anchors)):
+        teacher = t_logits[b, pos - 1] if distill > 0 else None
+        total = total + beta ** j * step_loss(head(target, o), full[b, pos], teacher, distill)
+        weights += beta ** j
+    return total / weights
 
 
 # -----------------------------------------------------------------------------
@@ -199,7 +322,12 @@ class MTPDrafter(Drafter):
         self.H = torch.zeros(D + 1, cfg.block_size, cfg.n_embd, device=p.device, dtype=p.dtype)
 
     def fresh(self):
-        return MTPDrafter(self.mtp, self.target)
+        return type(self)(self.mtp, self.target)
+
+    def features(self, hidden):
+        """What step 1 reads at each position, from the target's returned states: (B, T, d).
+        For MTP the last block's output h_i (draft_eagle.py fuses three layers instead)."""
+        return hidden[self.hidden_layers[0]]
 
     def batched(self):
         if self.mtp.config.n_modules != 1:
@@ -211,7 +339,7 @@ class MTPDrafter(Drafter):
         S = self.seq.numel()
         for c in self.caches:
             c.reset()
-        self.H[0, :S - 1] = hidden[self.hidden_layers[0]][0]
+        self.H[0, :S - 1] = self.features(hidden)[0]
 
     def _run(self, k, h, toks, cache):
         """Feed module k the entries (h, toks) at indices cache.length.. -> its outputs (T, d)."""
@@ -254,7 +382,7 @@ class MTPDrafter(Drafter):
         S = self.seq.numel()
         for k, c in enumerate(self.caches, start=1):
             c.rollback(max(0, min(c.length, S - k)))  # keep exact entries 0..S-1-k, drop the rest
-        self.H[0, S - 1:S + n] = hidden[self.hidden_layers[0]][0]  # h_{S-1} .. h_{S+n-1}
+        self.H[0, S - 1:S + n] = self.features(hidden)[0]  # h_{S-1} .. h_{S+n-1}
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
 
 
@@ -276,6 +404,7 @@ class BatchMTP(BatchDrafter):
                              "batched.PerRow")
         super().__init__(drafter)
         self.mtp, self.target, self.mod = drafter.mtp, drafter.target, drafter.mtp.mods[0]
+        self.features = drafter.features
 
     def begin(self, seqs, hidden):
         cfg, p, B = self.mtp.config, self.target.lm_head.weight, len(seqs)
@@ -283,7 +412,8 @@ class BatchMTP(BatchDrafter):
         width = cfg.block_size + self.cache.slack
         self.rows = Confirmed(seqs, width)
         self.H = torch.zeros(B, width, cfg.n_embd, device=p.device, dtype=p.dtype)  # h_0, h_1, ..
-        self.H[:, :hidden[self.hidden_layers[0]].size(1)] = hidden[self.hidden_layers[0]]
+        h = self.features(hidden)  # (B, T, d)
+        self.H[:, :h.size(1)] = h
 
     def step(self, h, toks, counts):
         """The module over row r's counts[r] entries (h, toks) at its next indices -> (B, T, d)."""
@@ -320,7 +450,7 @@ class BatchMTP(BatchDrafter):
         # exact entries only (indices < S - 1); the target's states of the kept slots go to H
         self.cache.rollback([min(n, s - 1) if m else n
                              for n, s, m in zip(self.cache.lengths, S, kept)])
-        h = hidden[self.hidden_layers[0]]  # (B, T, d)
+        h = self.features(hidden)  # (B, T, d)
         pos = torch.tensor([s - 1 for s in S], device=h.device)[:, None] + torch.arange(
             h.size(1), device=h.device)
         self.H[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
@@ -360,12 +490,27 @@ SETTINGS = {
                            "the text's own tokens only)", type=number(float, 0, 1)),
     "mtp_text": setting("gen", "mtp: posthoc training text, 'gen' (the distillation set the "
                         "target wrote) or 'data' (the corpus)", choices=["gen", "data"]),
+    "mtp_unroll": setting(4, "mtp: posthoc, draft steps the one module is unrolled over in "
+                          "training, each fed its own last output (FastMTP); 1 = depth 1 only, "
+                          "DeepSeek-V3's", type=number(int, 1), tiny=3),
+    "mtp_anchors": setting(32, "mtp: posthoc, positions per training sequence at which steps 2.. "
+                           "are unrolled (step 1 trains at every position)", type=number(int, 1),
+                           tiny=8),
+    "mtp_beta": setting(0.6, "mtp: posthoc, weight decay of the unrolled steps' losses, "
+                        "beta^(j-1) (FastMTP: 0.6)", type=number(float, above=0)),
 }
 
 
 def phases(a):
     """The train_loop phases this stage runs: (name, steps); none in joint mode, where the head
     trains inside the target's stage."""
+    if a.mtp_mode == "posthoc" and a.mtp_unroll > 1 and a.mtp_modules > 1:
+        raise ValueError(f"--mtp-unroll {a.mtp_unroll} unrolls ONE module over its own recursion, "
+                         f"but --mtp-modules is {a.mtp_modules}: use one of them (--mtp-unroll 1 "
+                         "trains chained modules)")
+    if a.mtp_unroll >= a.block_size - 1:
+        raise ValueError(f"--mtp-unroll {a.mtp_unroll} needs a longer --block-size than "
+                         f"{a.block_size}")
     return [("mtp", a.mtp_iters)] if a.mtp_mode == "posthoc" else []
 
 
@@ -402,18 +547,23 @@ def train_mtp(tr):
     print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
     batches = tr.distill.batches(a.mtp_text)
 
-    def loss_of(w, t_logits, hid):
+    def loss_of(w, t_logits, hid, step=-1):
         """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
         the module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is
-        x's."""
+        x's. The unrolled steps' anchors are drawn from a generator seeded by the step (the
+        validation's: step -1)."""
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 5_555_555)
+        anchors = unroll_anchors(w.size(0), w.size(1) - 1, a.mtp_unroll, a.mtp_anchors, g,
+                                 w.device)
         return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
-                        a.mtp_distill)
+                        a.mtp_distill, a.mtp_unroll, a.mtp_beta, anchors)
 
     fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
                    "target": target_ckpt["model_hash"],
                    "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
-                   "text": a.mtp_text, "gen": tr.distill.key(a.mtp_text), "seed": a.seed}
-    tr.fit("mtp", mtp, lambda s: loss_of(*batches(s)),
+                   "text": a.mtp_text, "gen": tr.distill.key(a.mtp_text), "seed": a.seed,
+                   "unroll": (a.mtp_unroll, a.mtp_anchors, a.mtp_beta)}
+    tr.fit("mtp", mtp, lambda s: loss_of(*batches(s), s),
            lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus windows
            steps=a.mtp_iters, lr=a.mtp_lr, fingerprint=fingerprint,
            tokens_per_step=a.batch_size * a.block_size)

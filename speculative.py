@@ -445,6 +445,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
 DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that makes it)
     "small": ("draft_small", "small.pt", "small"),
     "mtp": ("draft_mtp", "mtp.pt", "mtp"),
+    "eagle": ("draft_eagle", "eagle.pt", "eagle"),
     "dflash": ("draft_dflash", "dflash.pt", "dflash"),
     "dspark": ("draft_dspark", "dspark.pt", "dspark"),
     "lookup": ("draft_lookup", None, None),  # prompt lookup: nothing to train, nothing to load

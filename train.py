@@ -24,6 +24,7 @@ import torch
 import data as datamod
 import draft_dflash
 import draft_dspark
+import draft_eagle
 import draft_mtp
 import draft_small
 import distill
@@ -76,7 +77,7 @@ GROUPS = {  # --help's groups, in order: title -> settings table
     "the run": RUN, "target": TARGET, "every stage": SHARED,
     "the distillation set (distill.py)": distill.SETTINGS,
     **{f"{m.__name__[6:]} ({m.__name__}.py)": m.SETTINGS
-       for m in (draft_small, draft_mtp, draft_dflash, draft_dspark)},
+       for m in (draft_small, draft_mtp, draft_eagle, draft_dflash, draft_dspark)},
 }
 SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
 PRESETS_OF = {"mps": "cuda"}  # a preset that is another's values under its own name
@@ -143,7 +144,7 @@ def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, path):
 
 # one step of each phase next to one target step, on the reference CPU with the cpu preset
 # (docs/results.md: training): the run's time estimate until it measures its own
-STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.34, "dflash-narrow": 0.31, "dflash": 0.30,
+STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.40, "eagle": 0.42, "dflash-narrow": 0.31, "dflash": 0.30,
              "dspark": 0.39, "dspark-sampled": 0.27, "distill": 0.26}  # distill: per sequence
 
 
@@ -377,6 +378,7 @@ STAGES = {  # stage -> (its function, its train_loop phases [(name, steps)], its
     "target": (train_target, target_phases, TARGET),
     "small": (draft_small.train_small, draft_small.phases, draft_small.SETTINGS),
     "mtp": (draft_mtp.train_mtp, draft_mtp.phases, draft_mtp.SETTINGS),
+    "eagle": (draft_eagle.train_eagle, draft_eagle.phases, draft_eagle.SETTINGS),
     "dflash": (draft_dflash.train_dflash, draft_dflash.phases, draft_dflash.SETTINGS),
     "dspark": (draft_dspark.train_dspark, draft_dspark.phases,
                {**draft_dflash.SETTINGS, **draft_dspark.SETTINGS}),  # DFlash's backbone

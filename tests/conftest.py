@@ -112,6 +112,32 @@ def make_mtp(target):
     return MTPDrafter(fit_mtp(target), target)
 
 
+_EAGLE_FITTED = {}
+
+
+def fit_eagle(target, unroll=3, steps=30):
+    """An EAGLE-3 head (draft_eagle.Eagle, fusing the tiny target's layers 1, 2, 2), fitted as
+    fit_mtp's is, with its training-time test unrolled over `unroll` steps."""
+    key = (id(target), unroll, steps)
+    if key not in _EAGLE_FITTED:
+        with torch.inference_mode(False), torch.enable_grad():
+            from draft_eagle import Eagle, EagleConfig, eagle_loss
+            torch.manual_seed(5)
+            net = Eagle(EagleConfig.for_target(target.config)).double()
+            x = target_text(target, 5, 44)
+            with torch.no_grad():
+                logits, _, hid = target(x, hidden_layers=(1, 2))
+            _EAGLE_FITTED[key] = adam_fit(net, lambda: eagle_loss(
+                net, target, x, logits, hid, unroll, 8, 0.8, 1.0, torch.Generator().manual_seed(0)),
+                steps, target)
+    return _EAGLE_FITTED[key]
+
+
+def make_eagle(target):
+    from draft_eagle import EagleDrafter
+    return EagleDrafter(fit_eagle(target), target)
+
+
 _BLOCK_FITTED = {}
 
 
@@ -171,8 +197,8 @@ def make_lookup(target):
     return LookupDrafter(target.config.vocab_size)
 
 
-DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "dflash": make_dflash,
-                     "dspark": make_dspark, "lookup": make_lookup}
+DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "eagle": make_eagle,
+                     "dflash": make_dflash, "dspark": make_dspark, "lookup": make_lookup}
 
 
 @pytest.fixture(params=sorted(DRAFTER_FACTORIES))

@@ -114,7 +114,7 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
     prompts = ragged_prompts(4, target.config.vocab_size, seed=5)
     factories = {**DRAFTER_FACTORIES, "mtp1": lambda t: __import__("draft_mtp").MTPDrafter(
         fit_mtp(t, n_modules=1), t)}
-    for name in ("small", "mtp1", "dflash"):
+    for name in ("small", "mtp1", "eagle", "dflash"):
         one = factories[name](target)
         native = one.batched()
         assert not isinstance(native, PerRow), name

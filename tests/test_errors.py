@@ -178,6 +178,19 @@ def test_bad_data_path_in_train_py(tmp_path, kind):
     one_clear_error(rc, err, needle)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--mtp-unroll", "3", "--mtp-modules", "2"], "use one of them"),
+    (["--eagle-taps", "1,7"], "--eagle-taps must be"),
+    (["--eagle-unroll", "64"], "needs a longer --block-size"),
+    (["--mtp-unroll", "0"], "argument --mtp-unroll"),
+])
+def test_bad_unroll_and_taps_in_train_py(tmp_path, flags, needle):
+    """Refused before anything trains (the stages check their settings at start-up)."""
+    rc, _, err = cli("train.py", "--preset", "tiny", "--out-dir", str(tmp_path), *flags)
+    one_clear_error(rc, err, needle)
+    assert not os.path.exists(tmp_path / "target.pt")
+
+
 def test_unknown_stage_in_train_py(tmp_path):
     rc, _, err = cli("train.py", "--preset", "tiny", "--only", "warp", "--out-dir", str(tmp_path))
     one_clear_error(rc, err, "invalid choice: 'warp'")

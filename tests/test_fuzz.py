@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
            "speculative.py": speculative.build_parser, "data.py": data.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
-CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "dflash.pt", "dspark.pt"]
+CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "eagle.pt", "dflash.pt", "dspark.pt"]
 
 
 def run(script, *argv):

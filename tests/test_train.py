@@ -288,10 +288,12 @@ def test_every_setting_has_one_home_and_every_preset_value_parses():
     own flag type (so a preset can never hold a value the command line would refuse)."""
     import draft_dflash
     import draft_dspark
+    import draft_eagle
     import draft_mtp
     import draft_small
     tables = [train.RUN, train.TARGET, train.SHARED, train.distill.SETTINGS, draft_small.SETTINGS,
-              draft_mtp.SETTINGS, draft_dflash.SETTINGS, draft_dspark.SETTINGS]
+              draft_mtp.SETTINGS, draft_eagle.SETTINGS, draft_dflash.SETTINGS,
+              draft_dspark.SETTINGS]
     names = [n for t in tables for n in t]
     assert len(names) == len(set(names)) == len(train.SETTINGS)
     for preset in train.PRESETS:

@@ -1,0 +1,203 @@
+"""
+draft_eagle.py -- EAGLE-3: an autoregressive drafter at the feature level that reads three
+target layers and learns, in training, from its own drafts (the "training-time test").
+
+Paper: Li, Wei, Zhang, Zhang, "EAGLE-3: Scaling up Inference Acceleration of Large Language
+Models via Training-Time Test", 2025, arXiv 2503.01840. It is the learned drafter most serving
+systems ship, and the baseline every DFlash and DSpark claim is measured against.
+
+What it adds over draft_mtp.py. The MTP head reads ONE target state, the last block's h_i, next
+to the embedding of t_{i+1}, runs one block and predicts t_{i+2}; drafts 2..k feed it its own
+output. EAGLE-3 is that same chain with two changes:
+
+  1. Its input is a fusion of three target layers, low, middle and high, concatenated and
+     projected 3d -> d (g_i = FC([h_low; h_mid; h_high])): the last layer alone has already
+     thrown away much of what the middle ones knew about the tokens after next.
+  2. It learns its recursion. Trained on the target's states only, a drafter sees at test time
+     inputs it never saw in training (its own outputs, from draft 2 on), and acceptance falls
+     fast with depth. EAGLE-3 unrolls the drafter in training over several steps on its own
+     outputs, with the attention each step has at inference: the training-time test. Here that
+     is draft_mtp.unrolled, which MTP now uses too (FastMTP): the one idea, met twice.
+
+Like EAGLE-3 it predicts tokens directly (no regression onto the target's features, which
+EAGLE-1/2 had), and the embedding and LM head are the target's, frozen. Like EAGLE-1 it mixes
+[g; Emb(t)] with one linear 2d -> d before a standard block (EAGLE-3 moved that linear into the
+attention's input projection; one linear map either way), and like this project's MTP it adds
+no position encoding: the target's states carry position. It drafts a chain (EAGLE-2/3 draft a
+dynamic tree; a chain is the simple case).
+
+Drafting is MTP's, unchanged: one KV cache fed the fused state of every confirmed position,
+then the recursion on its own outputs (draft_mtp.MTPDrafter: the bookkeeping). What DFlash
+(draft_dflash.py) then changes: it drafts the whole block in ONE forward instead of one forward
+per token, and injects its context into every draft layer as keys and values instead of feeding
+it in at the input.
+
+    python train.py --only eagle && python speculative.py --method eagle
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from gpt import Linear, number, setting
+from draft_mtp import (MTPConfig, MTPDrafter, MTPModule, recursion_loss, unroll_anchors)
+
+# -----------------------------------------------------------------------------
+# config and network
+
+
+def default_taps(n_layer):
+    """Low, middle and high: the blocks at a third and two thirds of the depth, and the last
+    (2, 4, 6 for the CPU preset's 6 blocks). EAGLE-3 reads three such layers."""
+    return [max(1, math.ceil(n_layer / 3)), max(1, math.ceil(2 * n_layer / 3)), n_layer]
+
+
+@dataclass
+class EagleConfig(MTPConfig):
+    """MTP's config (the one module's width, heads, cache size) plus the target layers fused."""
+    taps: list = field(default_factory=lambda: [2, 4, 6])  # low, middle, high
+
+    @classmethod
+    def for_target(cls, gpt_config, taps=None):
+        c = gpt_config
+        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=1, block_size=c.block_size,
+                   bias=c.bias, taps=list(taps or default_taps(c.n_layer)))
+
+
+class Eagle(nn.Module):
+    """The fusion FC (3d -> d) and one MTP module (draft_mtp.MTPModule: RMSNorms, the 2d -> d
+    mix, one block). Only these train and go in out/eagle.pt; the target is passed in."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        d = config.n_embd
+        self.fuse = Linear(len(config.taps) * d, d, bias=False)
+        self.mods = nn.ModuleList([MTPModule(config)])  # MTPDrafter drafts with mods[0]
+        for pn, p in self.named_parameters():  # GPT-2 init, as MTP's
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif pn.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def features(self, hidden):
+        """g_i = FC([h_low; h_mid; h_high]) from the target's states {layer: (B, T, d)}."""
+        return self.fuse(torch.cat([hidden[t] for t in self.config.taps], dim=-1))  # (B, T, d)
+
+
+# -----------------------------------------------------------------------------
+# drafting: MTP's chain, fed the fused state
+
+
+class EagleDrafter(MTPDrafter):
+    """MTPDrafter over the fused features: the same cache, recursion and commit (and, batched,
+    draft_mtp.BatchMTP)."""
+    name = "eagle"
+    # the best of a bench sweep over k (docs/experiments.md: EAGLE-3: k), greedy and coupled
+    default_k = 6
+    sampled_k = 3
+
+    def __init__(self, net, target):
+        super().__init__(net, target)
+        self.hidden_layers = tuple(sorted(set(net.config.taps)))
+
+    def features(self, hidden):
+        return self.mtp.features(hidden)
+
+
+def load_eagle(ckpt, target, device, dtype):
+    cfg = EagleConfig.from_dict(ckpt["config"])
+    tc = target.config
+    if ((cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size)
+            or not all(1 <= t <= tc.n_layer for t in cfg.taps)):
+        raise RuntimeError(f"EAGLE config {cfg} does not fit the target {tc}")
+    net = Eagle(cfg)
+    net.load_state_dict(ckpt["state_dict"])
+    return EagleDrafter(net.to(device=device, dtype=dtype).eval(), target)
+
+
+# -----------------------------------------------------------------------------
+# how it learns: train.py runs train_eagle(trainer) as its "eagle" stage. The loss is MTP's
+# (distillation + the text's tokens, draft_mtp.step_loss) over the unrolled steps, each weighted
+# beta^(j-1); with --eagle-unroll 1 it is plain teacher forcing, the ablation.
+
+SETTINGS = {
+    "eagle_iters": setting(2000, "eagle: optimizer steps", quick=250, tiny=10),
+    "eagle_lr": setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3),
+    "eagle_unroll": setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
+                            "training-time test); 1 = teacher forcing only", tiny=3),
+    "eagle_anchors": setting(32, "eagle: positions per training sequence at which steps 2.. are "
+                             "unrolled (step 1 trains at every position)", tiny=8),
+    "eagle_beta": setting(0.8, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
+                          "(EAGLE-3's code: 0.8)"),
+    "eagle_distill": setting(0.5, "eagle: weight of the KL to the target's distribution (1 = "
+                             "pure distillation, 0 = the text's own tokens only)",
+                             type=number(float, 0, 1)),
+    "eagle_taps": setting("auto", "eagle: the three target layers fused, e.g. '2,4,6' ('auto': "
+                          "a third, two thirds and the last)"),
+}
+
+
+def parse_taps(spec, n_layer):
+    """'auto' or '2,4,6' -> a list of target layers, each 1..n_layer."""
+    if spec == "auto":
+        return default_taps(n_layer)
+    try:
+        taps = [int(t) for t in spec.split(",")]
+    except ValueError:
+        taps = []
+    if not taps or not all(1 <= t <= n_layer for t in taps):
+        raise ValueError(f"--eagle-taps must be 'auto' or comma-separated layers 1..{n_layer} "
+                         f"like 2,4,6 (got {spec!r})")
+    return taps
+
+
+def phases(a):
+    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
+    parse_taps(a.eagle_taps, a.n_layer)
+    if a.eagle_unroll >= a.block_size - 1:
+        raise ValueError(f"--eagle-unroll {a.eagle_unroll} needs a longer --block-size than "
+                         f"{a.block_size}")
+    return [("eagle", a.eagle_iters)]
+
+
+def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, gen=None):
+    """w (B, T+1) windows; t_logits, hid the target's logits and states on them. Inputs are
+    w[:, :-1] (the target's states at positions 0..T-1, fused), tokens w."""
+    taps = net.config.taps
+    # under autocast the fusion comes out in bfloat16; the norms after it want the states' dtype
+    h = net.features({t: hid[t][:, :-1] for t in taps}).to(hid[taps[0]].dtype)  # (B, T, d)
+    anchors = unroll_anchors(w.size(0), w.size(1) - 1, steps, n_anchors, gen, w.device)
+    return recursion_loss(net.mods[0], target, h, w, t_logits[:, :-1], distill, steps, beta,
+                          anchors)
+
+
+def train_eagle(tr):
+    """EAGLE-3 on the frozen target, on the distillation set -> out/eagle.pt."""
+    a = tr.args
+    target, target_ckpt = tr.target()
+    torch.manual_seed(a.seed + 5)
+    cfg = EagleConfig.for_target(target.config, parse_taps(a.eagle_taps, target.config.n_layer))
+    net = Eagle(cfg).to(tr.device)
+    print(f"eagle: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, "
+          f"{cfg}, {a.eagle_unroll} steps unrolled at {a.eagle_anchors} anchors")
+    batches = tr.distill.batches("gen")
+
+    def loss_of(w, t_logits, hid, step):
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 3_333_333)
+        return eagle_loss(net, target, w, t_logits, hid, a.eagle_unroll, a.eagle_anchors,
+                          a.eagle_beta, a.eagle_distill, g)
+
+    fingerprint = {"stage": "eagle", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
+                   "iters": a.eagle_iters, "lr": a.eagle_lr, "gen": tr.distill.key("gen"),
+                   "unroll": (a.eagle_unroll, a.eagle_anchors, a.eagle_beta),
+                   "distill": a.eagle_distill, "seed": a.seed}
+    val, _ = tr.fit("eagle", net, lambda s: loss_of(*batches(s), s),
+                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                    steps=a.eagle_iters, lr=a.eagle_lr, fingerprint=fingerprint,
+                    tokens_per_step=a.batch_size * a.block_size)
+    tr.save("eagle", cfg.to_dict(), net, {"val_loss": val})
+    return val
