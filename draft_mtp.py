@@ -174,15 +174,18 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0, steps=1
 #
 # Trained as above, the module only ever reads the target's state h_i. At inference, drafts 2..k
 # feed it its OWN previous output instead (MTPDrafter.propose), an input it never saw in
-# training, and acceptance decays fast with depth. The fix is to train what inference runs: the
-# module is unrolled over `steps` draft steps with shared weights, step j reading step j-1's
-# output and predicting one token further, with exactly the attention it has at inference. There
-# the module's cache holds one exact entry per confirmed position, fed by the target, and then
-# the round's own recursive entries: a step-j query at index i sees the step-1 entries 0..i and
-# its own chain's entries of steps 2..j at i, nothing else. So step 1 runs teacher-forced over
-# the whole window (plain causal attention), and steps 2.. run at a sample of anchors i, each
-# attending to step 1's keys 0..i plus its chain's own keys. The tokens fed in are the text's
-# (t_{i+j}): a draft that differs from them would be rejected at inference anyway.
+# training; what that costs depends on how far its output lies from the states it was trained
+# on (little for MTP here, much for EAGLE-3's fused input: docs/experiments.md, "MTP: its own
+# recursion (FastMTP)" and "EAGLE-3: training-time test"). The fix is to train what inference
+# runs: the module is unrolled over `steps` draft steps with shared weights, step j reading
+# step j-1's output and predicting one token further, with exactly the attention it has at
+# inference. There the module's cache holds one exact entry per confirmed position, fed by the
+# target, and then the round's own recursive entries: a step-j query at index i sees the step-1
+# entries 0..i and its own chain's entries of steps 2..j at i, nothing else. So step 1 runs
+# teacher-forced over the whole window (plain causal attention), and steps 2.. run at a sample
+# of anchors i, each attending to step 1's keys 0..i plus its chain's own keys. The tokens fed
+# in are the text's (t_{i+j}): a draft that differs from them would be rejected at inference
+# anyway.
 
 
 def qkv(block, x):
@@ -483,7 +486,7 @@ SETTINGS = {
                            "the last one"),
     "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
                           type=number(float, 0)),
-    "mtp_iters": setting(2000, "mtp: optimizer steps in posthoc mode", quick=250, tiny=10),
+    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", quick=250, tiny=10),
     "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
     "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
                            "distribution of the token after next (1 = pure distillation, 0 = "
