@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 
 from gpt import Linear, number, setting
-from draft_mtp import (MTPConfig, MTPDrafter, MTPModule, recursion_loss, unroll_anchors)
+from draft_mtp import (MTPConfig, MTPDrafter, MTPModule, check_unroll, gpt2_init,
+                       recursion_loss, unroll_anchors)
 
 # -----------------------------------------------------------------------------
 # config and network
@@ -76,12 +77,7 @@ class Eagle(nn.Module):
         d = config.n_embd
         self.fuse = Linear(len(config.taps) * d, d, bias=False)
         self.mods = nn.ModuleList([MTPModule(config)])  # MTPDrafter drafts with mods[0]
-        for pn, p in self.named_parameters():  # GPT-2 init, as MTP's
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif pn.endswith("bias"):
-                nn.init.zeros_(p)
+        gpt2_init(self)
 
     def features(self, hidden):
         """g_i = FC([h_low; h_mid; h_high]) from the target's states {layer: (B, T, d)}."""
@@ -158,9 +154,7 @@ def parse_taps(spec, n_layer):
 def phases(a):
     """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
     parse_taps(a.eagle_taps, a.n_layer)
-    if a.eagle_unroll >= a.block_size - 1:
-        raise ValueError(f"--eagle-unroll {a.eagle_unroll} needs a longer --block-size than "
-                         f"{a.block_size}")
+    check_unroll("--eagle-unroll", a.eagle_unroll, a.block_size)
     return [("eagle", a.eagle_iters)]
 
 

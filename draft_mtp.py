@@ -108,6 +108,17 @@ class MTPModule(nn.Module):
         return self.block(self.mix(h, e), kv, start, attn_mask)
 
 
+def gpt2_init(module):
+    """GPT-2's init over a drafter's own weights: N(0, 0.02), residual projections scaled down,
+    biases zero (draft_eagle.py's network starts the same way)."""
+    for pn, p in module.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        elif pn.endswith("bias"):
+            nn.init.zeros_(p)
+
+
 def head(target, h):
     """The target's own output head (ln_f + lm_head): shared, never copied into the checkpoint."""
     return target.lm_head(target.transformer.ln_f(h))
@@ -121,13 +132,7 @@ class MTP(nn.Module):
         super().__init__()
         self.config = config
         self.mods = nn.ModuleList([MTPModule(config) for _ in range(config.n_modules)])
-        # GPT-2 init: N(0, 0.02), residual projections scaled down
-        for pn, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2) if pn.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif pn.endswith("bias"):
-                nn.init.zeros_(p)
+        gpt2_init(self)
 
     def forward(self, target, hidden, idx, next_tok):
         """Training forward over whole sequences.
@@ -254,6 +259,13 @@ def unroll_anchors(B, T, steps, n, gen=None, device="cpu"):
     if hi < 1:
         raise ValueError(f"a window of {T} tokens cannot unroll {steps} draft steps")
     return torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :n].to(device)
+
+
+def check_unroll(flag, steps, block_size):
+    """At start-up, what unroll_anchors would refuse only once training ran: a training window
+    (block_size tokens, block_size - 1 inputs) must hold `steps` labels after an anchor."""
+    if steps >= block_size - 1:
+        raise ValueError(f"{flag} {steps} needs a longer --block-size than {block_size}")
 
 
 def step_loss(logits, labels, teacher, distill):
@@ -511,9 +523,7 @@ def phases(a):
         raise ValueError(f"--mtp-unroll {a.mtp_unroll} unrolls ONE module over its own recursion, "
                          f"but --mtp-modules is {a.mtp_modules}: use one of them (--mtp-unroll 1 "
                          "trains chained modules)")
-    if a.mtp_unroll >= a.block_size - 1:
-        raise ValueError(f"--mtp-unroll {a.mtp_unroll} needs a longer --block-size than "
-                         f"{a.block_size}")
+    check_unroll("--mtp-unroll", a.mtp_unroll, a.block_size)
     return [("mtp", a.mtp_iters)] if a.mtp_mode == "posthoc" else []
 
 

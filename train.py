@@ -144,8 +144,9 @@ def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, path):
 
 # one step of each phase next to one target step, on the reference CPU with the cpu preset
 # (docs/results.md: training): the run's time estimate until it measures its own
-STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.40, "eagle": 0.42, "dflash-narrow": 0.31, "dflash": 0.30,
-             "dspark": 0.39, "dspark-sampled": 0.27, "distill": 0.26}  # distill: per sequence
+STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.40, "eagle": 0.42, "dflash-narrow": 0.31,
+             "dflash": 0.30, "dspark": 0.39, "dspark-sampled": 0.27,
+             "distill": 0.26}  # distill: per sequence
 
 
 class Clock:

@@ -126,7 +126,7 @@ def fit_eagle(target, unroll=3, steps=30):
             net = Eagle(EagleConfig.for_target(target.config)).double()
             x = target_text(target, 5, 44)
             with torch.no_grad():
-                logits, _, hid = target(x, hidden_layers=(1, 2))
+                logits, _, hid = target(x, hidden_layers=sorted(set(net.config.taps)))
             _EAGLE_FITTED[key] = adam_fit(net, lambda: eagle_loss(
                 net, target, x, logits, hid, unroll, 8, 0.8, 1.0, torch.Generator().manual_seed(0)),
                 steps, target)

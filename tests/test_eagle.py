@@ -4,9 +4,12 @@ exactly what inference shows it, the fusion reads the three layers it names, and
 eagle stage writes a drafter that loads. The shared equivalence tests cover eagle through
 conftest.make_eagle."""
 
+import shutil
+
 import pytest
 import torch
 
+import train
 from conftest import fit_eagle, fit_mtp, tiny_args
 from draft_eagle import EagleDrafter, default_taps, parse_taps
 from draft_mtp import MTPDrafter, head, mtp_loss, unrolled
@@ -117,8 +120,6 @@ def test_the_eagle_stage_trains_a_drafter_that_loads(trained, corpus, tmp_path):
     target, ckpt = load_target(str(trained / "target.pt"))
     d = load_drafter("eagle", str(trained), target, ckpt)
     assert isinstance(d, EagleDrafter)
-    import train
-    import shutil
     out = tmp_path / "out"
     shutil.copytree(trained, out)
     train.main(tiny_args(corpus, out, "--only", "eagle", "--eagle-unroll", "1"))
