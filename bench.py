@@ -35,13 +35,16 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
                       "draft_ms_per_round": float, "verify_ms_per_round": float,
                       "draft_share": float, "seconds": float (median per pass),
                       "budget": [{"steps": int, "seconds": int}] (its training; a warm
-                                 start's first)}},
+                                 start's first),
+                      "lookup_share": float (hybrids only: the share of rounds the lookup
+                                 drafted), "oracle": {"tau", "lookup_share", "gap_closed"}
+                                 (hybrid only, greedy and coupled: see hybrid_oracle)}},
    "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]},
    "divergences": [{"method", "prompt", "position", "margin"}],
    "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see
                                                                    REFERENCES)
-Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "dspark", "lookup"
-and any ablation variants a drafter offers (e.g. "dspark-nomarkov").
+Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "dspark", "lookup",
+"hybrid" and any ablation variants a drafter offers (e.g. "dspark-nomarkov", "hybrid-m4").
 """
 
 import argparse
@@ -60,7 +63,7 @@ import data
 import plot
 from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
                  ArgumentParser, synchronize)
-from speculative import (DRAFTERS, Sampler, Stats, add_sampling_flags, generate_plain,
+from speculative import (DRAFTERS, HYBRID_WITH, Sampler, Stats, add_sampling_flags, generate_plain,
                          generate_speculative, k_for, load_drafter, parse_args)
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
@@ -95,6 +98,13 @@ REFERENCES = [  # (method, what, the paper's figure, its source and setting, our
      lambda m: f"{m['mtp']['speedup']:.2f}x"),
     ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, small T5 drafters",
      lambda m: f"{m['small']['speedup']:.2f}x"),
+    ("hybrid", "speedup over lookup", "+3-11% (over EAGLE-2)",
+     "SAM-Decoding 2024: suffix automaton or EAGLE-2 by match length, Vicuna-7B, A100; "
+     "SuffixDecoding 2024: up to 2.8x EAGLE-2/3 on agentic tasks",
+     lambda m: f"{100 * (m['hybrid']['speedup'] / m['lookup']['speedup'] - 1):+.0f}%"),
+    ("hybrid", "oracle speedup", "~4.9x",
+     "the better of n-gram and EAGLE each round, InstructCoder (Hybrid Verified Decoding 2026)",
+     lambda m: f"tau {m['hybrid']['oracle']['tau']:.2f} (ours: tau only)"),
 ]
 
 
@@ -241,6 +251,14 @@ def report(res, sweep, header):
         lines.append(f"{name:<18}{r['k']:>3}{r['mean_drafted']:>8.2f}{r['tau']:>7.2f}"
                      f"{r['tokens_per_s']:>8.0f}{r['speedup']:>8.2f}x{dv:>17}"
                      f"{r['exact_match']:>7.0%}  {acc}")
+    if "oracle" in res.get("hybrid", {}):
+        o, closed = res["hybrid"]["oracle"], res["hybrid"]["oracle"]["gap_closed"]
+        lines += ["", f"hybrid: the lookup drafted {res['hybrid']['lookup_share']:.0%} of its "
+                  f"rounds. Its oracle (the better of both drafts each round, judged by plain "
+                  f"decoding's output; tau only): tau {o['tau']:.2f}, the lookup's draft in "
+                  f"{o['lookup_share']:.0%} of rounds"
+                  + (f"; the rule closes {closed:.0%} of the gap from the best single drafter's "
+                     "tau" if closed is not None else "")]
     top = max(r["speedup"] for r in res.values())
     lines += ["", "speedup over plain decoding (median of repeats, same run)"]
     lines += [f"  {name:<18}{bar(r['speedup'], top)} {r['speedup']:.2f}x"
@@ -315,6 +333,9 @@ def add_run_flags(g):
                    help=f"comma list from ar,{','.join(DRAFTERS)} (default: every trained one)")
     g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
+    g.add_argument("--hybrid-with", default=HYBRID_WITH,
+                   help="the learned drafter the hybrid pairs with prompt lookup "
+                   "(default: %(default)s)")
     g.add_argument("--prompts", type=path_arg("in"), default=None,
                    help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
     g.add_argument("--n-prompts", type=number(int, 1), default=32,
@@ -395,7 +416,8 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
         if name == "ar":
             continue
         try:
-            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype, args.sampling)
+            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype, args.sampling,
+                             args.hybrid_with)
         except CheckpointError as e:
             if args.methods:  # asked for by name: that's an error
                 raise
@@ -454,7 +476,25 @@ def run(target, prompts, drafters, args, device, cache):
         d, k = drafters.get(name, (None, 0))  # plain decoding drafts 0 tokens and trained nothing
         res[name] = summarize(stats[name], k, d.budget if d else [], times[name], times["ar"],
                               n_tokens, same)
-    return res, divergences
+        if hasattr(d, "lookup_share"):  # a hybrid: how often it copied (over the whole run)
+            res[name]["lookup_share"] = d.lookup_share
+    return res, divergences, ref
+
+
+def hybrid_oracle(res, target, prompts, ref, drafters, args):
+    """The hybrid's ceiling beside it (res["hybrid"]["oracle"]): each round the better of its two
+    drafts, judged against plain decoding's own output (greedy and coupled: the output is fixed),
+    so tau only; and the share of the gap from the best single drafter's tau to it that the rule
+    closes."""
+    from draft_hybrid import oracle_stats
+    hybrid, k = drafters["hybrid"]
+    stats = oracle_stats(hybrid, target, prompts, ref, k,
+                         lambda: make_sampler(args, target), args.max_new_tokens)
+    singles = [res[n]["tau"] for n in ("lookup", args.hybrid_with) if n in res]
+    best = max(singles) if singles else 1.0
+    gap = stats["tau"] - best
+    stats["gap_closed"] = (res["hybrid"]["tau"] - best) / gap if gap > 0 else None
+    res["hybrid"]["oracle"] = stats
 
 
 def summarize(stats, k, budget, times, ar_times, n_tokens, same):
@@ -496,7 +536,8 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     plain decoding over those same prompts and seconds. Why: timed one drafter after another
     against plain decoding timed once at the start, the drift of a shared machine went into
     the ratios (docs/experiments.md: Bench: interleaving)."""
-    swept = {n: d for n, (d, _) in drafters.items() if "-" not in n or n.endswith("-full")}
+    swept = {n: d for n, (d, _) in drafters.items()
+             if ("-" not in n or n.endswith("-full")) and d.sweeps}
     if not args.sweep or not swept:
         return {}
     sp = prompts[:args.sweep_prompts]
@@ -569,7 +610,9 @@ def main(argv=None):
               f"new tokens | sampling {args.sampling}{temperature} | {args.repeats} repeats")
     print(header)
     cache = target.new_cache()
-    res, divergences = run(target, prompts, drafters, args, device, cache)
+    res, divergences, ref = run(target, prompts, drafters, args, device, cache)
+    if "hybrid" in drafters and args.sampling != "rejection":  # rejection: no output to judge by
+        hybrid_oracle(res, target, prompts, ref, drafters, args)
     sweep = sweep_k(target, prompts, drafters, args, device, cache)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k,

@@ -548,6 +548,12 @@ class DSparkDrafter(DFlashDrafter):
             self.log.append((self._survival, n))
         super().commit(n, new, hidden)
 
+    def catch_up(self, new, hidden):
+        # the rounds since its last were another drafter's: its next round starts the clock anew,
+        # and the calibration log gets no entry for drafts it did not make
+        self._last = None
+        DFlashDrafter.commit(self, new.numel() - 1, new, hidden)
+
 
 def load_dspark(ckpt, target, device, dtype):
     backbone_cfg = DFlashConfig.from_dict(ckpt["config"]["backbone"])

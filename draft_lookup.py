@@ -74,25 +74,43 @@ class LookupDrafter(Drafter):
                     return j
         return None
 
-    def propose(self, k, sampler):
-        j = self.match()
-        draft = []
-        if j is not None:
-            # copy what followed; if that runs into the present (a repeat with period < k), keep
-            # copying from the copy: the text is predicted to go on repeating
-            ext = self.seq[j:j + k]
-            while len(ext) < k:
-                ext = ext + ext[:k - len(ext)]
-            draft = ext[:k]
+    def match_length(self, j, cap=16):
+        """How many tokens before position j equal the sequence's last ones, up to `cap`: at least
+        the matched n-gram, often far more. A long match is a repeat in progress, which is what
+        draft_hybrid.py reads to choose between copying and drafting."""
+        seq, S, m = self.seq, len(self.seq), 0
+        while m < cap and m < j and seq[j - 1 - m] == seq[S - 1 - m]:
+            m += 1
+        return m
+
+    def copy(self, j, k):
+        """The k tokens after position j, as host ints. If they run into the present (a repeat with
+        period < k), keep copying from the copy: the text is predicted to go on repeating."""
+        ext = self.seq[j:j + k]
+        while len(ext) < k:
+            ext = ext + ext[:k - len(ext)]
+        return ext[:k]
+
+    def as_draft(self, draft, sampler):
+        """Host ints -> (tokens, q) as propose returns them: q a one-hot on each drafted token in
+        rejection mode (the drafts are deterministic), else None."""
         tokens = torch.tensor(draft, dtype=torch.long, device=self.device)
         q = None
-        if sampler.mode == "rejection":  # deterministic drafts: q is a one-hot on each of them
+        if sampler.mode == "rejection":
             q = F.one_hot(tokens, self.vocab_size).to(torch.float32)
         return tokens, q
 
+    def propose(self, k, sampler):
+        j = self.match()
+        return self.as_draft(self.copy(j, k) if j is not None else [], sampler)
+
     def commit(self, n, new, hidden):
+        self.extend(new.tolist())
+
+    def extend(self, ids):
+        """The sequence grew by `ids` (host ints): index the n-grams that just got a follower."""
         start = len(self.seq)
-        self.seq.extend(new.tolist())
+        self.seq.extend(ids)
         self._index(start)
 
 

@@ -280,6 +280,10 @@ class Drafter:
     commit(n, new, hidden)      n of the k drafts survived; `new` (n+1,) = those n plus the target's
                                 own token; hidden {layer: (1, n+1, d)} = the target's states at the
                                 n+1 positions that just became 'all but the last'.
+    catch_up(new, hidden)       the sequence grew by `new` (m,) on rounds another drafter drafted
+                                (draft_hybrid.py); hidden (1, m, d) as in commit. By default a
+                                commit that kept none of its own drafts: every drafter here reads
+                                n in commit only as len(new) - 1 past the drafts it was fed.
     """
     name = "drafter"
     hidden_layers = ()  # which target hidden states this drafter reads
@@ -287,6 +291,7 @@ class Drafter:
     default_k = 4       # what bench.py and speculative.py use unless told otherwise (greedy)
     sampled_k = None    # the same when sampling (None: default_k); see k_for
     budget = []         # its training: [{steps, seconds}], a warm start's first (load_drafter)
+    sweeps = True       # whether bench's k sweep runs it (not the hybrid: its k is only a cap)
 
     def begin(self, tokens, hidden):
         raise NotImplementedError
@@ -296,6 +301,9 @@ class Drafter:
 
     def commit(self, n, new, hidden):
         raise NotImplementedError
+
+    def catch_up(self, new, hidden):
+        self.commit(new.numel() - 1, new, hidden)
 
     def batched(self):
         """This drafter over a batch of rows (batched.BatchDrafter). The default asks one fresh
@@ -449,17 +457,30 @@ DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that ma
     "dflash": ("draft_dflash", "dflash.pt", "dflash"),
     "dspark": ("draft_dspark", "dspark.pt", "dspark"),
     "lookup": ("draft_lookup", None, None),  # prompt lookup: nothing to train, nothing to load
+    # prompt lookup and a learned drafter (HYBRID_WITH unless told), chosen round by round: no
+    # weights of its own, the learned one's checkpoint
+    "hybrid": ("draft_hybrid", None, None),
 }
+HYBRID_WITH = "dspark"  # the learned drafter the hybrid pairs with the lookup: the strongest one
 
 
 def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32,
-                 sampling="greedy"):
+                 sampling="greedy", hybrid_with=HYBRID_WITH):
     """Load a drafter: a trained one is checked to belong to this very target and tokenizer;
     one without weights (prompt lookup) is simply built for this target. sampling: the mode it
     will draft in; a checkpoint with sampling weights (DSpark's 'sampled' entry, see
-    draft_dspark.sampling_weights) loads those for coupled and rejection sampling."""
+    draft_dspark.sampling_weights) loads those for coupled and rejection sampling.
+    hybrid_with: the learned drafter the hybrid pairs with prompt lookup."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
+    if name == "hybrid":
+        if hybrid_with in ("lookup", "hybrid"):
+            raise ValueError(f"the hybrid pairs prompt lookup with a learned drafter, not "
+                             f"{hybrid_with!r}: choose from "
+                             f"{', '.join(n for n in DRAFTERS if n not in ('lookup', 'hybrid'))}")
+        from draft_hybrid import HybridDrafter
+        learned = load_drafter(hybrid_with, out_dir, target, target_ckpt, device, dtype, sampling)
+        return HybridDrafter(learned, target)
     module, fname, stage = DRAFTERS[name]
     if fname is None:  # a drafter with no weights works for any target as it is
         return getattr(importlib.import_module(module), f"load_{name}")(None, target, device, dtype)
@@ -533,6 +554,9 @@ def build_parser():
                    help=f"drafter: {', '.join(DRAFTERS)} (default: small)")
     p.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: the drafter's own)")
+    p.add_argument("--hybrid-with", default=HYBRID_WITH,
+                   help="with --method hybrid: the learned drafter it pairs with prompt lookup "
+                   "(default: %(default)s)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
                    help="how many tokens to generate")
     add_sampling_flags(p)
@@ -574,7 +598,8 @@ def main(argv=None):
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
     enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
-    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling)
+    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
+                           hybrid_with=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = data.encode(enc, a.prompt)
     trace = []

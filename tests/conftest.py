@@ -197,8 +197,28 @@ def make_lookup(target):
     return LookupDrafter(target.config.vocab_size)
 
 
+def make_hybrid(target, learned=None, script=None):
+    """Prompt lookup and a learned drafter (DFlash unless given) under the hybrid's rule, with a
+    fixed cost model instead of the profile and the timed rounds (a verify of m tokens costs
+    1 + 0.05 m, a learned draft 0.5, a lookup 0.01), so its choices are deterministic. script:
+    a cycle of choices instead of the rule, so that rounds switch drafters for certain."""
+    from draft_hybrid import HybridDrafter, LOOKUP_MAX
+    d = HybridDrafter(learned or make_dflash(target), target,
+                      rule="script" if script else "auto", profile=False)
+    d.script = script or []
+    d.t_verify = [0.0] + [1.0 + 0.05 * m for m in range(1, LOOKUP_MAX + 2)]
+    d.start_cost = {"lookup": 0.01, "learned": 0.5}
+    d.reset_record()
+    return d
+
+
+def make_hybrid_switch(target):
+    return make_hybrid(target, script=["lookup", "learned", "learned", "lookup", "lookup"])
+
+
 DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "eagle": make_eagle,
-                     "dflash": make_dflash, "dspark": make_dspark, "lookup": make_lookup}
+                     "dflash": make_dflash, "dspark": make_dspark, "lookup": make_lookup,
+                     "hybrid": make_hybrid, "hybrid-switch": make_hybrid_switch}
 
 
 @pytest.fixture(params=sorted(DRAFTER_FACTORIES))

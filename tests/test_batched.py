@@ -40,6 +40,8 @@ def fixed_costs(drafter, B):
 
 
 def batched_drafter(name, target, B):
+    if name.startswith("hybrid"):
+        pytest.skip("the hybrid drafts one request at a time (its batched() says so)")
     d = DRAFTER_FACTORIES[name](target).batched()
     return fixed_costs(d, B) if hasattr(d, "flush_cost") else d
 

@@ -35,6 +35,8 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
         # acceptance is a share of all rounds: it adds up to tau, whatever each round drafted
         assert r["tau"] == pytest.approx(1 + sum(r["per_position_acceptance"]), rel=1e-9), name
     assert saved["methods"]["ar"]["tau"] == 1.0
+    hybrid = saved["methods"]["hybrid"]  # its ceiling beside it: the better draft every round
+    assert hybrid["oracle"]["tau"] >= 1.0 and 0.0 <= hybrid["lookup_share"] <= 1.0
     for name, rows in saved["sweep"].items():
         assert [r["k"] for r in rows] == [1, 3], name
     assert md.read_text().startswith("| method |")
@@ -65,8 +67,9 @@ def test_flags_are_grouped_and_each_says_its_default():
     flag's help names its default (the effective one: OUT_DIR/bench.json, not None)."""
     p = bench.build_parser()
     groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
-    assert groups["what to run"] == ["--methods", "--k", "--prompts", "--n-prompts",
-                                     "--prompt-len", "--max-new-tokens", "--batch-size"]
+    assert groups["what to run"] == ["--methods", "--k", "--hybrid-with", "--prompts",
+                                     "--n-prompts", "--prompt-len", "--max-new-tokens",
+                                     "--batch-size"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
     assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",
                                      "--dtype", "--device"]
@@ -100,9 +103,11 @@ def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypat
 
     monkeypatch.setattr(bench, "run_ar", fake_ar)
     monkeypatch.setattr(bench, "run_spec", fake_spec)
-    fake = lambda name, max_k: (SimpleNamespace(name=name, max_k=max_k), 1)
+    fake = lambda name, max_k, sweeps=True: (SimpleNamespace(name=name, max_k=max_k,
+                                                             sweeps=sweeps), 1)
+    # "h" says it is not swept (the hybrid: its k is only a cap)
     drafters = {"a": fake("a", None), "b": fake("b", 1), "b-full": fake("f", 1),
-                "b-threshold": fake("t", 1)}
+                "b-threshold": fake("t", 1), "h": fake("h", None, sweeps=False)}
     args = SimpleNamespace(sweep=[1, 3], sweep_prompts=2)
     out = bench.sweep_k(None, [[1], [2], [3]], drafters, args, "cpu", None)
     assert {n: [r["k"] for r in rows] for n, rows in out.items()} == {

@@ -57,6 +57,15 @@ def test_missing_drafter_names_its_stage(out):
         bench.main(["--out-dir", str(out), "--methods", "ar,small", "--prompt-len", "16"])
 
 
+def test_the_hybrid_refuses_a_partner_that_is_not_learned(out):
+    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--method", "hybrid",
+                     "--hybrid-with", "lookup")
+    one_clear_error(rc, err, "pairs prompt lookup with a learned drafter", "dspark")
+    os.remove(out / "dspark.pt")  # its partner's checkpoint is its own
+    rc, _, err = cli("bench.py", "--out-dir", str(out), "--methods", "ar,hybrid")
+    one_clear_error(rc, err, "dspark.pt not found", "--only dspark")
+
+
 def test_drafter_of_another_target_is_refused_naming_both_hashes(out):
     ck = load_checkpoint(str(out / "small.pt"), "small")
     ck["target_hash"] = "0123456789abcdef"  # as if the target had been retrained since

@@ -1,0 +1,388 @@
+"""
+draft_hybrid.py -- one drafter that copies when the text repeats and drafts when it does not.
+
+draft_lookup.py drafts for free, and only as well as the text repeats itself; draft_dspark.py
+(or any learned drafter) drafts well everywhere, for a forward a round. Each loses where the
+other wins: greedy code that loops favours the copy, sampling favours the network. Serving
+systems pick one per round (Arctic Inference: the suffix draft when its score reaches the
+speculator's length; SAM-Decoding: by match length; vLLM: n-gram, then EAGLE). This file adds
+that choice, made each round before anything is drafted, from what is known for free:
+
+  m       how many tokens at the end of the text match where the lookup copies from (0: no
+          match at all); a long match is a repeat in progress.
+  record  per bucket of m and per draft position, how often each drafter's draft survived
+          there. The lookup's record grows every round, also when it did not draft: its draft
+          costs nothing to make, and the target's own tokens show what it would have kept.
+  costs   what each drafter's round costs besides its verify (drafting, committing, the loop),
+          measured as rounds run, and the verify forward by length, profiled once.
+
+The rule: for each drafter and each length k, expected tokens over expected seconds,
+(1 + a_1 + ... + a_k) / (round + verify(k + 1)) with a_j the recorded prefix survival; verify
+the best pair. It is DSpark's throughput rule with a record in place of a confidence head, and
+a second drafter to choose; it also picks the lookup's length, which a fixed k cannot. With
+sampling the lookup's record falls, and the rule stays with the learned drafter.
+
+The learned drafter stays in sync on rounds it does not draft: the target's states of those
+rounds are kept and handed over in one catch_up before it drafts again (DSpark projects them
+into its context in one product), and that cost is in its round's measured cost.
+
+    python bench.py --methods ar,lookup,dspark,hybrid    # the rule beside fixed choices
+"""
+
+import copy
+import time
+
+import numpy as np
+import torch
+
+from draft_dspark import profile_verify
+from draft_lookup import LookupDrafter
+from speculative import Drafter, Sampler, Stats, generate_speculative, k_for
+
+# -----------------------------------------------------------------------------
+# the record: how each drafter's drafts fared, by the lookup's match length
+
+# the buckets of the match length m: 0 (no match), 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16 and more
+EDGES = (1, 2, 3, 4, 6, 8, 12, 16)
+MATCH_CAP = EDGES[-1]  # match lengths are counted up to here
+# the longest lookup draft the rule may verify: a repeat in progress keeps on repeating, and the
+# lookup's fixed k = 10 cut most of them short (docs/experiments.md: Hybrid: the rule)
+LOOKUP_MAX = 32
+PRIOR = 4.0  # pseudo-rounds: a bucket starts at the pooled estimate, the pooled one at `start`
+FORGET = 0.98  # the verify fit's memory, per round: it follows a machine whose speed drifts
+RATE = 0.1     # how fast a round's measured overhead moves its drafter's running average
+# the learned drafter's record grows only on rounds it drafts, so one unlucky start could keep it
+# out of a bucket for good: after EXPLORE rounds there without it, it drafts once regardless, and
+# then ever more rarely as its record there fills (one in EXPLORE times its rounds there over
+# PRIOR): exploring every 16th round cost the greedy run 4% where the lookup was the right choice
+EXPLORE = 16
+MATCH_RULES = (1, 4, 8)  # the fixed rules bench compares: lookup when m >= each of these
+
+
+def bucket(m):
+    return BUCKET_OF[min(m, MATCH_CAP)]
+
+
+BUCKET_OF = [int(np.searchsorted(EDGES, m, side="right")) for m in range(MATCH_CAP + 1)]
+
+
+class Record:
+    """Per bucket b and draft position j: the rounds in which j was tried (every draft before it
+    survived and j's fate is known) and those in which it survived too. survival(b, k) is the
+    estimated prefix survival a_1..a_k: each position's share kept, shrunk towards that position
+    over all buckets (PRIOR pseudo-rounds), which is shrunk towards `start`. Plain lists: these
+    run every round on a few dozen numbers, where numpy's per-call cost was most of the time."""
+
+    def __init__(self, depth, start):
+        # row b per bucket, the last row pooled over all of them
+        self.tried = [[0.0] * depth for _ in range(len(EDGES) + 2)]
+        self.kept = [[0.0] * depth for _ in range(len(EDGES) + 2)]
+        self.start = start
+
+    def observe(self, b, kept, tried):
+        for row in (b, -1):
+            t, k = self.tried[row], self.kept[row]
+            for j in range(tried):
+                t[j] += 1.0
+            for j in range(kept):
+                k[j] += 1.0
+
+    def survival(self, b, k):
+        out, a = [], 1.0
+        kp, tp, kb, tb = self.kept[-1], self.tried[-1], self.kept[b], self.tried[b]
+        start = self.start
+        for j in range(k):
+            pooled = (kp[j] + PRIOR * start) / (tp[j] + PRIOR)
+            a *= (kb[j] + PRIOR * pooled) / (tb[j] + PRIOR)
+            out.append(a)
+        return out
+
+
+def outcome(draft, ids):
+    """(kept, tried) for a draft against the tokens the round confirmed: kept = how many of its
+    first tokens equal them; tried = kept + 1 where the next one is known to differ, else kept."""
+    known = min(len(draft), len(ids))
+    kept = next((j for j in range(known) if draft[j] != ids[j]), known)
+    return kept, kept + (kept < known)
+
+
+class Costs:
+    """What a round costs: c[who] + verify(m) for a verify of m tokens. verify(m) = alpha + beta*m,
+    fitted by least squares to the verifies as they run in the loop (from the draft's return to
+    its commit), the data forgotten at FORGET a round and held by a pseudo-round at each end of
+    the start-up profile. Why not the profile itself: timed alone, on a machine whose speed
+    drifts, a forward's cost by length came out too flat or too steep from one run to the next;
+    inside the loop it was a line (docs/experiments.md: Hybrid: costs). c[who]: the rest of that
+    drafter's rounds (drafting, commits, the loop), a running average."""
+
+    def __init__(self, t_verify, start):
+        m_max = len(t_verify) - 1
+        # the normal equations of the line through (m, seconds), as sums of 1, m, m^2, seconds,
+        # m * seconds: one pseudo-round at each end of the profile, enough to hold the line before
+        # the loop has timed two lengths, little against the ~50 rounds FORGET keeps
+        self.prior = [2.0, 1.0 + m_max, 1.0 + m_max ** 2, t_verify[1] + t_verify[m_max],
+                      t_verify[1] + m_max * t_verify[m_max]]
+        self.data = [0.0] * 5
+        self.fit()
+        self.c = dict(start)
+        self.tokens, self.seconds = 0.0, 0.0
+
+    def fit(self):
+        n, sm, smm, st, smt = (p + d for p, d in zip(self.prior, self.data))
+        det = n * smm - sm * sm
+        self.alpha, self.beta = (smm * st - sm * smt) / det, (n * smt - sm * st) / det
+
+    def observe_verify(self, m, seconds):
+        self.data = [FORGET * d + x for d, x in zip(self.data, (1.0, m, m * m, seconds,
+                                                               m * seconds))]
+        self.fit()
+
+    def observe_round(self, who, seconds, verify_seconds, tokens):
+        self.c[who] += RATE * (max(0.0, seconds - verify_seconds) - self.c[who])
+        self.tokens = FORGET * self.tokens + tokens
+        self.seconds = FORGET * self.seconds + seconds
+
+    def rate(self):
+        """Tokens per second over the recent rounds (0 before any: then a draft is as long as
+        it is expected to pay in tokens alone)."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def fixed(self, who):
+        return self.c[who]
+
+    def verify(self, m):
+        return self.alpha + self.beta * m
+
+
+def best_round(survival, fixed, cost, rate, least=0):
+    """(value, k): the k >= least that maximises a round's expected tokens less what its seconds
+    are worth at `rate` (tokens per second), and that value. A draft grows while its next token
+    is expected to pay for the verify time it adds at the speed decoding already runs.
+    (Maximising the round's own tokens per second instead drafted too long, and chose the
+    learned drafter where its round beat a plain step but cost the run: docs/experiments.md:
+    Hybrid: the rule.) survival: a_1..a_K; cost: Costs (fixed + cost.verify(k + 1) seconds)."""
+    best, tokens = None, 1.0
+    for k in range(len(survival) + 1):
+        if k:
+            tokens += survival[k - 1]
+        if k >= least:
+            value = tokens - rate * (fixed + cost.verify(k + 1))
+            if best is None or value > best[0]:
+                best = (value, k)
+    return best
+
+
+# -----------------------------------------------------------------------------
+# the drafter
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup and a learned drafter behind one interface. rule:
+      'auto'    the expected-throughput rule over `choices` (both, or ('lookup',): the lookup
+                alone with the rule's length: how much of the gain the length brings)
+      'match'   a fixed rule: the lookup at its own k when m >= min_match, else the learned one
+      'oracle'  the better of both drafts each round, judged against `reference` (the output
+                plain decoding gives: bench's ceiling; its time means nothing, both draft)
+      'script'  `script`: 'lookup' / 'learned' for one round each, over and over (the tests)
+    profile=False skips the start-up profile and the cost fit: give t_verify and start_cost, then
+    reset_record(), before an 'auto' round (the tests do)."""
+    name = "hybrid"
+    default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
+    sweeps = False  # bench's k sweep: its k is only a cap, the rule picks the length
+
+    def __init__(self, learned, target, rule="auto", min_match=1, profile=True):
+        if rule not in ("auto", "match", "oracle", "script"):
+            raise ValueError(f"unknown hybrid rule {rule!r}: use auto, match, oracle or script")
+        self.lookup = LookupDrafter(target.config.vocab_size)
+        self.learned, self.target = learned, target
+        self.hidden_layers = learned.hidden_layers
+        self.budget = learned.budget
+        self.rule, self.min_match, self.choices = rule, min_match, ("lookup", "learned")
+        self.script, self.turn, self.reference = [], 0, None
+        self.depth = learned.max_k or max(learned.default_k, LOOKUP_MAX)
+        self.t_verify, self.start_cost = None, {"lookup": 0.0, "learned": 0.0}
+        self.measure = profile  # fit the costs to the rounds (off: the tests' fixed costs)
+        if profile:
+            self.t_verify = profile_verify(target, LOOKUP_MAX + 1, reps=5)
+            self.start_cost["learned"] = draft_seconds(learned, target)
+        # the tokens and target states the learned drafter has not seen yet (miss), copied into
+        # buffers made once: kept as views of each verify's output, they made every forward
+        # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
+        # one after another, each from begin()
+        tc, w = target.config, target.lm_head.weight
+        self.missed = {t: torch.empty(1, tc.block_size, tc.n_embd, device=w.device, dtype=w.dtype)
+                       for t in self.hidden_layers}
+        self.missed_ids = torch.empty(tc.block_size, dtype=torch.long, device=w.device)
+        self.reset_record()
+
+    def reset_record(self):
+        """A fresh record and cost account (a new drafter, each of bench's fixed-rule copies).
+        The lookup's record starts at even odds; the learned drafter's optimistic, so that it is
+        tried before the record is trusted (its record grows only on rounds it drafts)."""
+        self.record = {"lookup": Record(LOOKUP_MAX + 1, 0.5), "learned": Record(self.depth, 0.9)}
+        self.cost = Costs(self.t_verify, self.start_cost) if self.t_verify is not None else None
+        self.rounds = {"lookup": 0, "learned": 0}
+        self.since = [0] * (len(EDGES) + 1)  # per bucket: rounds since the learned one drafted
+
+    def variants(self):
+        """bench's comparison rows: the lookup alone at the rule's length, and the fixed rules."""
+        rows = {"hybrid-lookup": dict(choices=("lookup",))}
+        rows.update({f"hybrid-m{m}": dict(rule="match", min_match=m) for m in MATCH_RULES})
+        out = {}
+        for name, changes in rows.items():
+            v = copy.copy(self)
+            v.__dict__.update(changes)
+            v.reset_record()
+            out[name] = v
+        return out
+
+    def batched(self):
+        raise NotImplementedError("the hybrid drafts one request at a time (batch 1)")
+
+    def begin(self, tokens, hidden):
+        self.lookup.begin(tokens, hidden)
+        self.learned.begin(tokens, hidden)
+        self.last, self.n_missed = None, 0
+
+    def miss(self, new, hidden):
+        """Keep a round's tokens and states for the learned drafter, which did not draft it."""
+        r, m = self.n_missed, new.numel()
+        self.missed_ids[r:r + m] = new
+        for t in self.hidden_layers:
+            self.missed[t][:, r:r + m] = hidden[t]
+        self.n_missed += m
+
+    @torch.inference_mode()
+    def propose(self, k, sampler):
+        now = time.perf_counter()
+        self.account(now)
+        j = self.lookup.match()
+        m = self.lookup.match_length(j, MATCH_CAP) if j is not None else 0
+        copied = self.lookup.copy(j, min(k, LOOKUP_MAX)) if j is not None else []
+        k_learned = min(k, k_for(self.learned, sampler.mode), self.depth)
+        self.now = {"bucket": bucket(m), "copied": copied, "learned_draft": None}
+        who, n = self.choose(m, copied, k_learned, sampler)
+        if who == "lookup":
+            draft = self.lookup.as_draft(copied[:n], sampler)
+        else:
+            draft = self.now["learned_draft"] or self.draft_learned(n, sampler)
+        self.now["who"] = who
+        self.rounds[who] += 1
+        self.last = {"start": now, "who": who, "drafted": draft[0].numel(),
+                     "proposed": time.perf_counter()}
+        return draft
+
+    def choose(self, m, copied, k_learned, sampler):
+        """(who drafts, how many) under this drafter's rule."""
+        if self.rule == "script":
+            who = self.script[self.turn % len(self.script)]
+            self.turn += 1
+            return who, (len(copied) if who == "lookup" else k_learned)
+        if self.rule == "oracle":
+            return self.oracle(copied, k_learned, sampler)
+        if self.rule == "match":
+            if copied and m >= self.min_match:
+                return "lookup", min(len(copied), self.lookup.default_k)
+            return "learned", k_learned
+        b, rate = self.now["bucket"], self.cost.rate()
+        longest = {"lookup": (len(copied), 0), "learned": (k_learned, 1)}  # (k at most, at least)
+        options = {w: best_round(self.record[w].survival(b, longest[w][0]), self.cost.fixed(w),
+                                 self.cost, rate, longest[w][1]) for w in self.choices}
+        seen = self.record["learned"].tried[b][0]  # rounds it drafted in this bucket
+        if "learned" in options and self.since[b] >= EXPLORE * max(1.0, seen / PRIOR):
+            return "learned", options["learned"][1]
+        who = max(options, key=lambda w: options[w][0])
+        return who, options[who][1]
+
+    def oracle(self, copied, k_learned, sampler):
+        """Both draft at their longest; the one whose draft agrees longer with the reference wins
+        (the lookup on a tie: it is the cheaper)."""
+        draft = self.draft_learned(k_learned, sampler)
+        self.now["learned_draft"] = draft
+        S = len(self.lookup.seq)
+        ahead = self.reference[S:]
+        if outcome(copied, ahead)[0] >= outcome(draft[0].tolist(), ahead)[0]:
+            return "lookup", len(copied)
+        return "learned", draft[0].numel()
+
+    def draft_learned(self, k, sampler):
+        """The learned drafter's draft, after it has caught up on the rounds it missed."""
+        n = self.n_missed
+        if n:  # the buffers are views: the drafter copies what it keeps, as from commit's
+            self.learned.catch_up(self.missed_ids[:n],
+                                  {t: h[:, :n] for t, h in self.missed.items()})
+            self.n_missed = 0
+        return self.learned.propose(k, sampler)
+
+    def account(self, now):
+        """As a round starts: the previous round's seconds (start to start), less its verify, go
+        to its drafter's overhead."""
+        last = self.last
+        if last is not None and self.measure and self.rule == "auto":
+            self.cost.observe_round(last["who"], now - last["start"], last["verify"],
+                                    last["tokens"])
+
+    @torch.inference_mode()
+    def commit(self, n, new, hidden):
+        last = self.last
+        last["verify"], last["tokens"] = time.perf_counter() - last["proposed"], n + 1
+        if self.measure and self.rule == "auto":  # the verify just ran: its seconds by its length
+            self.cost.observe_verify(last["drafted"] + 1, last["verify"])
+        ids, now = new.tolist(), self.now
+        if now["copied"]:  # what the lookup kept or would have kept: known whoever drafted
+            self.record["lookup"].observe(now["bucket"], *outcome(now["copied"], ids))
+        b = now["bucket"]
+        self.since[b] = 0 if now["who"] == "learned" else self.since[b] + 1
+        if now["who"] == "learned":
+            self.record["learned"].observe(b, n, min(last["drafted"], n + 1))
+            self.learned.commit(n, new, hidden)
+        elif now["learned_draft"] is not None:  # it drafted too, and lost (the oracle)
+            self.lost(now["learned_draft"][0].tolist(), new, ids, hidden)
+        else:
+            self.miss(new, hidden)
+        self.lookup.extend(ids)
+
+    def lost(self, draft, new, ids, hidden):
+        """The learned drafter drafted `draft` but the lookup's was verified: it commits the
+        prefix of its own drafts the round confirmed (its caches may hold them), and misses
+        the rest."""
+        kept = min(outcome(draft, ids)[0], len(ids) - 1)
+        self.learned.commit(kept, new[:kept + 1], {t: h[:, :kept + 1] for t, h in hidden.items()})
+        if kept + 1 < len(ids):
+            self.miss(new[kept + 1:], {t: h[:, kept + 1:] for t, h in hidden.items()})
+
+    @property
+    def lookup_share(self):
+        """The share of rounds the lookup drafted."""
+        return self.rounds["lookup"] / max(1, sum(self.rounds.values()))
+
+
+def draft_seconds(drafter, target, reps=5):
+    """Seconds for one of the learned drafter's own drafts on a dummy context (the fastest of
+    `reps`): where its round cost starts before rounds measure it."""
+    tcfg, dev = target.config, target.lm_head.weight.device
+    n_ctx = tcfg.block_size // 2
+    hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=dev, dtype=target.lm_head.weight.dtype)
+           for t in drafter.hidden_layers}
+    drafter.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=dev), hid)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        drafter.propose(drafter.default_k, Sampler("greedy"))
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
+    """The ceiling of any choice between the two drafts: the hybrid under its 'oracle' rule over
+    `prompts`, judged against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
+    oracle = copy.copy(hybrid)
+    oracle.rule = "oracle"
+    oracle.reset_record()
+    total = Stats()
+    for prompt, ref in zip(prompts, refs):
+        oracle.reference = list(prompt) + list(ref)
+        total.add(generate_speculative(target, oracle, prompt, max_new_tokens, k,
+                                       make_sampler())[1])
+    return {"tau": total.tau, "lookup_share": oracle.lookup_share}
+
