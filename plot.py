@@ -48,6 +48,10 @@ ABLATIONS = {
                         "while their predicted survival is at least 0.5",
     "dspark-nomarkov": "DSpark without its Markov head: every slot picked at once, as DFlash does",
     "mtp-k1": "MTP drafting one token a round (the second-token acceptance DeepSeek-V3 reports)",
+    "hybrid-lookup": "the hybrid's rule over prompt lookup alone: only the draft's length chosen",
+    "hybrid-m1": "a fixed rule: lookup (k = 10) where the text matches, else the learned one",
+    "hybrid-m4": "a fixed rule: lookup (k = 10) where 4+ tokens match, else the learned one",
+    "hybrid-m8": "a fixed rule: lookup (k = 10) where 8+ tokens match, else the learned one",
 }
 
 
