@@ -13,14 +13,18 @@ that choice, made each round before anything is drafted, from what is known for 
   record  per bucket of m and per draft position, how often each drafter's draft survived
           there. The lookup's record grows every round, also when it did not draft: its draft
           costs nothing to make, and the target's own tokens show what it would have kept.
-  costs   what each drafter's round costs besides its verify (drafting, committing, the loop),
-          measured as rounds run, and the verify forward by length, profiled once.
+  costs   what each drafter's round costs besides its verify (drafting, committing, the loop)
+          and the verify by length, both timed as the loop runs (Costs).
 
-The rule: for each drafter and each length k, expected tokens over expected seconds,
-(1 + a_1 + ... + a_k) / (round + verify(k + 1)) with a_j the recorded prefix survival; verify
-the best pair. It is DSpark's throughput rule with a record in place of a confidence head, and
-a second drafter to choose; it also picks the lookup's length, which a fixed k cannot. With
-sampling the lookup's record falls, and the rule stays with the learned drafter.
+The rule: for each drafter and each length k, the round's expected tokens less what its
+seconds are worth at the speed decoding already runs (θ, the recent tokens per second),
+1 + a_1 + ... + a_k − θ · (round + verify(k + 1)), with a_j the recorded prefix survival;
+verify the best pair. A draft grows while its next token pays for the verify time it adds, and
+the learned drafter drafts where its round is worth more than a copy or a plain step at that
+speed. (DSpark's own rule, the round's tokens per second, drafted too long here: a long draft
+lifts a poor round and costs the run; docs/experiments.md: Hybrid: the rule.) It picks the
+lookup's length too, which a fixed k cannot. With sampling the lookup's record falls, and the
+rule stays with the learned drafter.
 
 The learned drafter stays in sync on rounds it does not draft: the target's states of those
 rounds are kept and handed over in one catch_up before it drafts again (DSpark projects them
@@ -54,7 +58,8 @@ RATE = 0.1     # how fast a round's measured overhead moves its drafter's runnin
 # the learned drafter's record grows only on rounds it drafts, so one unlucky start could keep it
 # out of a bucket for good: after EXPLORE rounds there without it, it drafts once regardless, and
 # then ever more rarely as its record there fills (one in EXPLORE times its rounds there over
-# PRIOR): exploring every 16th round cost the greedy run 4% where the lookup was the right choice
+# PRIOR): exploring every 16th round for good cost the greedy run where the lookup was the right
+# choice (docs/experiments.md: Hybrid: the rule)
 EXPLORE = 16
 MATCH_RULES = (1, 4, 8)  # the fixed rules bench compares: lookup when m >= each of these
 
@@ -178,8 +183,8 @@ def best_round(survival, fixed, cost, rate, least=0):
 
 class HybridDrafter(Drafter):
     """Prompt lookup and a learned drafter behind one interface. rule:
-      'auto'    the expected-throughput rule over `choices` (both, or ('lookup',): the lookup
-                alone with the rule's length: how much of the gain the length brings)
+      'auto'    the rule above over `choices` (both, or ('lookup',): the lookup alone with the
+                rule's length: how much of the gain the length brings)
       'match'   a fixed rule: the lookup at its own k when m >= min_match, else the learned one
       'oracle'  the better of both drafts each round, judged against `reference` (the output
                 plain decoding gives: bench's ceiling; its time means nothing, both draft)
