@@ -299,6 +299,25 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
     return t
 
 
+def profile_propose(drafter, target, k, reps=9):
+    """Seconds for one propose(k) of `drafter` (a greedy pick) after begin() on a dummy context of
+    half the target's window, the fastest of `reps` (as profile_verify: interference only adds).
+    Leaves that dummy context begun."""
+    from speculative import Sampler
+    tcfg, w = target.config, target.lm_head.weight
+    n_ctx = tcfg.block_size // 2
+    hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
+           for t in drafter.hidden_layers}
+    drafter.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=w.device), hid)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        drafter.propose(k, Sampler("greedy"))
+        synchronize(w.device)
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
 # -----------------------------------------------------------------------------
 # the Drafter
 
@@ -400,25 +419,13 @@ class DSparkDrafter(DFlashDrafter):
     def profile_draft(self, reps=9):
         """Seconds for one full-block propose() on a dummy context (a greedy pick); the fastest
         try."""
-        from speculative import Sampler
-        tcfg = self.net.target.config
-        n_ctx = tcfg.block_size // 2
-        dev, dtype = self.k_cache.device, self.k_cache.dtype
-        hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=dev, dtype=dtype)
-               for t in self.hidden_layers}
-        self.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=dev), hid)
         saved = self.schedule, self.threshold
         # every position scored and admitted: the full cost
         self.schedule, self.threshold = "threshold", 0.0
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            self.propose(self.max_k, Sampler("greedy"))
-            synchronize(self.k_cache.device)
-            ts.append(time.perf_counter() - t0)
+        seconds = profile_propose(self, self.net.target, self.max_k, reps)
         self.schedule, self.threshold = saved
         self.reset_account()
-        return min(ts)
+        return seconds
 
     def batched(self, schedule="budget"):
         """The batched twin (BatchDSpark); its default rule is the one that pays in the serving

@@ -39,9 +39,9 @@ import time
 import numpy as np
 import torch
 
-from draft_dspark import profile_verify
+from draft_dspark import profile_propose, profile_verify
 from draft_lookup import LookupDrafter
-from speculative import Drafter, Sampler, Stats, generate_speculative, k_for
+from speculative import Drafter, Stats, generate_speculative, k_for
 
 # -----------------------------------------------------------------------------
 # the record: how each drafter's drafts fared, by the lookup's match length
@@ -209,7 +209,9 @@ class HybridDrafter(Drafter):
         self.measure = profile  # fit the costs to the rounds (off: the tests' fixed costs)
         if profile:
             self.t_verify = profile_verify(target, LOOKUP_MAX + 1, reps=5)
-            self.start_cost["learned"] = draft_seconds(learned, target)
+            # where its round cost starts before rounds measure it
+            self.start_cost["learned"] = profile_propose(learned, target, learned.default_k,
+                                                         reps=5)
         # the tokens and target states the learned drafter has not seen yet (miss), copied into
         # buffers made once: kept as views of each verify's output, they made every forward
         # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
@@ -360,22 +362,6 @@ class HybridDrafter(Drafter):
     def lookup_share(self):
         """The share of rounds the lookup drafted."""
         return self.rounds["lookup"] / max(1, sum(self.rounds.values()))
-
-
-def draft_seconds(drafter, target, reps=5):
-    """Seconds for one of the learned drafter's own drafts on a dummy context (the fastest of
-    `reps`): where its round cost starts before rounds measure it."""
-    tcfg, dev = target.config, target.lm_head.weight.device
-    n_ctx = tcfg.block_size // 2
-    hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=dev, dtype=target.lm_head.weight.dtype)
-           for t in drafter.hidden_layers}
-    drafter.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=dev), hid)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        drafter.propose(drafter.default_k, Sampler("greedy"))
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
 
 
 def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
