@@ -232,6 +232,13 @@ def _atomic_write(path, data: bytes):
     os.replace(tmp, path)
 
 
+def ranks_hash(ranks: dict[bytes, int]) -> str:
+    h = hashlib.sha256()
+    for t, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+        h.update(f"{r} {len(t)} ".encode() + t)
+    return h.hexdigest()
+
+
 def file_sha256(path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
@@ -266,10 +273,11 @@ def read_ranks(path) -> dict[bytes, int]:
     return ranks
 
 
-def load_tokenizer(path) -> tiktoken.Encoding:
+def load_tokenizer(path, pattern=PAT) -> tiktoken.Encoding:
+    """A rank file as an Encoding: nanospec's split pattern, or a pretrained model's (GPT-2's)."""
     # read here, not with tiktoken.load: that caches files by *path* and would serve a stale copy
     ranks = read_ranks(path)
-    return tiktoken.Encoding(name="nanospec", pat_str=PAT, mergeable_ranks=ranks,
+    return tiktoken.Encoding(name="nanospec", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens={EOT: len(ranks)})
 
 
@@ -304,13 +312,15 @@ _WHAT = {
     "fingerprint": "the data contents",
     "requested_vocab_size": "vocab_size",
     "tokenizer": "the tokenizer kind",
+    "given_ranks": "the pretrained model's tokenizer",
 }
 
 
 def _result(out: pathlib.Path, meta: dict) -> dict:
     # paths are rebuilt from out_dir on every call, so a build stays usable from another cwd
-    bpe = meta["tokenizer"] == "bpe"
-    return {"tokenizer_path": str(out / "tokenizer.tiktoken") if bpe else "gpt2",
+    has_file = meta["tokenizer"] != "gpt2"
+    return {"tokenizer_path": str(out / "tokenizer.tiktoken") if has_file else "gpt2",
+            "pattern": meta.get("pattern", PAT),
             "tokenizer_hash": meta["tokenizer_hash"], "vocab_size": meta["vocab_size"],
             "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"),
             "eot_id": meta["eot_id"],
@@ -321,6 +331,9 @@ def _result(out: pathlib.Path, meta: dict) -> dict:
 # verifying a build: data_meta.json vouches for each file by its size and sha256
 
 BUILT = ("tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json")  # what a build writes
+# tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), or the ranks of a pretrained
+# model's folder (pretrained: train.py --init-from; pretrained.py reads them)
+KINDS = ("bpe", "gpt2", "pretrained")
 _META_INTS = ("vocab_size", "eot_id", "n_train_tokens", "n_val_tokens", "val_docs_count")
 
 
@@ -337,16 +350,16 @@ def _expected(meta: dict) -> dict:
 
 def read_meta(out: pathlib.Path) -> dict:
     """out/data_meta.json, checked for shape; a DataError naming it if it is missing or damaged."""
-    path = out / "data_meta.json"
+    path = pathlib.Path(out) / "data_meta.json"
     if not path.is_file():
         raise DataError(f"{path} is {'a folder (move it away)' if path.is_dir() else 'missing'}")
     try:
         meta = json.loads(path.read_bytes())
         files = _expected(meta)
-        tokenizer_file = {"tokenizer.tiktoken"} if meta["tokenizer"] == "bpe" else set()
+        tokenizer_file = {"tokenizer.tiktoken"} if meta["tokenizer"] != "gpt2" else set()
         need = {"train.bin", "val.bin"} | tokenizer_file
         ok = (all(type(meta[k]) is int for k in _META_INTS)
-              and meta["tokenizer"] in ("bpe", "gpt2")
+              and meta["tokenizer"] in KINDS
               and need <= set(files)
               and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
                       for n, h in files.values()))
@@ -375,6 +388,10 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
 def remake(out: pathlib.Path, meta: dict | None = None) -> str:
     """The command that rebuilds out/'s data files, with the settings the build recorded (if
     known)."""
+    if meta and meta.get("tokenizer") == "pretrained":
+        return (f"rebuild it with `python train.py --init-from "
+                f"{shlex.quote(meta.get('tokenizer_source', 'DIR'))} --out-dir "
+                f"{shlex.quote(str(out))}`, passing the --data it was built with")
     if not meta or "source" not in meta:
         return (f"rebuild it with `python data.py --out-dir {shlex.quote(str(out))}` "
                 "(or `python train.py`), passing the --data and --vocab-size it was built with")
@@ -405,7 +422,7 @@ def encoding_of(info: dict) -> tiktoken.Encoding:
     """The tokenizer of a build (prepare_data's or load_build's result; a gpt2 build has no
     file)."""
     path = info["tokenizer_path"]
-    return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path)
+    return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
 
 def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
@@ -429,9 +446,10 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
-                 verbose=True) -> dict:
+                 verbose=True, given=None) -> dict:
+    """given: for tokenizer 'pretrained', (mergeable ranks, split pattern, their folder)."""
     log = print if verbose else (lambda *a, **k: None)
-    if tokenizer not in ("bpe", "gpt2"):
+    if tokenizer not in KINDS or (tokenizer == "pretrained") != (given is not None):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
     out = pathlib.Path(out_dir)
     meta_path, tok_path = out / "data_meta.json", out / "tokenizer.tiktoken"
@@ -442,9 +460,10 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         raise DataError(f"{blocked[0]} is a folder where data.py writes a file; move it away or "
                         "pick another --out-dir")
     source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
-    want = {"format": FORMAT, "pattern": PAT, "source": source, "fingerprint": _fingerprint(data),
+    want = {"format": FORMAT, "pattern": given[1] if given else PAT, "source": source,
+            "fingerprint": _fingerprint(data),
             "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, **({"given_ranks": ranks_hash(given[0])} if given else {})}
 
     # fast path: a complete previous build of the same data with the same settings, files intact
     meta = _reusable(out, want, log)
@@ -457,6 +476,8 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     log(f"data: {len(train_docs)} train / {len(val_docs)} val documents from {source}")
     if tokenizer == "gpt2":
         enc, tok_hash = get_encoding("gpt2"), "gpt2"
+    elif given:
+        ranks = given[0]
     else:
         t0 = time.time()
         ranks = train_bpe(train_docs, vocab_size, verbose=verbose)
@@ -472,12 +493,12 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         raise DataError(f"cannot make the folder {out} ({e.strerror}); "
                         "pick another --out-dir") from None
     meta_path.unlink(missing_ok=True)
-    if tokenizer == "bpe":
+    if tokenizer != "gpt2":
         save_tokenizer(ranks, tok_path)
-        enc, tok_hash = load_tokenizer(tok_path), file_sha256(tok_path)
+        enc, tok_hash = load_tokenizer(tok_path, want["pattern"]), file_sha256(tok_path)
 
     meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-            "val_docs_count": len(val_docs)}
+            "val_docs_count": len(val_docs), **({"tokenizer_source": given[2]} if given else {})}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         # every document is followed by EOT, so documents are separated (nanoGPT style)
         encoded = enc.encode_batch(docs, allowed_special={EOT})
@@ -487,7 +508,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, "
         f"vocab {enc.n_vocab}")
     meta["files"] = {n: {"bytes": (out / n).stat().st_size, "sha256": file_sha256(out / n)}
-                     for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer == "bpe"}
+                     for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer != "gpt2"}
     _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return _result(out, meta)
 
@@ -527,11 +548,14 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
 
 class Batches:
     """Random windows of the corpus's token files. The window offsets of step s come from a
-    generator seeded with (seed, s): training is reproducible and a resumed run replays exactly."""
+    generator seeded with (seed, s): training is reproducible and a resumed run replays exactly.
+    rows: a slice of each batch_size batch to return instead of all of it (train.py sets it to
+    this process's shard of a micro-step, ddp.shard), so every shard is cut from the same batch."""
 
     def __init__(self, info, block_size, batch_size, seed):
         self.files = {"train": info["train_bin"], "val": info["val_bin"]}
         self.T, self.B, self.seed = block_size, batch_size, seed
+        self.rows = None
 
     def get(self, split, step, device, B=None):
         arr = np.memmap(self.files[split], dtype=np.uint16, mode="r")
@@ -541,6 +565,8 @@ class Batches:
         offset = 0 if split == "train" else 7_919_000
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + offset)
         ix = torch.randint(len(arr) - self.T - 1, (B or self.B,), generator=g).tolist()
+        if B is None and self.rows is not None:
+            ix = ix[self.rows]
         x = torch.stack([torch.from_numpy(arr[i:i + self.T].astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
         return x.to(device), y.to(device)

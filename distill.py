@@ -18,12 +18,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+import ddp
 from gpt import CheckpointError, load_checkpoint, number, save_checkpoint, setting
 
 
 SETTINGS = {
     "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, quick=256, tiny=8),
+                        "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=256,
+                        tiny=8),
     "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
                            "(so drafters see sampled text too)", type=number(float, 0, 1)),
     "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "
@@ -32,6 +34,9 @@ SETTINGS = {
                              "logits and states in host memory (bfloat16); 0: every step",
                              type=number(int, 0, 1), cuda=0),
 }
+
+
+CACHE_LIMIT = 8 * 2**30  # bytes of host memory the feature cache may take (per process)
 
 
 @torch.no_grad()
@@ -64,6 +69,9 @@ class DistillationSet:
     def __init__(self, args, corpus, target, device):
         self.args, self.corpus, self.target, self.device = args, corpus, target, device
         self.tokens, self.cache, self.shared = None, None, 0.0
+        self.rows = None  # a slice of each training batch (this process's shard, ddp.shard)
+        self.said_too_big = False
+        self.world = getattr(args, "world", None) or ddp.World()
 
     def settings(self):
         """Everything the set depends on: what out/distill.pt records, and what the resume
@@ -79,22 +87,26 @@ class DistillationSet:
 
     def write(self, n_seqs, n_sampled, split):
         """The target continues n_seqs short corpus prompts to full windows: the first
-        n_seqs - n_sampled greedily, the rest sampled at --gen-temperature."""
+        n_seqs - n_sampled greedily, the rest sampled at --gen-temperature. Over several
+        processes each writes its block of rows (ddp.my_rows), then they are gathered."""
         a, target = self.args, self.target()[0]
         P = max(1, a.block_size // 8)
         prompts = self.corpus.get(split, 10_000_000 + a.seed, self.device, B=n_seqs)[0][:, :P]
-        gen = torch.Generator(device=self.device).manual_seed(a.seed)
+        gen = torch.Generator(device=self.device).manual_seed(a.seed + 1_000 * self.world.rank)
         t0, chunks = time.time(), []
-        for i in range(0, n_seqs, 128):
-            rows = prompts[i:i + 128]
+        lo, hi = ddp.my_rows(self.world, n_seqs)
+        for i in range(lo, hi, 128):
+            rows = prompts[i:min(i + 128, hi)]
             greedy = max(0, min(len(rows), n_seqs - n_sampled - i))  # rows of this chunk
             for part, temp in ((rows[:greedy], 0.0), (rows[greedy:], a.gen_temperature)):
                 if len(part):
                     chunks.append(target_continuations(target, part, a.block_size, temp, gen))
+        mine = torch.cat(chunks) if chunks else prompts.new_zeros((0, a.block_size))
+        out = ddp.gather_rows(self.world, mine, n_seqs)
         print(f"the target wrote {n_seqs} x {a.block_size - P} tokens of {split} text "
               f"({n_sampled} sampled at temperature {a.gen_temperature}) in "
               f"{time.time() - t0:.0f}s")
-        return torch.cat(chunks)
+        return out
 
     def text(self):
         """The set itself, (gen_seqs, block_size) tokens: read from out/distill.pt while the
@@ -143,6 +155,20 @@ class DistillationSet:
             self.shared += time.time() - t0
         return self.cache
 
+    def cache_fits(self, pool):
+        """--feature-cache 1, and the cache would take at most CACHE_LIMIT of host memory (with
+        GPT-2's 50,257-token vocabulary the logits alone are ~26 GB at the cpu preset's size);
+        otherwise the features are computed every step, saying so once."""
+        if not self.args.feature_cache:
+            return False
+        c = self.target()[0].config
+        size = pool.numel() * (c.vocab_size + c.n_layer * c.n_embd) * 2  # bfloat16
+        if size > CACHE_LIMIT and not self.said_too_big:
+            self.said_too_big = True
+            print(f"distill: the feature cache would take {size / 2**30:.0f} GiB of host memory; "
+                  "computing the target's features every step instead (--feature-cache 0)")
+        return size <= CACHE_LIMIT
+
     def batches(self, text, sampled_only=False):
         """step -> (x, logits, hidden): batch_size training windows with the target's features
         on them. 'gen': rows of the set (sampled_only: only its sampled share, the last rows),
@@ -150,7 +176,7 @@ class DistillationSet:
         windows, features per step."""
         a = self.args
         pool = self.text() if text == "gen" else None
-        cache = self.cached() if pool is not None and a.feature_cache else None
+        cache = self.cached() if pool is not None and self.cache_fits(pool) else None
         first = len(pool) - self.settings()["sampled"] if sampled_only else 0
 
         def batch(step):
@@ -159,6 +185,8 @@ class DistillationSet:
                 return (x, *self.features(x))
             g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 7_777_777 * sampled_only)
             idx = first + torch.randint(len(pool) - first, (a.batch_size,), generator=g)
+            if self.rows is not None:
+                idx = idx[self.rows]
             x = pool[idx.to(self.device)]
             if cache is None:
                 return (x, *self.features(x))

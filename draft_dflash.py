@@ -627,8 +627,9 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
 
 SETTINGS = {
     "dflash_layers": setting(2, "dflash: draft layers (the paper: 5 at 8B scale)",
-                             cuda=3, tiny=1),
-    "dflash_heads": setting(8, "dflash: attention heads (its width is the target's)", tiny=2),
+                             cuda=3, gpt2=4, tiny=1),
+    "dflash_heads": setting(8, "dflash: attention heads (its width is the target's)", gpt2=12,
+                            tiny=2),
     "dflash_block": setting(16, "dflash and dspark: the block they draft with, anchor + "
                             "block-1 masks (so up to block-1 drafts a round)",
                             type=number(int, 2), quick=8),
@@ -638,7 +639,7 @@ SETTINGS = {
                               "sequence at the full block", cuda=32, quick=16, tiny=4),
     "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
                             "(DFlash trains --dflash-narrow-iters + these in all)",
-                            cuda=2000, quick=500, tiny=6),
+                            cuda=2000, gpt2=6000, quick=500, tiny=6),
     "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
                          quick=2e-3, tiny=3e-3),
     "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",
@@ -731,7 +732,8 @@ def anchored(tr, x, t_logits, hid, step, cfg, n_anchors):
     context), its logits (the soft labels) and n_anchors random anchors a row. The anchors of
     step s come from a generator seeded with (seed, s), so a resumed run replays them."""
     g = torch.Generator().manual_seed(tr.args.seed * 7_919 + step)
-    anchors = sample_anchors(x.size(0), x.size(1), n_anchors, cfg.block, cfg.shift, g, tr.device)
+    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, cfg.block, cfg.shift,
+                                                  g, tr.device), x.size(0))
     return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
 
 

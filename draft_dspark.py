@@ -860,8 +860,8 @@ class BatchDSpark(BatchDFlash):
 SETTINGS = {
     "dspark_rank": setting(256, "dspark: rank r of the Markov head W1[x] W2 (the paper's 256)",
                            tiny=8),
-    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, quick=150,
-                            tiny=8),
+    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, gpt2=4000,
+                            quick=150, tiny=8),
     "dspark_lr": setting(2e-3, "dspark: peak learning rate", cuda=1e-3, tiny=3e-3),
     "dspark_init": setting("dflash", "dspark: 'dflash' (the backbone starts from DFlash's own "
                            "training dspark_iters steps before its end, so both drafters get "

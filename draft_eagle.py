@@ -121,7 +121,7 @@ def load_eagle(ckpt, target, device, dtype):
 # beta^(j-1); with --eagle-unroll 1 it is plain teacher forcing, the ablation.
 
 SETTINGS = {
-    "eagle_iters": setting(2000, "eagle: optimizer steps", quick=250, tiny=10),
+    "eagle_iters": setting(2000, "eagle: optimizer steps", gpt2=6000, quick=250, tiny=10),
     "eagle_lr": setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3),
     "eagle_unroll": setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
                             "training-time test); 1 = teacher forcing only", tiny=3),
@@ -158,13 +158,16 @@ def phases(a):
     return [("eagle", a.eagle_iters)]
 
 
-def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, gen=None):
+def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, gen=None,
+               per_row=None):
     """w (B, T+1) windows; t_logits, hid the target's logits and states on them. Inputs are
-    w[:, :-1] (the target's states at positions 0..T-1, fused), tokens w."""
+    w[:, :-1] (the target's states at positions 0..T-1, fused), tokens w. per_row: how the
+    anchors are drawn for the rows (Trainer.per_row; None: for these B rows)."""
     taps = net.config.taps
     # under autocast the fusion comes out in bfloat16; the norms after it want the states' dtype
     h = net.features({t: hid[t][:, :-1] for t in taps}).to(hid[taps[0]].dtype)  # (B, T, d)
-    anchors = unroll_anchors(w.size(0), w.size(1) - 1, steps, n_anchors, gen, w.device)
+    anchors = (per_row or (lambda draw, n: draw(n)))(
+        lambda B: unroll_anchors(B, w.size(1) - 1, steps, n_anchors, gen, w.device), w.size(0))
     return recursion_loss(net.mods[0], target, h, w, t_logits[:, :-1], distill, steps, beta,
                           anchors)
 
@@ -183,7 +186,7 @@ def train_eagle(tr):
     def loss_of(w, t_logits, hid, step):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 3_333_333)
         return eagle_loss(net, target, w, t_logits, hid, a.eagle_unroll, a.eagle_anchors,
-                          a.eagle_beta, a.eagle_distill, g)
+                          a.eagle_beta, a.eagle_distill, g, tr.per_row)
 
     fingerprint = {"stage": "eagle", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.eagle_iters, "lr": a.eagle_lr, "gen": tr.distill.key("gen"),

@@ -498,7 +498,8 @@ SETTINGS = {
                            "the last one"),
     "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
                           type=number(float, 0)),
-    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", quick=250, tiny=10),
+    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=250,
+                         tiny=10),
     "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
     "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
                            "distribution of the token after next (1 = pure distillation, 0 = "
@@ -566,8 +567,8 @@ def train_mtp(tr):
         x's. The unrolled steps' anchors are drawn from a generator seeded by the step (the
         validation's: step -1)."""
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 5_555_555)
-        anchors = unroll_anchors(w.size(0), w.size(1) - 1, a.mtp_unroll, a.mtp_anchors, g,
-                                 w.device)
+        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, a.mtp_unroll,
+                                                      a.mtp_anchors, g, w.device), w.size(0))
         return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
                         a.mtp_distill, a.mtp_unroll, a.mtp_beta, anchors)
 

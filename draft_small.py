@@ -143,10 +143,11 @@ def total_variation(logq, p):
 # how it learns: train.py runs train_small(trainer) as its "small" stage
 
 SETTINGS = {
-    "small_layers": setting(1, "small: number of blocks", cuda=2),
-    "small_embd": setting(128, "small: width", cuda=256, tiny=16),
-    "small_heads": setting(4, "small: attention heads", tiny=2),
-    "small_iters": setting(500, "small: optimizer steps", cuda=2000, quick=100, tiny=10),
+    "small_layers": setting(1, "small: number of blocks", cuda=2, gpt2=4),
+    "small_embd": setting(128, "small: width", cuda=256, gpt2=384, tiny=16),
+    "small_heads": setting(4, "small: attention heads", gpt2=6, tiny=2),
+    "small_iters": setting(500, "small: optimizer steps", cuda=2000, gpt2=6000, quick=100,
+                           tiny=10),
     "small_lr": setting(3e-3, "small: peak learning rate", cuda=2e-3),
     "small_distill": setting(1.0, "small: weight of the KL-to-target loss (1 = pure "
                              "distillation, 0 = the text's own tokens only)",

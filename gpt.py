@@ -53,9 +53,15 @@ class GPTConfig:
     n_embd: int = 256       # width
     dropout: float = 0.0    # 0 for the short runs here: we are far from overfitting
     bias: bool = True       # GPT-2 has biases in Linears and LayerNorms
+    activation: str = "gelu"  # the MLP's: "gelu" (exact; nanospec's own targets, and every
+    #                           checkpoint written before this field) or "gelu_new" (the tanh
+    #                           approximation OpenAI's GPT-2 weights were trained with)
 
     def to_dict(self):
-        return asdict(self)
+        d = asdict(self)
+        if d["activation"] == "gelu":  # what a config without the field means: checkpoints and
+            del d["activation"]        # resume fingerprints of nanospec's targets stay as before
+        return d
 
     @classmethod
     def from_dict(cls, d):
@@ -64,7 +70,13 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"unknown GPT config fields {sorted(unknown)}: "
                              "the checkpoint is not a nanospec GPT")
+        if d.get("activation", "gelu") not in GELU:
+            raise ValueError(f"unknown activation {d['activation']!r} (one of {sorted(GELU)})")
         return cls(**d)
+
+
+# activation -> nn.GELU's `approximate` (Hugging Face's gelu_pytorch_tanh is gelu_new's function)
+GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
 # -----------------------------------------------------------------------------
@@ -342,7 +354,8 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        # the drafters' own configs, which build this MLP too, have no activation: the exact GELU
+        self.gelu = nn.GELU(approximate=GELU[getattr(config, "activation", "gelu")])
         self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -513,6 +526,9 @@ def state_hash(state_dict):
 def save_checkpoint(obj, path):
     """torch.save to a temp file in the same folder, then rename: a run killed mid-write
     leaves the previous file intact, never a half-written one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return  # one run over several processes (ddp.py): rank 0 alone writes files
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a folder where a checkpoint is written; move it away")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -705,6 +721,8 @@ PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in
     "data": [(lambda p: not os.path.exists(p), "does not exist"),
              (lambda p: not (os.path.isfile(p) or os.path.isdir(p)),
               "is neither a file nor a folder")],
+    "folder": [(lambda p: not os.path.exists(p), "does not exist"),
+               (lambda p: not os.path.isdir(p), "is not a folder")],
     "dir": [(lambda p: os.path.exists(p) and not os.path.isdir(p), "is a file, not a folder"),
             (_made_blocked, "cannot be made: a file is in the way")],
     "out": [(os.path.isdir, "is a folder, not a file"),
@@ -742,7 +760,12 @@ class Setting:
     presets: dict = None  # {preset: value} where a preset differs from the cpu preset's
 
     def value(self, preset):
-        return (self.presets or {}).get(preset, self.default)
+        """The value in `preset`, or a chain of them (("gpt2", "cuda"): gpt2's where it names
+        one, else cuda's), else the cpu preset's."""
+        for p in (preset if isinstance(preset, tuple) else (preset,)):
+            if p in (self.presets or {}):
+                return self.presets[p]
+        return self.default
 
     def flag_type(self):
         """The argparse type: its own, else from its default's (a count >= 1, a rate > 0)."""
@@ -764,7 +787,8 @@ def add_settings(parser, groups, preset):
         group = parser.add_argument_group(title)
         for name, s in table.items():
             value = s.value(preset)
-            where = f", preset {preset}" if s.presets else ""
+            shown = preset[0] if isinstance(preset, tuple) else preset
+            where = f", preset {shown}" if s.presets else ""
             group.add_argument("--" + name.replace("_", "-"), type=s.flag_type(),
                                choices=s.choices, default=None,
                                help=f"{s.help} (default: {'none' if value is None else value}"

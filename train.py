@@ -15,19 +15,23 @@ saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds, ato
 come from generators seeded by the step, so a killed run resumes to the very same weights.
 """
 
+import hashlib
 import math
 import os
+import sys
 import time
 
 import torch
 
 import data as datamod
+import ddp
 import draft_dflash
 import draft_dspark
 import draft_eagle
 import draft_mtp
 import draft_small
 import distill
+import pretrained
 from gpt import (GPT, GPTConfig, CheckpointError, ArgumentParser, add_settings, allow_tf32,
                  cpu_state_dict, cpu_tree, fast_bf16, load_checkpoint, load_target, number,
                  path_arg, pick_device, save_checkpoint, setting, state_hash)
@@ -42,6 +46,9 @@ PRESETS = {
     "tiny": "seconds: a smoke run of the whole pipeline (the tests use it)",
     "cuda": "one consumer GPU: wider, deeper, longer (never run yet: its time is unknown)",
     "mps": "Apple GPUs: the cuda preset",
+    "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
+            "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
+            "time is in the README)",
 }
 
 RUN = {
@@ -59,6 +66,9 @@ RUN = {
     "eval_interval": setting(2500, "steps between validation losses (the last step always has "
                              "one)"),
     "ckpt_interval": setting(60.0, "seconds between resume checkpoints", type=number(float, 0)),
+    "grad_accum": setting(1, "micro-steps per optimizer step in each process: the global batch "
+                          "is split into processes x this many equal shards (less memory, the "
+                          "same step)"),
 }
 TARGET = {
     "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
@@ -68,8 +78,10 @@ TARGET = {
     "target_lr": setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3),
 }
 SHARED = {
-    "block_size": setting(256, "context window (target and drafters)", cuda=512, tiny=64),
-    "batch_size": setting(8, "sequences per training step (every stage)", cuda=32, tiny=4),
+    "block_size": setting(256, "context window (target and drafters; with --init-from at most "
+                          "the model's, whose first positions are kept)", cuda=512, tiny=64),
+    "batch_size": setting(8, "sequences per optimizer step (every stage; under torchrun the "
+                          "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4),
     "warmup": setting(60, "linear warmup steps before the cosine decay (every stage)",
                       type=number(int, 0), cuda=200, tiny=5),
 }
@@ -80,7 +92,8 @@ GROUPS = {  # --help's groups, in order: title -> settings table
        for m in (draft_small, draft_mtp, draft_eagle, draft_dflash, draft_dspark)},
 }
 SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
-PRESETS_OF = {"mps": "cuda"}  # a preset that is another's values under its own name
+# a preset that takes another's values where it names none of its own: preset -> the chain
+PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda")}
 
 
 def preset_values(preset):
@@ -185,6 +198,35 @@ class Clock:
         return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def prepare(args):
+    """The corpus's token files and tokenizer (data.py): written by rank 0, then read by every
+    rank. With --init-from the tokenizer is the folder's, else one trained here (or gpt2)."""
+    given = None
+    if args.init_from:
+        ranks, _ = pretrained.read_ranks(args.init_from)
+        given = (ranks, pretrained.GPT2_PAT, os.path.abspath(args.init_from))
+    else:
+        keep_pretrained_build(args.out_dir)
+    if args.world.main:
+        info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size,
+                                    "pretrained" if given else args.tokenizer, True, given)
+    ddp.barrier(args.world)
+    return info if args.world.main else datamod.load_build(args.out_dir)  # read, never write
+
+
+def keep_pretrained_build(out_dir):
+    """A build made for a pretrained model is not replaced by a run that forgot --init-from (it
+    would retrain a nanospec target over the imported one)."""
+    try:
+        meta = datamod.read_meta(out_dir)
+    except datamod.DataError:
+        return
+    if meta["tokenizer"] == "pretrained":
+        raise CheckpointError(f"{out_dir} holds the token files and target of the pretrained "
+                              f"model in {meta.get('tokenizer_source', '?')}: pass --init-from "
+                              "with it, or pick another --out-dir")
+
+
 # -----------------------------------------------------------------------------
 # the Trainer: what a stage function gets (the training-side twin of speculative.Drafter)
 
@@ -204,10 +246,11 @@ class Trainer:
     """
 
     def __init__(self, args, plan=()):
-        self.args, self.device = args, args.device_resolved
-        self.info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
+        self.args, self.device, self.world = args, args.device_resolved, args.world
+        self.info = prepare(args)
         self.data = datamod.Batches(self.info, args.block_size, args.batch_size, args.seed)
         self.forget_target()  # no target loaded yet, and so no distillation set
+        self.rows = None  # this process's shard of the running step's batch (set_rows)
         self.stage, self.stage_t0, self.shared0 = None, time.time(), 0.0  # the running stage
         self.clock = Clock(plan)
 
@@ -285,17 +328,14 @@ class Trainer:
         t0 = time.time()
         self.clock.finish()  # the clock times this phase's steps from here
         last_save, val = time.time(), float("nan")
+        run = ddp.wrap(self.world, module, loss_fn)  # loss_fn itself in one process
         module.train()
         for step in range(start, steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps, lr, a.warmup)
-            with torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=a.use_bf16):
-                loss = loss_fn(step)
-            loss_val = loss.item()  # host sync: once per step, for the NaN check and the log
-            grad_norm = float("nan")
-            if math.isfinite(loss_val):
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+            loss_val = ddp.accumulate(self.world, run, step, a.grad_accum, self.autocast,
+                                      self.set_rows, a.batch_size)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
             stop_if_diverged(name, step, loss_val, grad_norm, saved, path)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -317,6 +357,22 @@ class Trainer:
         print(f"{name}: {steps - start} steps in {time.time() - t0:.0f}s")
         return val, opt.state_dict()
 
+    def autocast(self):
+        return torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=self.args.use_bf16)
+
+    def set_rows(self, rows):
+        """Training batches take these rows of each step's global batch (None: all): this
+        process's shard of a micro-step (ddp.shard)."""
+        self.rows = self.data.rows = self.distill.rows = rows
+
+    def per_row(self, draw, n):
+        """draw(B) -> random draws for B rows (a stage's anchors), for a batch of n rows: drawn
+        for the whole global batch and cut to this process's shard while one is set, so each
+        row gets the draw it gets when one process takes the whole batch."""
+        if self.rows is None:
+            return draw(n)
+        return draw(self.args.batch_size)[self.rows]
+
     def evaluate(self, name, step, module, eval_fn):
         module.eval()
         val = eval_fn()
@@ -326,11 +382,14 @@ class Trainer:
 
 
 # -----------------------------------------------------------------------------
-# the target's stage (with --mtp-mode joint, the MTP head trains alongside it)
+# the target's stage (with --mtp-mode joint, the MTP head trains alongside it; with --init-from
+# it is a pretrained GPT-2's, read from its folder instead)
 
 
 def train_target(tr):
     a = tr.args
+    if a.init_from:
+        return import_target(tr)
     cfg = GPTConfig(block_size=a.block_size, vocab_size=tr.info["vocab_size"], n_layer=a.n_layer,
                     n_head=a.n_head, n_embd=a.n_embd)
     torch.manual_seed(a.seed)
@@ -363,13 +422,54 @@ def train_target(tr):
                      "settings": stage_settings(a, "target")},
                     tr.path("target"))
     if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current
+        ddp.barrier(tr.world)  # every rank reads the target.pt rank 0 just wrote
         tr.forget_target()
         draft_mtp.save_head(tr, mtp, "joint")
     return val
 
 
+def import_target(tr):
+    """out/target.pt from the --init-from folder (pretrained.py): the weights as they are, the
+    context window cut to --block-size; its loss on the corpus's validation windows printed."""
+    a = tr.args
+    model, ranks = pretrained.load_folder(a.init_from, a.block_size)
+    if len(ranks) + 1 != tr.info["vocab_size"]:
+        raise CheckpointError(f"{a.out_dir}'s token files were not written with "
+                              f"{a.init_from}'s tokenizer; delete {a.out_dir}/data_meta.json")
+    model = model.to(tr.device)
+    print(f"target: {model.num_params() / 1e6:.2f}M parameters from {a.init_from}, "
+          f"{model.config}")
+    val = tr.val_loss(lambda x, y: model(x, y)[1])
+    sd = cpu_state_dict(model)
+    save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
+                     "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
+                     "step": 0, "val_loss": val, "tokens_seen": 0, "init_from": a.init_from,
+                     "settings": stage_settings(a, "target")},
+                    tr.path("target"))
+    return val
+
+
+def weights_id(folder):
+    """Which model a folder holds, for the target stage's settings: the sha256 of its config.json
+    and weights file (a pretrained target is re-read when either changes)."""
+    h = hashlib.sha256()
+    names = [n for n in ("config.json", "model.safetensors", "pytorch_model.bin")
+             if os.path.isfile(os.path.join(folder, n))][:2]
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return f"{' + '.join(names)} {h.hexdigest()[:16]}"
+
+
 def target_phases(a):
     """The target stage's train_loop phases: (name, steps). Checks its settings too."""
+    if a.init_from:
+        if a.mtp_mode == "joint":
+            raise ValueError("--mtp-mode joint trains the MTP head inside the target's training, "
+                             "and with --init-from the target is not trained: use --mtp-mode "
+                             "posthoc")
+        return []
     if a.n_embd % a.n_head:
         raise ValueError(f"--n-embd ({a.n_embd}) must be a multiple of --n-head ({a.n_head})")
     return [("target", a.target_iters)]
@@ -389,6 +489,9 @@ STAGES = {  # stage -> (its function, its train_loop phases [(name, steps)], its
 def stage_settings(args, stage):
     """The settings a stage's checkpoint records: one trained with other values is not current.
     The target's include the MTP head's in joint mode, where it trains inside the target stage."""
+    if stage == "target" and args.init_from:  # read, not trained: which weights, what context
+        return {"init_from": os.path.abspath(args.init_from),
+                "weights": weights_id(args.init_from), "block_size": args.block_size}
     names = [*SHARED, *STAGES[stage][2]]
     if stage != "target":
         names += [*distill.SETTINGS]
@@ -442,6 +545,11 @@ def build_parser(preset=None):
                        help="where tokenizer, token files and checkpoints go (default: out)")
     first.add_argument("--data", type=path_arg("data"), default=None,
                        help="a text file or folder to train on (default: the Python stdlib)")
+    first.add_argument("--init-from", type=path_arg("folder"), default=None,
+                       help="a Hugging Face GPT-2 folder (config.json, model.safetensors or "
+                       "pytorch_model.bin, vocab.json, merges.txt) as the target, whose tokenizer "
+                       "encodes the corpus and for which every drafter trains (default: none, "
+                       "train nanospec's own target)")
     first.add_argument("--device", default="auto",
                        help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
     add_settings(p, GROUPS, PRESETS_OF.get(shown, shown))
@@ -471,9 +579,24 @@ def resolve_args(argv=None):
             setattr(args, name, value)
     args.device_resolved = device
     args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
+    args.world = ddp.world_of_env()  # one process, unless torchrun started this one
+    ddp.check_split(args.world, args.grad_accum, args.batch_size)
+    if args.init_from:
+        take_shape(args)
     for _, phases, _ in STAGES.values():
         phases(args)  # the stages check their settings now, not after the stages before them
     return args
+
+
+def take_shape(args):
+    """With --init-from the target's shape is the folder's (config.json): the drafters' settings
+    are checked against it, and the context window may only shrink."""
+    cfg = pretrained.read_config(args.init_from)
+    for name in ("n_layer", "n_head", "n_embd"):
+        setattr(args, name, getattr(cfg, name))
+    if args.block_size > cfg.block_size:
+        raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
+                         f"context window (n_positions {cfg.block_size})")
 
 
 def check_out_dir(args):
@@ -502,17 +625,27 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    world, stdout = args.world, sys.stdout
+    args.device_resolved = ddp.start(world, args.device_resolved)  # cuda:LOCAL_RANK per rank
+    if not world.main:  # rank 0 alone prints (errors still reach stderr)
+        sys.stdout = open(os.devnull, "w")
     tf32 = allow_tf32(args.device_resolved)
     t0 = time.time()
-    tr = Trainer(args, plan(args))
-    precision = "bfloat16 autocast" if args.use_bf16 else "float32"
-    print(f"device {tr.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"preset {args.preset}, training in {precision}" + (", TF32 matmuls" if tf32 else ""))
     try:
+        tr = Trainer(args, plan(args))
+        precision = "bfloat16 autocast" if args.use_bf16 else "float32"
+        procs = f", {world.size} processes (torchrun)" if world.size > 1 else ""
+        print(f"device {tr.device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+              f"{procs}, preset {args.preset}, training in {precision}"
+              + (", TF32 matmuls" if tf32 else ""))
         run_stages(tr, args)
+        print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
     finally:  # TF32 is for training only: float32 inference in the same process stays float32
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
-    print(f"train.py finished in {(time.time() - t0) / 60:.1f} minutes")
+        if sys.stdout is not stdout:
+            sys.stdout.close()
+            sys.stdout = stdout
+        ddp.stop(world)
 
 
 def run_stages(tr, args):
@@ -527,7 +660,8 @@ def run_stages(tr, args):
             continue
         tr.start(stage)
         val = fn(tr)
-        for name in names:
+        ddp.barrier(args.world)  # every rank reads what rank 0 wrote only after it is written
+        for name in names if args.world.main else ():
             resume_file = os.path.join(args.out_dir, f"{name}.resume.pt")
             if os.path.exists(resume_file):
                 os.remove(resume_file)
@@ -537,8 +671,22 @@ def run_stages(tr, args):
             tr.forget_target()  # the drafters must see the freshly trained target
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main() with every error a flag can fix as one `error:` line and exit status 1; under
+    torchrun any error at all, as one line naming its rank (ddp.fail: torchrun then stops the
+    other ranks)."""
+    world = ddp.world_of_env()
     try:
-        main()
+        main(argv)
     except (CheckpointError, TrainingError, datamod.DataError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+        if world.size == 1:
+            raise SystemExit(f"error: {e}")
+        ddp.fail(world, e, shared=True)
+    except Exception as e:
+        if world.size == 1:
+            raise
+        ddp.fail(world, e, shared=False)
+
+
+if __name__ == "__main__":
+    cli()

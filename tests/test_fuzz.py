@@ -232,6 +232,8 @@ def things(tmp_path):
     ("data.py", "--data", "empty", "is empty"),
     ("train.py", "--data", "folder", "is empty"),   # a folder is fine, but this one holds no text
     ("data.py", "--data", "binary", "binary"),
+    ("train.py", "--init-from", "file", "is not a folder"),
+    ("train.py", "--init-from", "folder", "it has no config.json"),
 ])
 def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script, flag, kind,
                                                     needle):
@@ -269,7 +271,7 @@ def random_value(rng, script, flag, kind, things, goods, good_ok):
     range."""
     if kind == "a path":
         pool = [k for k in things if (script, flag, k) not in COSTLY]
-        good = good_ok and rng.random() < 0.3
+        good = good_ok and rng.random() < 0.3 and flag in goods  # --init-from: never a good one
         return str(goods[flag] if good else things[rng.choice(pool)]), good
     if not good_ok or rng.random() < 0.6 or (script, flag) in COSTLY:
         return rng.choice(JUNK + [str(rng.randint(-10**6, 0)), repr(rng.uniform(-5, 0))]), False

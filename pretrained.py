@@ -1,0 +1,469 @@
+"""
+pretrained.py -- a pretrained GPT-2 from a Hugging Face folder on disk, as the target.
+
+gpt.py gave us the model and train.py trains it on the corpus; this file adds the other way a
+user gets a target: GPT-2 weights they already have. `python train.py --init-from DIR` reads
+the folder as the Hugging Face hub hands it out, with nothing downloaded:
+
+    config.json                 n_embd, n_layer, n_head, n_positions, vocab_size, and
+                                activation_function ("gelu_new": GPT-2's tanh-approximate GELU)
+    model.safetensors           the weights (read with the safetensors package where it is
+      or pytorch_model.bin      installed, else with the few lines below: the format is a JSON
+                                header and raw bytes); the .bin with torch.load(weights_only=True)
+    vocab.json + merges.txt     GPT-2's byte-level BPE, which tiktoken builds an Encoding from
+
+The weights map onto gpt.GPT by name, as nanoGPT's from_pretrained maps them: GPT-2 stores the
+four projections of each block (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) as Conv1D, the
+transpose of an nn.Linear's weight; the output head is the token embedding (tied). The folder is
+refused, one line naming what is wrong, if its weights are missing, its config is not GPT-2's,
+or its tokenizer does not fit the weights' vocabulary.
+
+The writer (write_folder) is here too: the tests write tiny GPT-2 folders with it, and
+`--random` writes a GPT-2-small-shaped folder of random weights, whose forward cost `--cost`
+measures against the toy target's (docs/results.md: a real-sized target).
+
+    python pretrained.py DIR                      # check a folder: what it holds, does it load
+    python pretrained.py DIR --random small       # write a random GPT-2-small-shaped folder
+    python pretrained.py DIR --cost               # its forward cost at 1/8/16 tokens vs the toy
+                                                  # (out/target.pt): docs/results.md
+"""
+
+import json
+import os
+import statistics
+import struct
+import time
+
+import tiktoken
+import tiktoken.load
+import torch
+
+import draft_dflash
+import draft_dspark
+from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
+from draft_dspark import DSpark, DSparkConfig, DSparkDrafter, profile_propose
+from gpt import GPT, GELU, GPTConfig, ArgumentParser, CheckpointError, load_target, number_list
+from speculative import load_drafter
+
+# -----------------------------------------------------------------------------
+# config.json
+
+# GPT-2's pre-tokenizer: tiktoken's pattern for its "gpt2" encoding
+GPT2_PAT = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)"""
+            r"""|\s""")
+EOT = "<|endoftext|>"
+SHAPES = {  # --random's shapes: GPT-2 small, and one the tests' pipeline runs in seconds
+    "small": dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+    "tiny": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64),
+}
+# config.json fields that would make the model compute something gpt.GPT does not -> what it is
+OFF = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+       "add_cross_attention": False, "scale_attn_weights": True}
+
+
+def refuse(folder, why):
+    return CheckpointError(f"{folder} is not a GPT-2 folder train.py can use: {why}")
+
+
+def read_config(folder):
+    """config.json -> gpt.GPTConfig (block_size = n_positions), after checking it is GPT-2's."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except FileNotFoundError:
+        raise refuse(folder, "it has no config.json") from None
+    except (OSError, ValueError) as e:
+        raise refuse(folder, f"its config.json is unreadable ({e})") from None
+    if not isinstance(c, dict):
+        raise refuse(folder, "its config.json is not a JSON object")
+    if c.get("model_type") != "gpt2":
+        raise refuse(folder, f"config.json says model_type {c.get('model_type')!r}, not 'gpt2'")
+    act = c.get("activation_function", "gelu_new")
+    if act not in GELU:
+        raise refuse(folder, f"config.json's activation_function {act!r} is not one of "
+                     f"{sorted(GELU)}")
+    need = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
+    missing = [k for k in need if type(c.get(k)) is not int or c[k] < 1]
+    if missing:
+        raise refuse(folder, f"config.json lacks a positive {missing[0]}")
+    odd = [k for k, v in OFF.items() if c.get(k, v) != v]
+    if c.get("n_inner") not in (None, 4 * c["n_embd"]):
+        odd.append(f"n_inner {c['n_inner']}")
+    if c.get("layer_norm_epsilon", 1e-5) != 1e-5:
+        odd.append(f"layer_norm_epsilon {c['layer_norm_epsilon']}")
+    if c["n_embd"] % c["n_head"]:
+        odd.append(f"n_embd {c['n_embd']} not a multiple of n_head {c['n_head']}")
+    if odd:
+        raise refuse(folder, f"config.json sets {', '.join(odd)}, which gpt.py does not compute")
+    return GPTConfig(block_size=c["n_positions"], vocab_size=c["vocab_size"],
+                     n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
+                     dropout=0.0, bias=True, activation=act)
+
+
+# -----------------------------------------------------------------------------
+# the weights: model.safetensors or pytorch_model.bin
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path):
+    """{name: tensor} of a .safetensors file: with the safetensors package if installed, else
+    here (8 bytes little-endian header length, a JSON header {name: {dtype, shape,
+    data_offsets}}, then the raw little-endian bytes)."""
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        load_file = None
+    if load_file is not None:
+        return load_file(path)
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, h in header.items():
+        lo, hi = h["data_offsets"]
+        raw = bytearray(blob[8 + n + lo:8 + n + hi])
+        t = torch.frombuffer(raw, dtype=DTYPES[h["dtype"]]) if raw else torch.empty(0)
+        out[name] = t.to(DTYPES[h["dtype"]]).reshape(h["shape"])
+    return out
+
+
+def write_safetensors(tensors, path):
+    """The inverse of read_safetensors (the tests' folders; --random)."""
+    names = {v: k for k, v in DTYPES.items()}
+    header, chunks, at = {}, [], 0
+    for name, t in tensors.items():
+        raw = t.detach().cpu().contiguous().numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [at, at + len(raw)]}
+        chunks.append(raw)
+        at += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(chunks))
+    os.replace(tmp, path)
+
+
+def read_weights(folder):
+    """The folder's GPT-2 state dict (Hugging Face names), from whichever file it has."""
+    st, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
+    try:
+        if os.path.isfile(st):
+            return read_safetensors(st)
+        if os.path.isfile(binary):
+            return torch.load(binary, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not that format, a pickle with code in it
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise refuse(folder, f"its weights are unreadable ({first})") from None
+    raise refuse(folder, "it has no weights (model.safetensors or pytorch_model.bin)")
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face names <-> gpt.GPT's
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def to_gpt(folder, cfg, hf):
+    """Hugging Face GPT-2 state dict -> gpt.GPT(cfg)'s (float32). Accepts GPT2LMHeadModel's names
+    (transformer.h.0...) and GPT2Model's (h.0...); drops the attention-mask buffers old files
+    carry; refuses missing, extra or misshapen tensors and an untied head."""
+    hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+          for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    head = hf.pop("lm_head.weight", None)
+    model = GPT(cfg)
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    missing, extra = sorted(set(want) - set(hf)), sorted(set(hf) - set(want))
+    if missing or extra:
+        raise refuse(folder, f"its weights {'lack ' + missing[0] if missing else 'hold ' + extra[0]}"
+                     f" ({len(missing)} missing, {len(extra)} unexpected)")
+    sd = {}
+    for name, w in hf.items():
+        w = w.t() if name.endswith(CONV1D) else w
+        if w.shape != want[name].shape:
+            raise refuse(folder, f"{name} is {tuple(w.shape)}, config.json implies "
+                         f"{tuple(want[name].shape)}")
+        sd[name] = w.to(torch.float32)
+    if head is not None and not torch.equal(head.to(torch.float32), sd["transformer.wte.weight"]):
+        raise refuse(folder, "its lm_head is not its token embedding (GPT-2 ties them)")
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+def from_gpt(model):
+    """gpt.GPT -> a GPT2LMHeadModel state dict (the inverse of to_gpt; lm_head left tied)."""
+    return {k: (v.t() if k.endswith(CONV1D) else v).contiguous()
+            for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer: vocab.json + merges.txt -> a tiktoken.Encoding
+
+
+def byte_chars():
+    """GPT-2's printable stand-in for each byte in vocab.json and merges.txt: printable bytes
+    are themselves, the rest chr(256 + n) in byte order (what tiktoken's loader undoes)."""
+    keep = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+def read_ranks(folder):
+    """vocab.json + merges.txt -> (tiktoken mergeable ranks, the end-of-text id), checked."""
+    merges, vocab = (os.path.join(folder, n) for n in ("merges.txt", "vocab.json"))
+    for p in (merges, vocab):
+        if not os.path.isfile(p):
+            raise refuse(folder, f"it has no {os.path.basename(p)} (the GPT-2 tokenizer)")
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # tiktoken caches by path: a changed file must count
+    try:
+        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merges, vocab)
+        with open(vocab, encoding="utf-8") as f:
+            eot = json.load(f).get(EOT)
+    except AssertionError:
+        raise refuse(folder, "its vocab.json does not match its merges.txt") from None
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise refuse(folder, f"its vocab.json or merges.txt is unreadable ({e})") from None
+    finally:
+        if saved is None:
+            os.environ.pop("TIKTOKEN_CACHE_DIR")
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+    if eot != len(ranks):
+        raise refuse(folder, f"its vocab.json has {EOT} at {eot}, not after its {len(ranks)} "
+                     "tokens")
+    return ranks, eot
+
+
+def encoding(ranks):
+    """GPT-2's tiktoken.Encoding from its ranks (end-of-text right after them)."""
+    return tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                             special_tokens={EOT: len(ranks)})
+
+
+def load_folder(folder, block_size=None):
+    """(gpt.GPT in float32 and eval mode, tokenizer ranks) of a GPT-2 folder, every part checked.
+    block_size: keep only the first block_size positions (a shorter context than n_positions)."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"--init-from {folder}: no such folder")
+    cfg = read_config(folder)
+    ranks, _ = read_ranks(folder)
+    if len(ranks) + 1 != cfg.vocab_size:
+        raise refuse(folder, f"its tokenizer has {len(ranks) + 1} tokens, its weights' vocabulary "
+                     f"{cfg.vocab_size}")
+    model = to_gpt(folder, cfg, read_weights(folder))
+    if block_size is not None and block_size != cfg.block_size:
+        if block_size > cfg.block_size:
+            raise CheckpointError(f"--block-size {block_size} is longer than {folder}'s context "
+                                  f"window (n_positions {cfg.block_size})")
+        model = shorten(model, block_size)
+    return model, ranks
+
+
+def shorten(model, block_size):
+    """The same model with a context window of block_size (the first block_size positions)."""
+    cfg = GPTConfig(**{**model.config.to_dict(), "block_size": block_size})
+    short = GPT(cfg)
+    sd = model.state_dict()
+    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
+    short.load_state_dict(sd)
+    return short.eval()
+
+
+# -----------------------------------------------------------------------------
+# writing a folder: the tests' tiny GPT-2, and --random's GPT-2-small-shaped one
+
+
+def merges_of(ranks):
+    """Mergeable ranks -> GPT-2's merge list [(left, right)], each token split into two tokens
+    of lower rank (tiktoken's loader only concatenates them back)."""
+    out = []
+    for tok, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(tok) == 1:
+            continue
+        cut = next(i for i in range(1, len(tok))
+                   if ranks.get(tok[:i], r) < r and ranks.get(tok[i:], r) < r)
+        out.append((tok[:cut], tok[cut:]))
+    return out
+
+
+def synthetic_merges(n):
+    """n merges making n distinct tokens of 2+ bytes, deterministically: a vocabulary of GPT-2's
+    size for a folder of random weights (no corpus behind it)."""
+    toks, seen, merges, i = [bytes([b]) for b in range(256)], set(), [], 0
+    while len(merges) < n:
+        a, b = toks[i % len(toks)], toks[(7 * i + 3) % 256]
+        i += 1
+        if a + b not in seen:
+            seen.add(a + b)
+            merges.append((a, b))
+            toks.append(a + b)
+    return merges
+
+
+def write_folder(model, merges, folder, weights="safetensors"):
+    """A Hugging Face GPT-2 folder of model (config.json, the weights, vocab.json, merges.txt);
+    its vocabulary is the 256 bytes, then merges in order, then end-of-text."""
+    cfg = model.config
+    if 256 + len(merges) + 1 != cfg.vocab_size:
+        raise ValueError(f"{len(merges)} merges make {256 + len(merges) + 1} tokens, the model "
+                         f"has {cfg.vocab_size}")
+    os.makedirs(folder, exist_ok=True)
+    chars = byte_chars()
+    text = lambda tok: "".join(chars[b] for b in tok)  # noqa: E731
+    order = sorted(range(256), key=lambda b: (chars[b] != chr(b), ord(chars[b])))
+    vocab = {chars[b]: r for r, b in enumerate(order)}
+    vocab.update({text(a + b): 256 + i for i, (a, b) in enumerate(merges)})
+    vocab[EOT] = len(vocab)
+    files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
+             "merges.txt": "#version: 0.2\n" + "".join(f"{text(a)} {text(b)}\n" for a, b in merges),
+             "config.json": json.dumps({
+                 "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                 "activation_function": cfg.activation, "n_embd": cfg.n_embd,
+                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.block_size,
+                 "n_ctx": cfg.block_size, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
+                 "bos_token_id": len(vocab) - 1, "eos_token_id": len(vocab) - 1}, indent=2)}
+    for name, body in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write(body)
+    sd = from_gpt(model)
+    if weights == "safetensors":
+        write_safetensors(sd, os.path.join(folder, "model.safetensors"))
+    else:
+        torch.save(sd, os.path.join(folder, "pytorch_model.bin"))
+
+
+def random_gpt2(shape="small", vocab_size=50257, seed=0, activation="gelu_new"):
+    """A GPT-2-shaped gpt.GPT with GPT-2's initialisation and no training."""
+    s = SHAPES[shape]
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=s["n_positions"], vocab_size=vocab_size, n_layer=s["n_layer"],
+                         n_head=s["n_head"], n_embd=s["n_embd"], activation=activation)).eval()
+
+
+# -----------------------------------------------------------------------------
+# the forward cost: what a verify of T tokens costs next to one token, on this machine
+
+
+@torch.no_grad()
+def forward_ms(model, context, sizes, repeats):
+    """{T: median ms of one forward of T tokens after `context` cached positions}, batch 1; the
+    sizes interleaved in every repeat, so drift in the machine's speed hits them alike."""
+    cache = model.new_cache()
+    V = model.config.vocab_size
+    model(torch.randint(0, V, (1, context)), cache=cache)
+    times = {T: [] for T in sizes}
+    for _ in range(repeats + 1):  # the first round warms up (packed weights, allocator)
+        for T in sizes:
+            x = torch.randint(0, V, (1, T))
+            t0 = time.perf_counter()
+            model(x, cache=cache)
+            times[T].append(1000 * (time.perf_counter() - t0))
+            cache.rollback(context)
+    return {T: statistics.median(ts[1:]) for T, ts in times.items()}
+
+
+def block_drafters(target):
+    """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
+    (draft_dflash.py's and draft_dspark.py's SETTINGS) with the target's width and heads, and
+    random weights: what a draft costs does not depend on them."""
+    def value(settings, name):
+        return settings[name].value(("gpt2", "cuda"))
+    c = target.config
+    cfg = DFlashConfig(n_embd=c.n_embd, n_head=c.n_head,
+                       n_layer=value(draft_dflash.SETTINGS, "dflash_layers"),
+                       taps=draft_dflash.parse_taps("auto", c.n_layer),
+                       block=value(draft_dflash.SETTINGS, "dflash_block"))
+    rank = value(draft_dspark.SETTINGS, "dspark_rank")
+    torch.manual_seed(0)
+    return {"dflash": DFlashDrafter(DFlash(cfg, target).eval()),
+            "dspark": DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank), target).eval(),
+                                    schedule="full", profile=False)}
+
+
+def report_cost(models, context, sizes, repeats):
+    """Per target: ms of a forward at each size (and over one token's), then per block drafter
+    ms of a whole block's draft and the break-even tau of a round that drafts it and verifies
+    all of it: (verify + draft) / one step, the tokens a round must keep to pay."""
+    print(f"forward cost, batch 1, after {context} cached positions, float32, "
+          f"{torch.get_num_threads()} threads, median of {repeats}:")
+    for name, (m, drafters) in models.items():
+        ms = forward_ms(m, context, sizes, repeats)
+        cells = "  ".join(f"T={T}: {ms[T]:7.2f} ms ({ms[T] / ms[sizes[0]]:.2f}x)" for T in sizes)
+        print(f"  {name:<34}{cells}")
+        for dname, d in drafters.items():
+            k = d.max_k
+            draft = 1000 * statistics.median(profile_propose(d, m, k, reps=5)
+                                             for _ in range(repeats // 5 or 1))
+            verify = forward_ms(m, context, [1, k + 1], repeats)
+            print(f"    {dname} draft of {k}: {draft:6.2f} ms ({draft / verify[1]:.2f} of a step); "
+                  f"a round of it pays above tau = "
+                  f"{(verify[k + 1] + draft) / verify[1]:.2f}")
+
+
+def cost_models(model, toy_path):
+    """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
+    gpt2 preset's shape, and the toy target with its trained ones where they exist."""
+    models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
+    if os.path.exists(toy_path):
+        toy, ckpt = load_target(toy_path)
+        out = os.path.dirname(os.path.abspath(toy_path))
+        drafters = {n: load_drafter(n, out, toy, ckpt) for n in ("dflash", "dspark")
+                    if os.path.exists(os.path.join(out, f"{n}.pt"))}
+        models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, drafters)
+    return models
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None):
+    p = ArgumentParser(description="Check, write or time a Hugging Face GPT-2 folder.")
+    p.add_argument("folder", help="the GPT-2 folder (config.json, weights, vocab.json, "
+                   "merges.txt)")
+    p.add_argument("--random", choices=sorted(SHAPES), default=None,
+                   help="write a folder of random weights of this shape (small: GPT-2 small; "
+                   "tiny: the tests') instead of reading one (default: read)")
+    p.add_argument("--cost", action="store_true",
+                   help="time the folder's forward of --sizes tokens against --toy's")
+    p.add_argument("--sizes", type=number_list(), default=[1, 8, 16],
+                   help="tokens per timed forward, comma-separated (default: 1,8,16)")
+    p.add_argument("--toy", default="out/target.pt",
+                   help="the toy target to time beside it with --cost, if it exists "
+                   "(default: out/target.pt)")
+    p.add_argument("--context", type=int, default=128, help="cached positions before the timed "
+                   "forward (default: 128)")
+    p.add_argument("--repeats", type=int, default=30, help="timed rounds (default: 30)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.random:
+        vocab = 50257 if a.random == "small" else 256 + 64 + 1
+        write_folder(random_gpt2(a.random, vocab), synthetic_merges(vocab - 257), a.folder)
+        print(f"wrote a random GPT-2 ({a.random}: {SHAPES[a.random]}, vocab {vocab}) to "
+              f"{a.folder}")
+    model, ranks = load_folder(a.folder)
+    c = model.config
+    print(f"{a.folder}: GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
+          f"{c.block_size}, {c.activation}, {model.num_params() / 1e6:.1f}M parameters; "
+          f"tokenizer {len(ranks) + 1} tokens")
+    if a.cost:
+        with torch.no_grad():
+            report_cost(cost_models(model, a.toy), a.context, a.sizes, a.repeats)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
