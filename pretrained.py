@@ -391,21 +391,22 @@ def block_drafters(target):
 def report_cost(models, context, sizes, repeats):
     """Per target: ms of a forward at each size (and over one token's), then per block drafter
     ms of a whole block's draft and the break-even tau of a round that drafts it and verifies
-    all of it: (verify + draft) / one step, the tokens a round must keep to pay."""
+    all of it: (verify + draft) / one step, the tokens a round must keep to pay. The forwards
+    are timed once, together, and both lines read the same medians."""
     print(f"forward cost, batch 1, after {context} cached positions, float32, "
           f"{torch.get_num_threads()} threads, median of {repeats}:")
     for name, (m, drafters) in models.items():
-        ms = forward_ms(m, context, sizes, repeats)
-        cells = "  ".join(f"T={T}: {ms[T]:7.2f} ms ({ms[T] / ms[sizes[0]]:.2f}x)" for T in sizes)
+        verifies = sorted({d.max_k + 1 for d in drafters.values()} - set(sizes))
+        ms = forward_ms(m, context, [*sizes, *verifies], repeats)
+        one = ms[1] if 1 in ms else forward_ms(m, context, [1], repeats)[1]
+        cells = "  ".join(f"T={T}: {ms[T]:7.2f} ms ({ms[T] / one:.2f}x)" for T in sizes)
         print(f"  {name:<34}{cells}")
         for dname, d in drafters.items():
             k = d.max_k
             draft = 1000 * statistics.median(profile_propose(d, m, k, reps=5)
                                              for _ in range(repeats // 5 or 1))
-            verify = forward_ms(m, context, [1, k + 1], repeats)
-            print(f"    {dname} draft of {k}: {draft:6.2f} ms ({draft / verify[1]:.2f} of a step); "
-                  f"a round of it pays above tau = "
-                  f"{(verify[k + 1] + draft) / verify[1]:.2f}")
+            print(f"    {dname} draft of {k}: {draft:6.2f} ms ({draft / one:.2f} of a step); "
+                  f"a round of it pays above tau = {(ms[k + 1] + draft) / one:.2f}")
 
 
 def cost_models(model, toy_path):

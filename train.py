@@ -4,6 +4,8 @@ train.py -- trains the target GPT, then every drafter for it, as a list of stage
     python train.py                      # everything, with the preset for this device
     python train.py --preset quick       # every drafter, far fewer steps: the lesson in minutes
     python train.py --only small --force # retrain one stage even though its checkpoint exists
+    python train.py --init-from DIR      # drafters for a pretrained GPT-2 (pretrained.py)
+    torchrun --standalone --nproc_per_node=N train.py   # the same run on N processes (ddp.py)
 
 The drafter files hold their models, how they draft and how they learn (a function
 train_<name>(trainer)); distill.py holds the text they learn from. This file holds what every
@@ -13,6 +15,8 @@ speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that
 belongs to the current target and records the same settings (unless --force). A running phase
 saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches
 come from generators seeded by the step, so a killed run resumes to the very same weights.
+With --init-from the target's stage reads a Hugging Face GPT-2 folder instead of training; under
+torchrun every stage trains data-parallel, one shard of each step's batch per process.
 """
 
 import hashlib

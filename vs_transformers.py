@@ -4,7 +4,7 @@ vs_transformers.py -- nanospec's prompt lookup against transformers' own, on the
 draft_lookup.py built prompt lookup from scratch; this script checks it against the
 implementation most people would reach for, Hugging Face transformers' `generate(...,
 prompt_lookup_num_tokens=...)`. The nanospec target is copied into a `GPT2LMHeadModel` (same
-architecture: learned positions, pre-LayerNorm, exact GELU, tied head), so both libraries
+architecture: learned positions, pre-LayerNorm, the GELU its config names, tied head), so both
 decode the very same model; then plain greedy and prompt lookup run in each, interleaved, on
 the same prompts, in one process, on the same threads and dtype (float32).
 
@@ -37,7 +37,7 @@ def to_transformers(target):
     from transformers import GPT2Config, GPT2LMHeadModel
     c = target.config
     cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-                     n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu",
+                     n_layer=c.n_layer, n_head=c.n_head, activation_function=c.activation,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
                      bos_token_id=None, eos_token_id=None)
     hf = GPT2LMHeadModel(cfg).eval()
