@@ -690,6 +690,12 @@ def cli(argv=None):
         if world.size == 1:
             raise
         ddp.fail(world, e, shared=False)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, from rank 0
+        if world.size == 1:
+            raise
+        if world.main:
+            print("train.py: interrupted; the same command resumes", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
