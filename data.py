@@ -276,7 +276,11 @@ def read_ranks(path) -> dict[bytes, int]:
 def load_tokenizer(path, pattern=PAT) -> tiktoken.Encoding:
     """A rank file as an Encoding: nanospec's split pattern, or a pretrained model's (GPT-2's)."""
     # read here, not with tiktoken.load: that caches files by *path* and would serve a stale copy
-    ranks = read_ranks(path)
+    return encoding_from(read_ranks(path), pattern)
+
+
+def encoding_from(ranks: dict[bytes, int], pattern=PAT) -> tiktoken.Encoding:
+    """Mergeable ranks and a split pattern as an Encoding, end-of-text right after the ranks."""
     return tiktoken.Encoding(name="nanospec", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens={EOT: len(ranks)})
 

@@ -13,7 +13,8 @@ be that same run, data-parallel:
   [(m * world + r) * s, ... + s) of the very batch one process would draw for that step. DDP
   averages the gradients over the ranks, and each micro loss is divided by --grad-accum, so the
   step is the one process's step on the whole batch (tests/test_ddp.py: float64, 1e-10).
-- Rank 0 alone writes files (gpt.save_checkpoint checks `is_main`) and prints; the others wait
+- Rank 0 alone writes files (gpt.save_checkpoint returns at once on the other ranks) and prints;
+  the others wait
   at a barrier where they would read what it wrote.
 - The distillation set is written in shards, one per rank, and gathered (gather_rows).
 - A rank that fails prints one `error: rank R of N: ...` line and exits; torchrun then stops the
@@ -69,11 +70,6 @@ def start(world, device):
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
     return device
-
-
-def is_main():
-    """Is this the process that writes files: rank 0, or the only one."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def barrier(world):

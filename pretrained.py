@@ -34,7 +34,6 @@ import statistics
 import struct
 import time
 
-import tiktoken
 import tiktoken.load
 import torch
 
@@ -42,6 +41,7 @@ import draft_dflash
 import draft_dspark
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter, profile_propose
+from data import EOT
 from gpt import GPT, GELU, GPTConfig, ArgumentParser, CheckpointError, load_target, number_list
 from speculative import load_drafter
 
@@ -51,7 +51,6 @@ from speculative import load_drafter
 # GPT-2's pre-tokenizer: tiktoken's pattern for its "gpt2" encoding
 GPT2_PAT = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)"""
             r"""|\s""")
-EOT = "<|endoftext|>"
 SHAPES = {  # --random's shapes: GPT-2 small, and one the tests' pipeline runs in seconds
     "small": dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024),
     "tiny": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64),
@@ -204,7 +203,7 @@ def from_gpt(model):
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: vocab.json + merges.txt -> a tiktoken.Encoding
+# the tokenizer: vocab.json + merges.txt -> tiktoken's ranks (data.encoding_from: the Encoding)
 
 
 def byte_chars():
@@ -240,12 +239,6 @@ def read_ranks(folder):
         raise refuse(folder, f"its vocab.json has {EOT} at {eot}, not after its {len(ranks)} "
                      "tokens")
     return ranks, eot
-
-
-def encoding(ranks):
-    """GPT-2's tiktoken.Encoding from its ranks (end-of-text right after them)."""
-    return tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                             special_tokens={EOT: len(ranks)})
 
 
 def load_folder(folder, block_size=None):

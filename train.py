@@ -436,11 +436,8 @@ def import_target(tr):
     """out/target.pt from the --init-from folder (pretrained.py): the weights as they are, the
     context window cut to --block-size; its loss on the corpus's validation windows printed."""
     a = tr.args
-    model, ranks = pretrained.load_folder(a.init_from, a.block_size)
-    if len(ranks) + 1 != tr.info["vocab_size"]:
-        raise CheckpointError(f"{a.out_dir}'s token files were not written with "
-                              f"{a.init_from}'s tokenizer; delete {a.out_dir}/data_meta.json")
-    model = model.to(tr.device)
+    # the token files are the folder's tokenizer's: prepare() rebuilds them when its ranks change
+    model = pretrained.load_folder(a.init_from, a.block_size)[0].to(tr.device)
     print(f"target: {model.num_params() / 1e6:.2f}M parameters from {a.init_from}, "
           f"{model.config}")
     val = tr.val_loss(lambda x, y: model(x, y)[1])
