@@ -157,7 +157,8 @@ class DistillationSet:
 
     def cache_fits(self, pool):
         """--feature-cache 1, and the cache would take at most CACHE_LIMIT of host memory (with
-        GPT-2's 50,257-token vocabulary the logits alone are ~26 GB at the cpu preset's size);
+        GPT-2's 50,257-token vocabulary the logits alone outgrow a host's memory at the cpu preset's
+        size: 1,024 x 256 positions x 50,257 in bfloat16);
         otherwise the features are computed every step, saying so once."""
         if not self.args.feature_cache:
             return False
