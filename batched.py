@@ -3,17 +3,17 @@ batched.py -- many requests at once: plain decoding and the draft-then-verify lo
 
 speculative.py decoded one sequence; this file adds what serving needs: B prompts of different
 lengths decoded together, every target forward shared by all of them. Each row keeps its own
-length in one static cache (gpt.RaggedCache), its own positions, its own accepted count every
+length in one static cache (ragged.RaggedCache), its own positions, its own accepted count every
 round and its own O(1) rollback; the mask is built from positions, so padding and stale K/V of
-a row always sit past every valid query of that row (gpt.Ragged). A verify runs its Linears and
+a row always sit past every valid query of that row (ragged.Ragged). A verify runs its Linears and
 MLP on the real tokens only, packed, and pads only the attention: its cost follows the total
 number of tokens, which is what a serving engine budgets.
 
 What changes with load: at batch 1 a 16-token verify costs little more than a 1-token step, so
 drafting long always pays. At batch 32 the same verify is a 512-token forward and costs several
 times a plain batched step: a fixed draft length turns into a slowdown. DSpark's scheduler
-(draft_dspark.BatchDSpark) spends one verify budget over the whole batch instead; this file holds
-the cost table it reads (CostTable) and the rules a serving engine would use beside it.
+(batched_drafters.BatchDSpark, with batch_rules.py) spends one verify budget over the whole batch
+instead. The drafters' batched twins are in batched_drafters.py.
 
 Rows are exact one by one: greedy and coupled sampling give each row the tokens its own batch-1
 decoding gives (the coupled noise is keyed on the row's own seed and absolute positions);
@@ -22,14 +22,12 @@ rejection sampling gives each row the target's distribution, from the row's own 
     python bench.py --batch-size 1,4,16,32     # the serving sweep: every method, batched
 """
 
-import copy
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpt import synchronize
+import ragged
 from speculative import Sampler, Stats, check_k, tokens_allowed
 
 # -----------------------------------------------------------------------------
@@ -185,9 +183,9 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
     P = [len(p) for p in prompts]
-    cache = cache or model.new_cache(len(prompts), ragged=True)
+    cache = cache or ragged.new_cache(model, len(prompts))
     cache.reset()
-    logits = model(padded(prompts, dev), cache=cache, counts=P, last_only=True)[0]  # (B, 1, V)
+    logits = ragged.forward(model, padded(prompts, dev), cache, P, last_only=True)[0]  # (B, 1, V)
     first = sampler.first_token(logits, P)  # (B, 1)
     rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler)
     return [[t] + r for t, r in zip(first[:, 0].tolist(), rest)]
@@ -204,7 +202,7 @@ def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None):
     x = last[:, None]
     for i in range(steps):
         counts = [1 if d + i < a else 0 for d, a in zip(done, allowed)]
-        logits = model(x, cache=cache, counts=counts)[0]  # (B, 1, V)
+        logits = ragged.forward(model, x, cache, counts)[0]  # (B, 1, V)
         x = out[:, i:i + 1] = sampler.pick(logits, [p + d + i for p, d in zip(P, done)])
         if stats is not None:
             stats.record([0] * B, [0] * B, [c > 0 for c in counts], 1, 0.0, 0.0)
@@ -243,8 +241,9 @@ class BatchDrafter:
     def __init__(self, drafter):
         """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
         its name, the target layers it reads, its k and its training record."""
-        for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k", "budget"):
+        for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k"):
             setattr(self, name, getattr(drafter, name))
+        self.budget = getattr(drafter, "budget", [])
 
     def begin(self, seqs, hidden):
         raise NotImplementedError
@@ -285,49 +284,6 @@ class Confirmed:
         self.lengths = [n + m for n, m in zip(self.lengths, kept)]
 
 
-class PerRow(BatchDrafter):
-    """Any batch-1 Drafter batched the simple way: one copy of it per row (Drafter.fresh), each
-    asked in turn. Exact by construction, the reference the native batched drafters are tested
-    against, and what prompt lookup (a dictionary per row, on the host) is anyway. Its draft cost
-    grows with B: a network drafter run this way pays B forwards a round."""
-
-    def __init__(self, drafter):
-        super().__init__(drafter)
-        self.proto, self.rows = drafter, []
-
-    def begin(self, seqs, hidden):
-        self.device = seqs[0].device
-        while len(self.rows) < len(seqs):
-            self.rows.append(self.proto.fresh())
-        self.rows = self.rows[:len(seqs)]
-        for r, (d, s) in enumerate(zip(self.rows, seqs)):
-            d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})
-
-    def propose(self, ks, sampler):
-        got = [d.propose(k, s) if k > 0 else (None, None)
-               for d, k, s in zip(self.rows, ks, sampler.rows)]
-        counts = [0 if t is None else t.numel() for t, _ in got]
-        K = max(counts)
-        drafts = torch.zeros(len(ks), K, dtype=torch.long, device=self.device)
-        q = None
-        for r, ((t, _), c) in enumerate(zip(got, counts)):
-            if c:
-                drafts[r, :c] = t
-        if sampler.mode == "rejection" and K > 0:
-            V = next(x for t, x in got if t is not None and t.numel()).size(-1)
-            q = torch.zeros(len(ks), K, V, device=self.device, dtype=torch.float64)
-            for r, ((_, x), c) in enumerate(zip(got, counts)):
-                if c:
-                    q[r, :c] = x
-            q = q.to(next(x for _, x in got if x is not None).dtype)
-        return drafts, counts, q
-
-    def commit(self, kept, new, hidden):
-        for r, (d, m) in enumerate(zip(self.rows, kept)):
-            if m:
-                d.commit(m - 1, new[r, :m], {k: h[r:r + 1, :m] for k, h in hidden.items()})
-
-
 # -----------------------------------------------------------------------------
 # the batched loop
 
@@ -344,10 +300,10 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
-    cache = cache or target.new_cache(B, ragged=True)
+    cache = cache or ragged.new_cache(target, B)
     cache.reset()
     x = padded(prompts, dev)
-    logits, _, hid = target(x, cache=cache, counts=P, hidden_layers=layers, last_only=True)
+    logits, _, hid = ragged.forward(target, x, cache, P, hidden_layers=layers, last_only=True)
     last = sampler.first_token(logits, P)[:, 0]  # (B,) each row's last confirmed token
     drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     out = [[t] for t in last.tolist()]  # host sync (once, after the prefill)
@@ -373,8 +329,8 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         t1 = time.perf_counter()
         starts = list(cache.lengths)  # row r: len(seq) - 1, its last token not cached yet
         vcounts = [c + 1 if on else 0 for c, on in zip(counts, active)]
-        logits, _, hid = target(torch.cat([last[:, None], drafts], 1), cache=cache,
-                                counts=vcounts, hidden_layers=layers)
+        logits, _, hid = ragged.forward(target, torch.cat([last[:, None], drafts], 1), cache,
+                                        vcounts, hidden_layers=layers)
         n, ids, new = sampler.verify(logits, drafts, counts, q, [s + 1 for s in starts])
         kept = [m + 1 if on else 0 for m, on in zip(n, active)]
         cache.rollback([s + m for s, m in zip(starts, kept)])  # keep [last, d1..dn] per row
@@ -416,147 +372,3 @@ class BatchStats(Stats):
     def padding(self):
         """The share of the attention's slots that were padding."""
         return 1 - self.verify_tokens / max(1, self.slots)
-
-
-# -----------------------------------------------------------------------------
-# what a verify costs at batch B, and the rules that spend it (DSpark's and a serving engine's)
-
-
-class CostTable:
-    """Seconds of one target forward over a batch carrying N real tokens in all (the verify
-    budget, every row's [last, drafts]), profiled once at start-up on the device in use, as the
-    DSpark paper's SPS(B) "cost table" and vLLM's verify_cost are: rows of m = 1..width tokens
-    each (N = B*m), the fastest of `reps` tries, made non-decreasing, linear in between. Called
-    with a number or a numpy array of them."""
-
-    def __init__(self, batch_size, seconds):
-        self.batch_size, self.seconds = batch_size, list(seconds)  # seconds[m - 1]: N = B * m
-        self.n = np.arange(1, len(seconds) + 1) * batch_size
-
-    def __call__(self, n):
-        return np.interp(n, self.n, self.seconds)
-
-    @classmethod
-    @torch.inference_mode()
-    def profile(cls, target, batch_size, width, context=None, reps=5):
-        dev, window = target.lm_head.weight.device, target.config.block_size
-        n_ctx = min(context if context is not None else window // 2, window - width)
-        cache = target.new_cache(batch_size, ragged=True)
-        x = torch.zeros(batch_size, n_ctx + width, dtype=torch.long, device=dev)
-        target(x[:, :n_ctx], cache=cache)
-        seconds = []
-        for m in range(1, width + 1):
-            best = float("inf")
-            for _ in range(reps):
-                cache.rollback([n_ctx] * batch_size)
-                synchronize(dev)
-                t0 = time.perf_counter()
-                target(x[:, n_ctx:n_ctx + m], cache=cache)
-                synchronize(dev)
-                best = min(best, time.perf_counter() - t0)
-            seconds.append(best)
-        # non-decreasing from the right: m tokens never cost more than any longer forward. (A
-        # running max from the left would let one slow try raise every longer entry with it)
-        for m in range(len(seconds) - 2, -1, -1):
-            seconds[m] = min(seconds[m], seconds[m + 1])
-        return cls(batch_size, seconds)
-
-
-def interpolate(points):
-    """{x: y} measured at a few x -> a function of a number or a numpy array, linear in
-    between, flat past the ends."""
-    xs = sorted(points)
-    ys = [points[x] for x in xs]
-    return lambda x: np.interp(x, xs, ys)
-
-
-def as_table(survival):
-    """Survivals as (A, L): A (B, K) float array, row r's first L[r] entries its a_{r,1..L[r]}.
-    Takes that pair as it is, or a list of rows (the readable form, used by the tests)."""
-    if isinstance(survival, tuple):
-        return survival
-    K = max((len(row) for row in survival), default=0)
-    A = np.zeros((len(survival), K))
-    for r, row in enumerate(survival):
-        A[r, :len(row)] = row
-    return A, np.array([len(row) for row in survival], dtype=np.int64)
-
-
-def by_survival(survival):
-    """Every (row, draft position) pair, most likely to survive first (within a row in order:
-    a_{r,j} never rises with j, and ties go to the earlier position) -> numpy arrays (a, j, r)."""
-    A, L = as_table(survival)
-    r, j = np.nonzero(np.arange(A.shape[1]) < L[:, None])
-    a = A[r, j]
-    order = np.lexsort((j, -a))
-    return a[order], j[order], r[order]
-
-
-def lengths_of(j, r, K, batch_size):
-    """The per-row lengths the first K pairs of by_survival make."""
-    lengths = np.zeros(batch_size, dtype=np.int64)
-    np.maximum.at(lengths, r[:K], j[:K] + 1)
-    return lengths.tolist()
-
-
-def admit_batch(survival, base, t_fixed, cost):
-    """DSpark's scheduler over the batch (paper §3.2.2, Algorithm 1). survival[r]: row r's prefix
-    survivals a_{r,1}, a_{r,2}, ... (as many as it drafted); base: rows verified this round (each
-    verifies at least its last token). Start with every length 0, admit (row, position) pairs in
-    order of a, each one raising the budget N by a token and the expected tokens tau by a; stop
-    at the first admission that does not raise theta = tau / (t_fixed + cost(N)). The early stop
-    is what keeps sampling lossless (paper, Appendix A). -> a length per row, 0 allowed."""
-    a, j, r = by_survival(survival)
-    K = np.arange(len(a) + 1)
-    theta = (base + np.concatenate([[0.0], np.cumsum(a)])) / (t_fixed + cost(base + K))
-    drops = np.flatnonzero(theta[1:] <= theta[:-1])
-    stop = int(drops[0]) if len(drops) else len(a)
-    return lengths_of(j, r, stop, len(as_table(survival)[1]))
-
-
-def best_single_k(survival, base, t_fixed, cost):
-    """The serving engines' rule (vLLM's goodput choice; SmartSpec, arXiv 2406.14066): ONE draft
-    length l for every row of the batch, the l in 0..K that maximises expected tokens per second
-    from the same survivals and cost table. -> a length per row (l, or fewer where a row has
-    fewer drafts)."""
-    A, L = as_table(survival)
-    C = np.cumsum(A * (np.arange(A.shape[1]) < L[:, None]), axis=1)  # tokens expected by l
-    best, best_l = base / (t_fixed + float(cost(base))), 0
-    for l in range(1, A.shape[1] + 1):
-        m = np.minimum(l, L)
-        tau = base + C[m > 0, m[m > 0] - 1].sum()
-        theta = tau / (t_fixed + float(cost(base + m.sum())))
-        if theta > best:
-            best, best_l = theta, l
-    return np.minimum(best_l, L).tolist()
-
-
-def plan_budget(estimate, base, t_draft, t_rest, cost, cap, margin=0.0):
-    """The production variant's budget (DSpark §5.2-5.3), set BEFORE drafting from survivals one
-    round old: the K in 0..cap that maximises (base + the K best estimated survivals) /
-    (t_rest[K > 0] + t_draft(slots) + cost(base + K)), slots = the block slots those K pairs need
-    (every row that gets one drafts the widest such row's width), by a full search (the table is
-    jagged). K = 0 drafts nothing at all. Lossless because K does not depend on this round's
-    tokens. t_rest: the rest of a round, measured apart for rounds without and with a draft.
-    margin: draft only where theta beats the no-draft round's by more than this share (the
-    tables' own error). -> (K, width, which rows draft)."""
-    a, j, r = by_survival(estimate)
-    a, j, r = a[:cap], j[:cap], r[:cap]
-    B = len(as_table(estimate)[1])
-    width = np.maximum.accumulate(j + 1) if len(a) else j
-    rows = np.cumsum(j == 0)  # each row's first pair comes first among its own
-    K = np.arange(1, len(a) + 1)
-    theta = (base + np.cumsum(a)) / (t_rest[1] + t_draft(rows * (width + 1)) + cost(base + K))
-    skip = base / (t_rest[0] + float(cost(base)))
-    if len(a) == 0 or theta.max() <= skip * (1 + margin):
-        return 0, 0, [False] * B
-    best = int(theta.argmax())
-    lengths = lengths_of(j, r, best + 1, B)
-    return best + 1, int(width[best]), [m > 0 for m in lengths]
-
-
-def fill_budget(survival, K):
-    """Which K (row, position) pairs fill a budget: the K most likely to survive, fresh
-    confidences, a prefix of each row. -> a length per row."""
-    _, j, r = by_survival(survival)
-    return lengths_of(j, r, K, len(as_table(survival)[1]))

@@ -54,71 +54,24 @@ import platform
 import random
 import statistics
 import subprocess
-import time
 
 import torch
 
+import ablations
+import papers
 import bench_batched
+import cpu_speed
 import data
 import plot
-from gpt import (CheckpointError, load_target, number, number_list, path_arg, pick_device,
-                 ArgumentParser, synchronize)
-from speculative import (DRAFTERS, HYBRID_WITH, Sampler, Stats, add_sampling_flags, generate_plain,
-                         generate_speculative, k_for, load_drafter, parse_args)
+from bench_batched import margin_at
+from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
+from devices import pick_device, synchronize
+from profiling import add_stats, timed
+from settings import (ArgumentParser, add_sampling_flags, number, number_list, parse_args,
+                      path_arg)
+from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
-
-# -----------------------------------------------------------------------------
-# what the papers reported, printed beside our numbers (their setting is not ours: a GPU and a
-# target 1,000x larger, where a 16-token verify costs about what a 1-token step does)
-
-REFERENCES = [  # (method, what, the paper's figure, its source and setting, our figure from res)
-    ("dflash", "tau", "6.49 (block 16)",
-     "DFlash, Chen et al. 2026: Qwen3-8B, H200, temperature 0, average of its benchmarks",
-     lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
-    ("dflash", "speedup", "4.86x", "DFlash, same setting",
-     lambda m: f"{m['dflash']['speedup']:.2f}x"),
-    ("eagle", "tau", "2.96-3.40", "EAGLE-3 as DFlash's baseline: Qwen3-8B, H200, temperature 0",
-     lambda m: f"{m['eagle']['tau']:.2f} (k {m['eagle']['k']})"),
-    ("eagle", "speedup", "1.76-2.02x", "EAGLE-3 as DFlash's baseline, same setting",
-     lambda m: f"{m['eagle']['speedup']:.2f}x"),
-    ("dflash", "speedup over eagle", "up to 2.5x", "DFlash's speedup over EAGLE-3's, same setting",
-     lambda m: f"{m['dflash']['speedup'] / m['eagle']['speedup']:.2f}x"),
-    ("dspark", "tau over eagle", "+27-31% (block 7)",
-     "DSpark 2026: Qwen3 targets (Qwen3-4B: GSM8K EAGLE-3 5.14, DSpark 6.11; MT-Bench 2.39, "
-     "3.64)", lambda m: f"{100 * (m['dspark']['tau'] / m['eagle']['tau'] - 1):+.0f}%"),
-    ("dspark", "tau over dflash", "+16-18% (block 7)",
-     "DSpark 2026: Qwen3 targets, against its own DFlash baseline; up to +30% at block 15",
-     lambda m: (f"{100 * (m['dspark']['tau'] / m['dflash']['tau'] - 1):+.0f}% "
-                f"(block {m['dspark']['k']})")),
-    ("mtp-k1", "2nd-token acceptance", "85-90%",
-     "DeepSeek-V3 tech report: one MTP module, across generation topics",
-     lambda m: f"{m['mtp-k1']['per_position_acceptance'][0]:.0%}"),
-    ("mtp", "speedup", "1.8x tokens/s", "DeepSeek-V3 tech report, same setting",
-     lambda m: f"{m['mtp']['speedup']:.2f}x"),
-    ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, small T5 drafters",
-     lambda m: f"{m['small']['speedup']:.2f}x"),
-    ("hybrid", "speedup over lookup", "+3-11% (over EAGLE-2)",
-     "SAM-Decoding 2024: suffix automaton or EAGLE-2 by match length, Vicuna-7B, A100; "
-     "SuffixDecoding 2024: up to 2.8x EAGLE-2/3 on agentic tasks",
-     lambda m: f"{100 * (m['hybrid']['speedup'] / m['lookup']['speedup'] - 1):+.0f}%"),
-    ("hybrid", "oracle speedup", "~4.9x",
-     "the better of n-gram and EAGLE each round, InstructCoder (Hybrid Verified Decoding 2026)",
-     lambda m: f"tau {m['hybrid']['oracle']['tau']:.2f} (ours: tau only)"),
-]
-
-
-def references(res):
-    """[{method, what, paper, source, ours}] for every reference whose methods ran."""
-    rows = []
-    for method, what, paper, source, ours in REFERENCES:
-        try:
-            rows.append({"method": method, "what": what, "paper": paper, "source": source,
-                         "ours": ours(res)})
-        except (KeyError, IndexError, ZeroDivisionError):  # that method (or its pair) did not run
-            pass
-    return rows
-
 
 # -----------------------------------------------------------------------------
 # prompts
@@ -169,39 +122,20 @@ def run_spec(target, drafter, k, prompts, args, cache):
     # On a GPU the draft/verify split needs a wait between the two: one more sync a round, a
     # small handicap for the speculative methods, never in their favour. A CPU runs nothing
     # asynchronously.
-    split = target.lm_head.weight.device.type != "cpu"
+    device = target.lm_head.weight.device
+    sync = (lambda: synchronize(device)) if device.type != "cpu" else None
     total, outs = Stats(), []
     for p in prompts:
         out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
-                                          make_sampler(args, target), cache, split_timing=split)
+                                          make_sampler(args, target), cache, sync=sync)
         outs.append(out)
-        total.add(stats)
+        add_stats(total, stats)
     return outs, total
 
 
 def make_sampler(args, target):
     device = target.lm_head.weight.device
     return Sampler(args.sampling, args.temperature, args.top_k, args.seed, device)
-
-
-def timed(fn, device):
-    synchronize(device)
-    t0 = time.perf_counter()
-    res = fn()
-    synchronize(device)
-    return time.perf_counter() - t0, res
-
-
-def margin_at(target, prompt, ref, j):
-    """The target's top-1 minus top-2 logit where a method first left plain decoding."""
-    with torch.inference_mode():
-        x = torch.tensor([prompt + ref[:j]], device=target.lm_head.weight.device)
-        top = target(x, last_only=True)[0][0, -1].float().topk(2).values
-    return (top[0] - top[1]).item()
-
-
-# -----------------------------------------------------------------------------
-# the machine and code a run measured (recorded in the JSON, shown in the figure's title)
 
 
 def machine(device):
@@ -322,7 +256,7 @@ def build_parser():
     p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained "
                                    "ones and prompt lookup).")
     add_run_flags(p.add_argument_group("what to run"))
-    add_sampling_flags(p.add_argument_group("sampling"))  # the same four as speculative.py's
+    add_sampling_flags(p.add_argument_group("sampling"))  # the same four as sample.py's
     add_measurement_flags(p.add_argument_group("measurement"))
     add_output_flags(p.add_argument_group("output"))
     return p
@@ -424,7 +358,7 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
             print(f"skipping {name}: {e}")
             continue
         drafters[name] = (d, args.k or k_for(d, args.sampling))
-        for vname, vd in (d.variants() if hasattr(d, "variants") else {}).items():
+        for vname, vd in ablations.variants(d).items():
             drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
     if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
@@ -463,7 +397,7 @@ def run(target, prompts, drafters, args, device, cache):
                     lambda: run_method(name, target, drafters, [p], args, cache), device)
                 times[name][-1] += t
                 outs[name][i] = out[0]
-                stats[name].add(st)
+                add_stats(stats[name], st)
         print(f"repeat {rep + 1}/{args.repeats}: "
               + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
 
@@ -486,9 +420,8 @@ def hybrid_oracle(res, target, prompts, ref, drafters, args):
     drafts, judged against plain decoding's own output (greedy and coupled: the output is fixed),
     so tau only; and the share of the gap from the best single drafter's tau to it that the rule
     closes."""
-    from draft_hybrid import oracle_stats
     hybrid, k = drafters["hybrid"]
-    stats = oracle_stats(hybrid, target, prompts, ref, k,
+    stats = ablations.oracle_stats(hybrid, target, prompts, ref, k,
                          lambda: make_sampler(args, target), args.max_new_tokens)
     singles = [res[n]["tau"] for n in ("lookup", args.hybrid_with) if n in res]
     best = max(singles) if singles else 1.0
@@ -537,7 +470,7 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     against plain decoding timed once at the start, the drift of a shared machine went into
     the ratios (docs/experiments.md: Bench: interleaving)."""
     swept = {n: d for n, (d, _) in drafters.items()
-             if ("-" not in n or n.endswith("-full")) and d.sweeps}
+             if ("-" not in n or n.endswith("-full")) and n != "hybrid"}  # its k is only a cap
     if not args.sweep or not swept:
         return {}
     sp = prompts[:args.sweep_prompts]
@@ -551,7 +484,7 @@ def sweep_k(target, prompts, drafters, args, device, cache):
                                    else run_spec(target, swept[name], k, [p], args, cache), device)
                 secs[name] += t
                 if name != "ar":
-                    stats[name].add(st)
+                    add_stats(stats[name], st)
         for n in names:
             r = max(1, stats[n].rounds)
             sweep[n].append({"k": k, "block_size": k + 1,
@@ -599,6 +532,7 @@ def write(out, args):
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
+    cpu_speed.enable()
     if args.batch_size is not None:
         args.max_new_tokens = args.max_new_tokens or bench_batched.NEW_TOKENS
         return main_batched(args)
@@ -619,7 +553,7 @@ def main(argv=None):
            "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
-           "references": references(res)}
+           "references": papers.references(res)}
     print_report(out, header)
     write(out, args)
     return out

@@ -24,7 +24,11 @@ import statistics
 
 import torch
 
+from ablations import batch_variants
 from batched import BatchSampler, generate_batched, generate_plain_batched
+from batched_drafters import batched
+from profiling import timed
+from ragged import new_cache
 from speculative import Sampler, generate_plain
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat
@@ -48,14 +52,15 @@ def methods(drafters):
             continue
         if name != "dspark":
             try:
-                out[name] = (d.batched(), k)
+                out[name] = (batched(d), k)
             except NotImplementedError as e:  # a drafter with no batched form (the hybrid)
                 print(f"skipping {name} in the serving sweep: {e}")
             continue
         full = d.max_k
-        out["dspark"] = (d.batched("budget"), full)
-        # the other rules share its profiles: one cost table per batch size for all
-        out.update({v: (vd, full) for v, vd in out["dspark"][0].variants().items()})
+        # its default rule is the one that pays in this sweep (docs/results.md: Many requests at
+        # once); the other rules share its profiles: one cost table per batch size for all
+        out["dspark"] = (batched(d, schedule="budget"), full)
+        out.update({v: (vd, full) for v, vd in batch_variants(out["dspark"][0]).items()})
         for kk in FIXED_K:
             if kk < full:
                 out[f"dspark-k{kk}"] = (out["dspark-full"][0], kk)
@@ -75,9 +80,8 @@ def run_batch(name, entry, target, batch, args, cache):
 def at_batch_size(B, target, prompts, table, args, device):
     """Every method over the prompts in batches of B, `repeats` times, interleaved -> results."""
     batches = [prompts[i:i + B] for i in range(0, len(prompts) - B + 1, B)][:MAX_BATCHES]
-    cache = target.new_cache(B, ragged=True)
+    cache = new_cache(target, B)
     names = list(table)
-    import bench  # (bench.py imports this file)
     for name in names:  # warm-up; DSpark profiles its cost table for this batch size here
         run_batch(name, table[name], target, batches[0], args, cache)
     times = {n: [] for n in names}
@@ -89,8 +93,8 @@ def at_batch_size(B, target, prompts, table, args, device):
         for i, batch in enumerate(batches):
             order = random.Random(1000 * B + rep * len(batches) + i).sample(names, len(names))
             for name in order:
-                t, (out, st) = bench.timed(lambda: run_batch(name, table[name], target, batch, args,
-                                                       cache), device)
+                t, (out, st) = timed(lambda: run_batch(name, table[name], target, batch, args, cache),
+                                     device)
                 times[name][-1] += t
                 outs[name][i], stats[name][i] = out, st
     return times, outs, stats, batches
@@ -122,8 +126,19 @@ def summarize(times, ar_times, outs, ref, stats, n_tokens, B):
     return entry
 
 
+def margin_at(target, prompt, ref, j):
+    """The target's top-1 minus top-2 logit where a method first left plain decoding."""
+    with torch.inference_mode():
+        x = torch.tensor([prompt + ref[:j]], device=target.lm_head.weight.device)
+        top = target(x, last_only=True)[0][0, -1].float().topk(2).values
+    return (top[0] - top[1]).item()
+
+
+# -----------------------------------------------------------------------------
+# the machine and code a run measured (recorded in the JSON, shown in the figure's title)
+
+
 def against_batch_one(name, outs, batches, single, target):
-    from bench import margin_at  # (bench.py imports this file)
     """Rows of `outs` that differ from batch-1 plain decoding -> divergences with the margin."""
     rows, prompts = [o for b in outs for o in b], [p for b in batches for p in b]
     found = []

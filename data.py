@@ -1,14 +1,11 @@
 """
-data.py -- the corpus and tokenizer every other file uses: the first link of the chain
-(data.py, gpt.py, speculative.py, the draft_*.py files, train.py, bench.py).
+data.py -- the corpus, a byte-level BPE (byte-pair encoding) tokenizer trained on it, and the
+token streams train.py reads (as random training windows: Batches). Every other file uses it.
 
-Data for nanospec: a corpus, a byte-level BPE (byte-pair encoding) tokenizer trained on it,
-and the token streams train.py reads (as random training windows: Batches).
-
-By default the corpus is the Python standard library that ships with the running
-interpreter (no download needed); --data PATH swaps in a text file or a folder.
-prepare_data() writes four files to out_dir and reuses them while they still match
-the data source, vocab size and tokenizer kind:
+By default the corpus is the Python standard library that ships with the running interpreter
+(no download needed); --data PATH swaps in a text file or a folder. prepare_data() writes four
+files to out_dir and reuses them while they still match the data source, vocab size and
+tokenizer kind:
 
     tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line)
     train.bin, val.bin   uint16 token ids, every document followed by the EOT (end-of-text) id
@@ -16,10 +13,8 @@ the data source, vocab size and tokenizer kind:
                          (it marks a complete build, and vouches for the files)
 
 Every reader checks the files against data_meta.json: prepare_data (train.py, data.py)
-rebuilds a damaged build with a one-line notice; load_build (bench.py, speculative.py) refuses
-it with an error naming the file and the command that remakes it.
-
-Run `python data.py --help` for the CLI.
+rebuilds a damaged build with a one-line notice; load_build (bench.py, sample.py) refuses
+it with an error naming the file and the command that remakes it. CLI: `python data.py --help`.
 """
 import base64
 import hashlib
@@ -37,8 +32,9 @@ import numpy as np
 import tiktoken
 import torch
 
+from settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
+
 EOT = "<|endoftext|>"
-DEFAULT_VOCAB = 4096
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
 # Pre-tokenisation regex, cl100k-style: words keep one leading space or symbol, numbers
@@ -408,9 +404,8 @@ def remake(out: pathlib.Path, meta: dict | None = None) -> str:
 
 
 def load_build(out_dir) -> dict:
-    """The build in out_dir for a command that only reads it (bench.py, speculative.py): every
-    file checked against data_meta.json, a damaged one a DataError naming it and the command to
-    remake it."""
+    """The build in out_dir for a command that only reads it (bench.py, sample.py): every file
+    checked against data_meta.json, a damaged one a DataError naming the command to remake it."""
     out = pathlib.Path(out_dir)
     try:
         meta = read_meta(out)
@@ -423,8 +418,7 @@ def load_build(out_dir) -> dict:
 
 
 def encoding_of(info: dict) -> tiktoken.Encoding:
-    """The tokenizer of a build (prepare_data's or load_build's result; a gpt2 build has no
-    file)."""
+    """The tokenizer of a build (prepare_data's or load_build's result; gpt2's has no file)."""
     path = info["tokenizer_path"]
     return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
@@ -579,17 +573,16 @@ class Batches:
 # -----------------------------------------------------------------------------
 
 def build_parser():
-    from gpt import ArgumentParser, number, path_arg
     ap = ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
     ap.add_argument("--data", type=path_arg("data"), default=None,
                     help="text file or folder to train on (default: the Python stdlib)")
     ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB,
-                    help="tokenizer vocab size, EOT included")
+                    help="tokenizer vocab size, EOT included (default: %(default)s)")
     ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2"],
-                    help="train a BPE here, or use GPT-2's")
+                    help="train a BPE here, or use GPT-2's (default: %(default)s)")
     ap.add_argument("--out-dir", type=path_arg("dir"), default="out",
                     help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are "
-                         "written")
+                         "written (default: %(default)s)")
     return ap
 
 

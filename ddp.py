@@ -13,7 +13,7 @@ be that same run, data-parallel:
   [(m * world + r) * s, ... + s) of the very batch one process would draw for that step. DDP
   averages the gradients over the ranks, and each micro loss is divided by --grad-accum, so the
   step is the one process's step on the whole batch (tests/test_ddp.py: float64, 1e-10).
-- Rank 0 alone writes files (gpt.save_checkpoint returns at once on the other ranks) and prints;
+- Rank 0 alone writes files (checkpoint.save_checkpoint returns at once on the other ranks) and prints;
   the others wait
   at a barrier where they would read what it wrote.
 - The distillation set is written in shards, one per rank, and gathered (gather_rows).

@@ -19,21 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import ddp
-from gpt import CheckpointError, load_checkpoint, number, save_checkpoint, setting
-
-
-SETTINGS = {
-    "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=256,
-                        tiny=8),
-    "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
-                           "(so drafters see sampled text too)", type=number(float, 0, 1)),
-    "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "
-                               "about 0.7)"),
-    "feature_cache": setting(1, "1: run the target over the distillation set once and keep its "
-                             "logits and states in host memory (bfloat16); 0: every step",
-                             type=number(int, 0, 1), cuda=0),
-}
+from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 CACHE_LIMIT = 8 * 2**30  # bytes of host memory the feature cache may take (per process)
@@ -136,10 +122,10 @@ class DistillationSet:
         return logits, hid
 
     def cached(self):
-        """features() of the whole set, computed once per run and kept in host memory in
-        bfloat16 (about 2.9 GB for the cpu preset): the drafter stages then never run the target
-        while they train. Computed under the training autocast, so the numbers are the ones an
-        on-the-fly forward would give."""
+        """features() of the whole set, computed once per run and kept in host memory in bfloat16
+        (docs/experiments.md: Distillation set and feature cache): the drafter stages then never
+        run the target while they train. Computed under the training autocast, so the numbers are
+        the ones an on-the-fly forward would give."""
         if self.cache is None:
             pool, t0, chunks = self.text(), time.time(), []
             with torch.autocast(self.device.split(":")[0], torch.bfloat16,

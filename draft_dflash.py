@@ -5,7 +5,7 @@ pass.
 Paper: Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative Decoding", ICML 2026,
 arXiv 2602.06036.
 
-speculative.py's small drafter pays one forward per drafted token, so drafting k tokens costs
+draft_small.py's small drafter pays one forward per drafted token, so drafting k tokens costs
 k forwards. draft_mtp.py's MTP head reads the target's last hidden state but is still chained:
 one forward of its block per drafted token, each fed the token drafted before it. DFlash drafts
 a whole block in one forward and reads several target layers: the anchor (the last confirmed
@@ -17,27 +17,24 @@ context is injected as extra keys/values in front of the block ("KV injection").
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
 Three departures from the paper, all because we train for minutes, not GPU-days (see
-DFlash.__init__, alibi_bias and the recipe at "how it learns (2)"): one mask embedding per block
+DFlash.__init__, alibi_bias, and the recipe in stages.py): one mask embedding per block
 offset instead of one shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block
 first: block 8, then widened to 16, which keeps the first slot as good as block 8's.
 
 The file reads in order: the config, the draft layers, the network, the Drafter (how it drafts),
-then how it learns: anchors and the training mask, the loss, and the stage train.py runs.
+then how it learns: anchors, the training mask and the loss (stages.py runs it in train.py).
 
-Bookkeeping at inference: the context is the target's hidden states of every confirmed token
-BEFORE the anchor t*; t* itself enters the block as a token at its absolute position. Each draft
-layer keeps its context K/V in a static cache: computed once per position, appended at commit,
-never recomputed (the target's states of a position never change).
+Bookkeeping at inference: the context is the target's states of every confirmed token BEFORE
+the anchor t*, which enters the block as a token at its absolute position. Each draft layer
+caches its context K/V, computed once per position at commit (a position's states never change).
 
-Cost. On a small CPU target a drafter pays per ATen call, not per FLOP, so a round does only
-what changes: RoPE angles and ALiBi biases are tables built once and sliced; the block's K/V go
-into the cache after the context (no concatenation), and the LM head runs on the draft slots
-only (docs/experiments.md: DFlash: lean round).
+Cost: a small drafter pays per op, not per FLOP, so a round does only what changes: RoPE and
+ALiBi tables are built once and sliced, the block's K/V go into the cache after the context, and
+the LM head runs on the draft slots only (docs/experiments.md: DFlash: lean round).
 
-    python train.py --only dflash && python speculative.py --method dflash
+    python train.py --only dflash && python sample.py --method dflash
 """
 
-import copy
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -45,10 +42,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import MLP, Linear, Packing, Ragged, attention
-from gpt import cpu_state_dict, number, save_checkpoint, setting
+from gpt import MLP, attention
 from draft_small import total_variation
-from batched import BatchDrafter, Confirmed
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -59,13 +54,11 @@ from speculative import Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (SETTINGS: 2 on CPU, 3
-    #                          on CUDA, to fit their budgets)
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (settings.py: 2 on CPU,
+    #                          3 on CUDA, to fit their budgets)
     # target layers read as context (network_config picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
-    #                          (the paper's 16; the CPU preset trains block 8 first, then widens
-    #                          to 16: load_narrower)
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
@@ -86,12 +79,10 @@ class DFlashConfig:
 
 
 def default_taps(n_layer):
-    """Which target layers feed the context. The paper spreads 5 taps from the 2nd layer to the
-    third-to-last of 36. Our targets have far fewer (6 on the CPU preset, 8 on CUDA), so we
-    take every block output but the last (1..n_layer-1): the last block is specialised on
-    predicting the *next* token, which at the anchor we already know; the shallower ones still
-    carry what the sequence is about. With a tiny 2-layer target that leaves [1], so we keep both
-    there."""
+    """Which target layers feed the context. The paper spreads 5 taps over 36 layers; our targets
+    have few, so we take every block output but the last (1..n_layer-1): the last block is
+    specialised on predicting the *next* token, which at the anchor we already know. A 2-layer
+    target keeps both."""
     return list(range(1, n_layer)) if n_layer > 2 else list(range(1, n_layer + 1))
 
 
@@ -122,10 +113,9 @@ def rope(x, cos, sin):
 
 def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
     """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh), for queries
-    at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init the queries
-    and keys are near zero, so attention is uniform over the whole context and the few states
-    that matter (the last ones before the anchor) are drowned, and learning starts slowly
-    (docs/experiments.md: DFlash: ALiBi). The bias gives some
+    at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init attention is
+    uniform over the whole context, the few states that matter (the last before the anchor) are
+    drowned, and learning starts slowly (docs/experiments.md: DFlash: ALiBi). The bias gives some
     heads a recency prior from step 0; heads with small slopes stay global.
     Memory: in training this is (batch, nh, Tq, Tk), the largest tensor of a DFlash step, so the
     distances are made in one float tensor (no int64 copies) and only the result is per head."""
@@ -141,9 +131,9 @@ class InjectedAttention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.c_q = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.c_kv = Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head = cfg.n_head
 
     def heads(self, t):
@@ -156,12 +146,9 @@ class InjectedAttention(nn.Module):
         return rope(self.heads(k), *cs), self.heads(v)
 
     def forward(self, x, cs, kv, start=None, mask=None):
-        """kv = (context keys, context values). Training: start None, the block's own K/V are
-        concatenated after them. Inference (gpt-fast style): kv is a static cache whose first
-        `start` positions hold the context; the block's K/V are written at start.. (stale past
-        the context, overwritten next round) and the prefix is attended to, with no copy."""
-        if isinstance(start, Ragged):  # a batch of rows, each at its own position (batched.py)
-            return self.forward_ragged(x, cs, kv, start, mask)
+        """kv = (context keys, context values). Training: start None, the block's K/V are appended
+        to them. Inference (gpt-fast style): kv is a static cache whose first `start` positions
+        hold the context; the block's K/V are written at start.. (overwritten next round)."""
         B, T, C = x.shape
         q = rope(self.heads(self.c_q(x)), *cs)  # (B, nh, T, hs)
         k, v = self.kv(x, cs)
@@ -173,16 +160,6 @@ class InjectedAttention(nn.Module):
         # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
         y = attention(q, k, v, mask)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    def forward_ragged(self, x, cs, kv, rag, mask):
-        """x: the real slots packed (N, C), or (B, T, C) with no padding. The projections run on
-        the packed rows, the attention on the padded (B, nh, T, hs); K/V written per row."""
-        q = rope(self.heads(rag.unpack(self.c_q(x))), *cs)  # (B, nh, T, hs)
-        k, v = rag.unpack(self.c_kv(x)).split(x.size(-1), dim=2)
-        k, v = rag.write(kv[0], rope(self.heads(k), *cs)), rag.write(kv[1], self.heads(v))
-        y = attention(q, k, v, mask)  # (B, nh, T, hs)
-        B, nh, T, hs = y.shape
-        return self.c_proj(rag.pack(y.transpose(1, 2).reshape(B, T, nh * hs)))
 
 
 class DraftLayer(nn.Module):
@@ -217,14 +194,12 @@ class DFlash(nn.Module):
             raise ValueError(f"taps {cfg.taps} must be target layers in 1..{target.config.n_layer}")
         self.config = cfg
         self.__dict__["target"] = target  # plain attribute, not a submodule (see above)
-        self.fc = Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
+        self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
         self.ctx_norm = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        # one learned mask embedding per block offset 1..block-1. A single shared mask (the paper's)
-        # leaves RoPE as the only thing telling slot 3 from slot 9; in our few hundred training
-        # steps every slot then made one and the same guess. Initialised at the scale of the
-        # target's token embeddings (row norm ~1): at 0.02 the slot identity drowned in the
-        # attention output, and the slots still collapsed (docs/experiments.md: DFlash: mask
-        # embeddings).
+        # one learned mask embedding per block offset 1..block-1: with one shared mask (the paper's)
+        # only RoPE tells slot 3 from slot 9, and in our short training every slot made the same
+        # guess. At the scale of the target's token embeddings (row norm ~1): at 0.02 the slots
+        # still collapsed (docs/experiments.md: DFlash: mask embeddings)
         self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) / math.sqrt(cfg.n_embd))
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
         for pn, p in self.named_parameters():
@@ -234,18 +209,6 @@ class DFlash(nn.Module):
             elif pn.endswith(".bias"):
                 nn.init.zeros_(p)
         self._tables = {}  # position tables, built once per device and dtype (see tables())
-
-    def load_narrower(self, state_dict):
-        """Load a DFlash trained at this block or a narrower one (the narrow phase). Every
-        weight has the same shape at any block but the mask embeddings, one per block offset:
-        offsets 1..b-1 take the narrower network's, the later ones keep their initialisation."""
-        sd = dict(state_dict)
-        m, own = sd["mask_emb"], self.mask_emb.detach()
-        if m.size(0) > own.size(0):
-            raise ValueError(f"a block-{m.size(0) + 1} DFlash does not fit a block-"
-                             f"{own.size(0) + 1} one")
-        sd["mask_emb"] = torch.cat([m.to(own), own[m.size(0):]])
-        self.load_state_dict(sd)
 
     def tables(self, device, dtype):
         """RoPE cos/sin for every position a block can reach (float32 angles, then cast), and the
@@ -257,8 +220,8 @@ class DFlash(nn.Module):
             N = self.target.config.block_size + cfg.block
             cos, sin = rope_table(N, cfg.n_embd // cfg.n_head, cfg.rope_base, device)
             pos = torch.arange(N, device=device)
-            # (1, nh, N, N): SDPA takes its fused CPU kernel for a 4-d mask and falls back to
-            # the unfused math path, about 1.7x slower per call here, for a 3-d one
+            # (1, nh, N, N): 4-d, as SDPA's fused CPU kernel wants it (for a 3-d mask it falls
+            # back to its slower unfused path; docs/experiments.md: DFlash: lean round)
             bias = alibi_bias(pos, pos, cfg.n_head).to(dtype)[None] if cfg.alibi else None
             self._tables[key] = (cos.to(dtype), sin.to(dtype), bias)
         return self._tables[key]
@@ -287,7 +250,7 @@ class DFlash(nn.Module):
         x = torch.cat([anchor_emb, masks], dim=2)  # (B, A, n_slots, d)
         return x.view(B, A * n_slots, -1)
 
-    def run(self, x, pos, ctx_kvs, visible):
+    def forward_training(self, x, pos, ctx_kvs, visible):
         """Training: blocks at positions pos (B, Tq) over context positions 0..Tc-1, each query
         seeing only the keys `visible` (B, 1, Tq, Tc + Tq) allows, ALiBi on top."""
         if self.config.alibi:
@@ -302,7 +265,7 @@ class DFlash(nn.Module):
             x = layer(x, cs, ckv, None, mask)
         return x
 
-    def run_cached(self, x, start, kv_caches):
+    def forward_cached(self, x, start, kv_caches):
         """Inference: one block of T slots at positions start.. over a context of `start` cached
         positions; every slot sees every key (bidirectional block, whole context), with the
         ALiBi bias, when on, down-weighting the distant ones."""
@@ -327,14 +290,13 @@ class DFlash(nn.Module):
 class DFlashDrafter(Drafter):
     """propose(k): anchor + k masks at positions S-1 .. S-1+k -> k drafts in one forward. Any
     k <= block-1 works (a smaller block is just fewer masks); more than trained is an error.
-    Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context (computed
-    once per position at commit, never again: the target's states of a position never change);
-    a round writes its block's K/V after them, where the next commit overwrites them."""
+    Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context; a round
+    writes its block's K/V after them, where the next commit overwrites them."""
     name = "dflash"
 
     def __init__(self, net):
         self.net = net
-        cfg, tcfg = net.config, net.target.config
+        cfg = net.config
         self.hidden_layers = tuple(cfg.taps)
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
@@ -343,11 +305,10 @@ class DFlashDrafter(Drafter):
         self.sampled_k = min(3, self.max_k)
         self.new_caches()
         p = net.fc.weight
-        # every layer's c_kv stacked into one Linear, for the commit's single product (a commit is
-        # a few dozen tiny ops on a CPU: one product pays, not one per layer). A copy, taken here:
-        # a drafter is built after training, never trained itself
+        # every layer's c_kv stacked into one Linear, for the commit's single product (_extend). A
+        # copy, taken here: a drafter is built after training, never trained itself
         c_kvs = [layer.attn.c_kv for layer in net.layers]
-        self.ctx_kv = Linear(cfg.n_embd, cfg.n_layer * 2 * cfg.n_embd, bias=cfg.bias,
+        self.ctx_kv = nn.Linear(cfg.n_embd, cfg.n_layer * 2 * cfg.n_embd, bias=cfg.bias,
                              device=p.device, dtype=p.dtype).requires_grad_(False)
         with torch.no_grad():
             self.ctx_kv.weight.copy_(torch.cat([c.weight for c in c_kvs]))
@@ -364,14 +325,6 @@ class DFlashDrafter(Drafter):
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
         self.n_ctx = 0
-
-    def fresh(self):
-        c = copy.copy(self)
-        c.new_caches()
-        return c
-
-    def batched(self):
-        return BatchDFlash(self)
 
     def _extend(self, hidden):
         """Append the context K/V of the positions whose target states just arrived: every draft
@@ -393,13 +346,13 @@ class DFlashDrafter(Drafter):
         self.n_ctx = 0
         self._extend(hidden)
 
-    def cached_block_states(self, n_slots):
+    def block_states(self, n_slots):
         """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d). The anchor
         sits at position n_ctx (== S - 1: the context is every confirmed token before it)."""
         x = self.net.block_input(self.seq[-1:].view(1, 1), n_slots)
-        return self.net.run_cached(x, self.n_ctx, self.kv_caches)[0]
+        return self.net.forward_cached(x, self.n_ctx, self.kv_caches)[0]
 
-    def check_k(self, k):
+    def check_block(self, k):
         if not 1 <= k <= self.max_k:
             raise ValueError(f"this {self.name} drafter was trained with block "
                              f"{self.net.config.block} and drafts 1..{self.max_k} tokens per "
@@ -409,11 +362,11 @@ class DFlashDrafter(Drafter):
         """The k block states that draft the next k tokens: slots 1..k (shift 0), or the anchor
         slot and slots 1..k-1 (shift 1) -> (k, d)."""
         shift = self.net.config.shift
-        return self.cached_block_states(k + 1 - shift)[1 - shift:]
+        return self.block_states(k + 1 - shift)[1 - shift:]
 
     @torch.inference_mode()
     def propose(self, k, sampler):
-        self.check_k(k)
+        self.check_block(k)
         h = self.draft_states(k)  # (k, d)
         S = self.seq.numel()
         return sampler.draft(self.net.head(h), list(range(S, S + k)))
@@ -422,124 +375,6 @@ class DFlashDrafter(Drafter):
     def commit(self, n, new, hidden):
         self._extend(hidden)
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
-
-
-def load_dflash(ckpt, target, device, dtype):
-    net = DFlash(DFlashConfig.from_dict(ckpt["config"]), target)
-    net.load_state_dict(ckpt["state_dict"])
-    return DFlashDrafter(net.to(device=device, dtype=dtype).eval())
-
-
-# -----------------------------------------------------------------------------
-# many requests at once (batched.py): the same drafter over a ragged batch
-
-
-class BatchDFlash(BatchDrafter):
-    """DFlashDrafter over B rows: one static K/V cache per draft layer with a context length per
-    row, and one block forward a round for every row. Row r's block (anchor + ks[r] masks at its
-    own positions) sees its own context and its own real slots only: the block is bidirectional,
-    so a padding slot is masked as a key too, or it would change the real slots' drafts."""
-
-    def __init__(self, drafter):
-        super().__init__(drafter)
-        self.one = drafter  # the batch-1 drafter: its network and stacked context projection
-        self.net = drafter.net
-
-    @torch.inference_mode()
-    def begin(self, seqs, hidden):
-        cfg, p, B = self.net.config, self.net.fc.weight, len(seqs)
-        self.slack = cfg.block + 64  # room for a row near the end of the window to write padding
-        width = self.net.target.config.block_size + self.slack
-        if getattr(self, "states", None) is None or self.states.size(0) != B:
-            # made once per batch size: everything past a row's valid length is stale, never read
-            shape = (cfg.n_layer, B, cfg.n_head, width, cfg.n_embd // cfg.n_head)
-            self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
-            # the target's tap states of every confirmed position, concatenated: (B, width, taps*d)
-            self.states = torch.zeros(B, width, len(self.hidden_layers) * cfg.n_embd,
-                                      device=p.device, dtype=p.dtype)
-        self.n_ctx = [0] * B
-        self.rows = Confirmed(seqs, width)
-        self.n_states = [0] * B
-        self.stash(hidden, [s.numel() - 1 for s in seqs])
-
-    def stash(self, hidden, kept):
-        """Keep row r's first kept[r] target states (at its positions n_states[r]..). They become
-        context only when the next block needs them (flush): a round that drafts nothing (a
-        scheduler may choose that) then costs one copy, not the context projection."""
-        h = torch.cat([hidden[t] for t in self.hidden_layers], dim=-1)  # (B, T, taps * d)
-        pos = torch.tensor(self.n_states, device=h.device)[:, None] + torch.arange(
-            h.size(1), device=h.device)
-        self.states[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
-        self.n_states = [n + m for n, m in zip(self.n_states, kept)]
-
-    def flush(self):
-        """Every stashed state not yet in the context, through the context projection in one
-        pass: DFlashDrafter._extend per row, row r's new context at positions n_ctx[r].. (the
-        other slots are written past its end: stale)."""
-        kept = [s - n for s, n in zip(self.n_states, self.n_ctx)]
-        T = max(kept)
-        if T == 0:
-            return
-        B, dev = len(kept), self.states.device
-        t = torch.arange(T, device=dev)
-        pos = torch.tensor(self.n_ctx, device=dev)[:, None] + t  # (B, T)
-        # a row with fewer pending states than T: its extra slots go to the buffers' last
-        # position, past every valid one (a row near the window's end would run off them)
-        pos = torch.where(t < torch.tensor(kept, device=dev)[:, None], pos, self.states.size(1) - 1)
-        rows = torch.arange(B, device=dev)[:, None]
-        ctx = self.net.ctx_norm(self.net.fc(self.states[rows, pos]))  # (B, T, d)
-        n_layer, _, nh, _, hs = self.k_cache.shape
-        kv = self.one.ctx_kv(ctx).view(B, T, n_layer, 2, nh, hs).permute(2, 3, 0, 4, 1, 5)
-        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
-        pos_rope = pos.clamp_max(cos.size(0) - 1)
-        at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
-              pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
-        self.k_cache[at] = rope(kv[:, 0], cos[pos_rope][:, None], sin[pos_rope][:, None])
-        self.v_cache[at] = kv[:, 1]
-        self.n_ctx = list(self.n_states)
-
-    def block_states(self, ks):
-        """Every row's anchor + masks through the draft layers at once -> (B, K, d): the states
-        that draft each row's next K = max(ks) tokens (row r's first ks[r] are its own; zeros
-        after). A row drafting nothing has no slot at all: the Linears run on real slots only."""
-        self.flush()
-        shift, K = self.net.config.shift, max(ks)
-        slots = K + 1 - shift
-        x = self.net.block_input(self.rows.last()[:, None], slots)  # (B, slots, d)
-        real = [k + 1 - shift if k > 0 else 0 for k in ks]
-        rag = Ragged(self.n_ctx, real, slots, x.device)
-        # row r's query sees its context and its own real slots: keys < n_ctx[r] + real[r] (at
-        # least one key, so that a row with no slot has no empty softmax)
-        ends = torch.tensor([max(n + m, 1) for n, m in zip(self.n_ctx, real)], device=x.device)
-        visible = (torch.arange(rag.L, device=x.device) < ends[:, None])[:, None, None]
-        _, _, bias = self.net.tables(x.device, x.dtype)
-        if bias is not None:  # the ALiBi rows of these positions: (B, nh, slots, L)
-            mask = bias[0][:, rag.pos, :rag.L].transpose(0, 1).masked_fill(~visible, float("-inf"))
-        else:
-            mask = visible
-        cs = self.net.cs(rag.pos, x.dtype)
-        x = rag.pack(x)
-        for layer, kv in zip(self.net.layers, self.kv_caches):
-            x = layer(x, cs, kv, rag, mask)
-        return rag.unpack(x)[:, 1 - shift:1 - shift + K]
-
-    def head(self, h, ks):
-        """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
-        pk = Packing(ks, h.size(1), h.device)
-        return pk.unpack(self.net.head(pk.pack(h)))
-
-    @torch.inference_mode()
-    def propose(self, ks, sampler):
-        h = self.block_states(ks)  # (B, K, d)
-        toks, q = sampler.draft(self.head(h, ks), self.rows.lengths, ks)
-        return toks, list(ks), q
-
-    @torch.inference_mode()
-    def commit(self, kept, new, hidden):
-        self.stash(hidden, kept)
-        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------
@@ -572,7 +407,7 @@ def training_mask(anchors, T, block):
     return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
 
 
-def block_states(net, x, hidden, anchors, block=None):
+def training_states(net, x, hidden, anchors, block=None):
     """Draft-layer outputs for every prediction of every anchor's block, all in one pass.
     x (B, T) tokens, hidden {layer: (B, T, d)} the target's states on x, anchors (B, A); block:
     the slots a block has (default: the network's own; fewer train only its first slots).
@@ -584,7 +419,7 @@ def block_states(net, x, hidden, anchors, block=None):
     ctx_kvs = net.context_kv(net.context(hidden), torch.arange(T, device=x.device))
     pos = (anchors[..., None] + torch.arange(blk, device=x.device)).view(B, A * blk)
     x_blocks = net.block_input(x.gather(1, anchors), blk)  # (B, A * blk, d)
-    h = net.run(x_blocks, pos, ctx_kvs, training_mask(anchors, T, blk))
+    h = net.forward_training(x_blocks, pos, ctx_kvs, training_mask(anchors, T, blk))
     P = blk - 1 + cfg.shift
     h = h.view(B, A, blk, -1)[:, :, 1 - cfg.shift:]
     return h, anchors[..., None] + 1 + torch.arange(P, device=x.device)
@@ -606,187 +441,9 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
     """Position-weighted cross-entropy against the target's own distributions (soft labels),
     plus their total variation distance (draft_small.total_variation: why). The paper's loss is
     the cross-entropy alone; adding TV drafted better (docs/experiments.md: DFlash: loss (CE + TV))."""
-    h, tpos = block_states(net, x, hidden, anchors)
+    h, tpos = training_states(net, x, hidden, anchors)
     logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
     p_t = soft_labels(t_logits, tpos)
     loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
     w = position_weights(loss.size(-1), gamma, loss.device)
     return (loss * w).sum(-1).mean() / w.sum()
-
-
-# -----------------------------------------------------------------------------
-# how it learns (2): train.py runs train_dflash(trainer) as its "dflash" stage.
-#
-# The recipe: a narrow block first, then the full block. The first slots of a block decide
-# whether a round goes on at all, and a narrow block (8) teaches them with twice the anchors a
-# step; the full block (16) then starts from that network (DFlash.load_narrower) and learns its
-# later slots. Trained at block 16 from the start, the first slot stayed worse
-# (docs/experiments.md: DFlash: narrow block first). On the way, the stage saves its state at
-# the step where DSpark branches off (out/dflash.branch.pt): draft_dspark.py starts there, so the
-# two drafters train the same number of steps.
-
-SETTINGS = {
-    "dflash_layers": setting(2, "dflash: draft layers (the paper: 5 at 8B scale)",
-                             cuda=3, gpt2=4, tiny=1),
-    "dflash_heads": setting(8, "dflash: attention heads (its width is the target's)", gpt2=12,
-                            tiny=2),
-    "dflash_block": setting(16, "dflash and dspark: the block they draft with, anchor + "
-                            "block-1 masks (so up to block-1 drafts a round)",
-                            type=number(int, 2), quick=8),
-    "dflash_gamma": setting(3.0, "dflash and dspark: position weight decay, w_k = "
-                            "exp(-(k-1)/gamma) (the paper: 4 at block 8, 7 at 16)", cuda=7.0),
-    "dflash_anchors": setting(8, "dflash and dspark: random anchors (blocks) per training "
-                              "sequence at the full block", cuda=32, quick=16, tiny=4),
-    "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
-                            "(DFlash trains --dflash-narrow-iters + these in all)",
-                            cuda=2000, gpt2=6000, quick=500, tiny=6),
-    "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
-                         quick=2e-3, tiny=3e-3),
-    "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",
-                                   type=number(int, 2)),
-    "dflash_narrow_anchors": setting(16, "dflash: anchors per training sequence in the narrow "
-                                     "phase", tiny=4),
-    "dflash_narrow_iters": setting(5000, "dflash: steps at --dflash-narrow-block before the "
-                                   "full block (0: no narrow phase)", type=number(int, 0),
-                                   cuda=0, quick=0, tiny=8),
-    "dflash_narrow_lr": setting(2e-3, "dflash: peak learning rate of the narrow phase",
-                                tiny=3e-3),
-    "dflash_text": setting("gen", "dflash and dspark: training text, 'gen' (the distillation set "
-                           "the target wrote) or 'data' (the corpus); soft labels from the "
-                           "target either way", choices=["gen", "data"]),
-    "dflash_taps": setting("auto", "dflash and dspark: target layers read as context, e.g. "
-                           "'1,2,3,4,5' ('auto': every block but the last)"),
-}
-
-
-def training_phases(a):
-    """DFlash's training as phases (train_loop name, block, anchors a sequence, steps, peak lr):
-    with --dflash-narrow-iters, the narrow block first, then the full block."""
-    if a.n_embd % a.dflash_heads:
-        raise ValueError(f"--dflash-heads ({a.dflash_heads}) must divide the target's width, "
-                         f"--n-embd ({a.n_embd})")
-    full = ("dflash", a.dflash_block, a.dflash_anchors, a.dflash_iters, a.dflash_lr)
-    if a.dflash_narrow_iters == 0:
-        return [full]
-    if a.dflash_narrow_block >= a.dflash_block:
-        raise ValueError(f"--dflash-narrow-block ({a.dflash_narrow_block}) must be smaller than "
-                         f"--dflash-block ({a.dflash_block}), or use --dflash-narrow-iters 0")
-    return [("dflash-narrow", a.dflash_narrow_block, a.dflash_narrow_anchors,
-             a.dflash_narrow_iters, a.dflash_narrow_lr), full]
-
-
-def check_anchors(a, block, n_anchors, flag):
-    """A training window of --block-size tokens holds block_size - block anchors at most (each
-    needs a context position before it and its whole block inside the window)."""
-    if n_anchors > a.block_size - block:
-        raise ValueError(f"a --block-size {a.block_size} window holds at most "
-                         f"{max(0, a.block_size - block)} anchors of block {block}, not "
-                         f"{n_anchors} ({flag}): use fewer, or a longer --block-size")
-
-
-def phases(a):
-    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
-    plan = training_phases(a)
-    for name, block, n_anchors, _, _ in plan:
-        check_anchors(a, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
-                      else "--dflash-anchors")
-    return [(name, steps) for name, _, _, steps, _ in plan]
-
-
-def total_steps(a):
-    return sum(steps for _, steps in phases(a))
-
-
-def branch_step(a):
-    """Where DSpark branches off DFlash's training (--dspark-init dflash): after total_steps -
-    dspark_iters steps, counted across the phases, so that DSpark's steps (the backbone's from
-    DFlash, then its own) equal DFlash's. None: no branch (DSpark starts from scratch, or it
-    gets as many steps as DFlash or more and starts from DFlash's final weights)."""
-    n = total_steps(a) - a.dspark_iters
-    return n if a.dspark_init == "dflash" and n >= 1 else None
-
-
-def parse_taps(spec, n_layer):
-    """'auto' or '1,3,5' -> a list of target layers."""
-    if spec == "auto":
-        return default_taps(n_layer)
-    try:
-        return [int(t) for t in spec.split(",")]
-    except ValueError:
-        raise ValueError("--dflash-taps must be 'auto' or comma-separated layer numbers like "
-                         f"1,3,5 (got {spec!r})") from None
-
-
-def network_config(a, target_cfg, block=None):
-    """The DFlash network the settings ask for (also DSpark's backbone: the same shape, so DSpark
-    can start from it). The mask slots predict (shift 0), as in the DFlash paper: letting the
-    anchor slot predict too (DeepSpec's shift 1) drafted worse (docs/experiments.md: DFlash: the
-    masks predict (shift 0))."""
-    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
-                        taps=parse_taps(a.dflash_taps, target_cfg.n_layer),
-                        block=block or a.dflash_block)
-
-
-def anchored(tr, x, t_logits, hid, step, cfg, n_anchors):
-    """A training batch for a block drafter: windows x, the target's tapped states on them (the
-    context), its logits (the soft labels) and n_anchors random anchors a row. The anchors of
-    step s come from a generator seeded with (seed, s), so a resumed run replays them."""
-    g = torch.Generator().manual_seed(tr.args.seed * 7_919 + step)
-    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, cfg.block, cfg.shift,
-                                                  g, tr.device), x.size(0))
-    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
-
-
-def train_dflash(tr):
-    """Every phase of training_phases, each starting from the one before -> out/dflash.pt (and
-    out/dflash.branch.pt, DSpark's starting point)."""
-    a = tr.args
-    target, target_ckpt = tr.target()
-    cfg = network_config(a, target.config)
-    batches = tr.distill.batches(a.dflash_text)
-    plan = training_phases(a)
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "phases": [p[1:] for p in plan], "text": a.dflash_text,
-                   "gen": tr.distill.key(a.dflash_text), "gamma": a.dflash_gamma,
-                   "seed": a.seed, "branch": branch_step(a)}
-    net, done = None, 0
-    for i, phase in enumerate(plan):
-        net, val = train_phase(tr, fingerprint, batches, i, phase, net, done)
-        done += phase[3]
-    tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": a.dflash_text,
-                                           "fingerprint": fingerprint}, steps=done)
-    return val
-
-
-def train_phase(tr, fingerprint, batches, i, phase, before, done):
-    """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
-    the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
-    file when finished: a rerun skips it."""
-    a = tr.args
-    name, block, n_anchors, steps, lr = phase
-    target = tr.target()[0]
-    cfg = network_config(a, target.config, block)
-    torch.manual_seed(a.seed + 3)
-    net = DFlash(cfg, target).to(tr.device)
-    if before is not None:
-        net.load_narrower(cpu_state_dict(before))
-    n_params = sum(p.numel() for p in net.parameters())
-    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
-
-    def loss_of(x, t_logits, hid, step):
-        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, cfg, n_anchors),
-                           a.dflash_gamma)
-
-    def after_step(n):
-        if done + n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
-            save_checkpoint({"kind": "dflash-branch", "fingerprint": fingerprint,
-                             "state_dict": cpu_state_dict(net),
-                             "budget": {"steps": done + n, "seconds": tr.elapsed()}},
-                            tr.path("dflash.branch"))
-    last = i == len(fingerprint["phases"]) - 1
-    val, _ = tr.fit(name, net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                    steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
-                    tokens_per_step=a.batch_size * n_anchors * block, after_step=after_step,
-                    keep_resume=not last)
-    return net, val

@@ -32,7 +32,7 @@ then the recursion on its own outputs (draft_mtp.MTPDrafter: the bookkeeping). W
 per token, and injects its context into every draft layer as keys and values instead of feeding
 it in at the input.
 
-    python train.py --only eagle && python speculative.py --method eagle
+    python train.py --only eagle && python sample.py --method eagle
 """
 
 import math
@@ -41,9 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gpt import Linear, number, setting
-from draft_mtp import (MTPConfig, MTPDrafter, MTPModule, check_unroll, gpt2_init,
-                       recursion_loss, unroll_anchors)
+from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss, unroll_anchors
 
 # -----------------------------------------------------------------------------
 # config and network
@@ -75,7 +73,7 @@ class Eagle(nn.Module):
         super().__init__()
         self.config = config
         d = config.n_embd
-        self.fuse = Linear(len(config.taps) * d, d, bias=False)
+        self.fuse = nn.Linear(len(config.taps) * d, d, bias=False)
         self.mods = nn.ModuleList([MTPModule(config)])  # MTPDrafter drafts with mods[0]
         gpt2_init(self)
 
@@ -89,8 +87,7 @@ class Eagle(nn.Module):
 
 
 class EagleDrafter(MTPDrafter):
-    """MTPDrafter over the fused features: the same cache, recursion and commit (and, batched,
-    draft_mtp.BatchMTP)."""
+    """MTPDrafter over the fused features: the same cache, recursion and commit."""
     name = "eagle"
     # the best of a bench sweep over k (docs/experiments.md: EAGLE-3: k), greedy and coupled
     default_k = 6
@@ -104,59 +101,10 @@ class EagleDrafter(MTPDrafter):
         return self.mtp.features(hidden)
 
 
-def load_eagle(ckpt, target, device, dtype):
-    cfg = EagleConfig.from_dict(ckpt["config"])
-    tc = target.config
-    if ((cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size)
-            or not all(1 <= t <= tc.n_layer for t in cfg.taps)):
-        raise RuntimeError(f"EAGLE config {cfg} does not fit the target {tc}")
-    net = Eagle(cfg)
-    net.load_state_dict(ckpt["state_dict"])
-    return EagleDrafter(net.to(device=device, dtype=dtype).eval(), target)
-
-
 # -----------------------------------------------------------------------------
 # how it learns: train.py runs train_eagle(trainer) as its "eagle" stage. The loss is MTP's
 # (distillation + the text's tokens, draft_mtp.step_loss) over the unrolled steps, each weighted
 # beta^(j-1); with --eagle-unroll 1 it is plain teacher forcing, the ablation.
-
-SETTINGS = {
-    "eagle_iters": setting(2000, "eagle: optimizer steps", gpt2=6000, quick=250, tiny=10),
-    "eagle_lr": setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3),
-    "eagle_unroll": setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
-                            "training-time test); 1 = teacher forcing only", tiny=3),
-    "eagle_anchors": setting(32, "eagle: positions per training sequence at which steps 2.. are "
-                             "unrolled (step 1 trains at every position)", tiny=8),
-    "eagle_beta": setting(0.8, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
-                          "(EAGLE-3's code: 0.8)"),
-    "eagle_distill": setting(0.5, "eagle: weight of the KL to the target's distribution (1 = "
-                             "pure distillation, 0 = the text's own tokens only)",
-                             type=number(float, 0, 1)),
-    "eagle_taps": setting("auto", "eagle: the three target layers fused, e.g. '2,4,6' ('auto': "
-                          "a third, two thirds and the last)"),
-}
-
-
-def parse_taps(spec, n_layer):
-    """'auto' or '2,4,6' -> a list of target layers, each 1..n_layer."""
-    if spec == "auto":
-        return default_taps(n_layer)
-    try:
-        taps = [int(t) for t in spec.split(",")]
-    except ValueError:
-        taps = []
-    if not taps or not all(1 <= t <= n_layer for t in taps):
-        raise ValueError(f"--eagle-taps must be 'auto' or comma-separated layers 1..{n_layer} "
-                         f"like 2,4,6 (got {spec!r})")
-    return taps
-
-
-def phases(a):
-    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
-    parse_taps(a.eagle_taps, a.n_layer)
-    check_unroll("--eagle-unroll", a.eagle_unroll, a.block_size)
-    return [("eagle", a.eagle_iters)]
-
 
 def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, gen=None,
                per_row=None):
@@ -170,31 +118,3 @@ def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, g
         lambda B: unroll_anchors(B, w.size(1) - 1, steps, n_anchors, gen, w.device), w.size(0))
     return recursion_loss(net.mods[0], target, h, w, t_logits[:, :-1], distill, steps, beta,
                           anchors)
-
-
-def train_eagle(tr):
-    """EAGLE-3 on the frozen target, on the distillation set -> out/eagle.pt."""
-    a = tr.args
-    target, target_ckpt = tr.target()
-    torch.manual_seed(a.seed + 5)
-    cfg = EagleConfig.for_target(target.config, parse_taps(a.eagle_taps, target.config.n_layer))
-    net = Eagle(cfg).to(tr.device)
-    print(f"eagle: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, "
-          f"{cfg}, {a.eagle_unroll} steps unrolled at {a.eagle_anchors} anchors")
-    batches = tr.distill.batches("gen")
-
-    def loss_of(w, t_logits, hid, step):
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 3_333_333)
-        return eagle_loss(net, target, w, t_logits, hid, a.eagle_unroll, a.eagle_anchors,
-                          a.eagle_beta, a.eagle_distill, g, tr.per_row)
-
-    fingerprint = {"stage": "eagle", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "iters": a.eagle_iters, "lr": a.eagle_lr, "gen": tr.distill.key("gen"),
-                   "unroll": (a.eagle_unroll, a.eagle_anchors, a.eagle_beta),
-                   "distill": a.eagle_distill, "seed": a.seed}
-    val, _ = tr.fit("eagle", net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                    steps=a.eagle_iters, lr=a.eagle_lr, fingerprint=fingerprint,
-                    tokens_per_step=a.batch_size * a.block_size)
-    tr.save("eagle", cfg.to_dict(), net, {"val_loss": val})
-    return val

@@ -33,15 +33,13 @@ into its context in one product), and that cost is in its round's measured cost.
     python bench.py --methods ar,lookup,dspark,hybrid    # the rule beside fixed choices
 """
 
-import copy
 import time
 
 import numpy as np
 import torch
 
-from draft_dspark import profile_propose, profile_verify
 from draft_lookup import LookupDrafter
-from speculative import Drafter, Stats, generate_speculative, k_for
+from speculative import Drafter, k_for
 
 # -----------------------------------------------------------------------------
 # the record: how each drafter's drafts fared, by the lookup's match length
@@ -189,29 +187,26 @@ class HybridDrafter(Drafter):
       'oracle'  the better of both drafts each round, judged against `reference` (the output
                 plain decoding gives: bench's ceiling; its time means nothing, both draft)
       'script'  `script`: 'lookup' / 'learned' for one round each, over and over (the tests)
-    profile=False skips the start-up profile and the cost fit: give t_verify and start_cost, then
-    reset_record(), before an 'auto' round (the tests do)."""
+    costs: (t_verify, the learned drafter's round) as profiling.profile_hybrid measures them on
+    the device in use; then the rounds fit them as they run. None: no cost fit; give t_verify
+    and start_cost, then reset_record(), before an 'auto' round (the tests do)."""
     name = "hybrid"
     default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
-    sweeps = False  # bench's k sweep: its k is only a cap, the rule picks the length
 
-    def __init__(self, learned, target, rule="auto", min_match=1, profile=True):
+    def __init__(self, learned, target, rule="auto", min_match=1, costs=None):
         if rule not in ("auto", "match", "oracle", "script"):
             raise ValueError(f"unknown hybrid rule {rule!r}: use auto, match, oracle or script")
         self.lookup = LookupDrafter(target.config.vocab_size)
         self.learned, self.target = learned, target
         self.hidden_layers = learned.hidden_layers
-        self.budget = learned.budget
         self.rule, self.min_match, self.choices = rule, min_match, ("lookup", "learned")
         self.script, self.turn, self.reference = [], 0, None
         self.depth = learned.max_k or max(learned.default_k, LOOKUP_MAX)
         self.t_verify, self.start_cost = None, {"lookup": 0.0, "learned": 0.0}
-        self.measure = profile  # fit the costs to the rounds (off: the tests' fixed costs)
-        if profile:
-            self.t_verify = profile_verify(target, LOOKUP_MAX + 1, reps=5)
+        self.measure = costs is not None  # fit the costs to the rounds (off: the tests' own)
+        if costs is not None:
             # where its round cost starts before rounds measure it
-            self.start_cost["learned"] = profile_propose(learned, target, learned.default_k,
-                                                         reps=5)
+            self.t_verify, self.start_cost["learned"] = costs
         # the tokens and target states the learned drafter has not seen yet (miss), copied into
         # buffers made once: kept as views of each verify's output, they made every forward
         # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
@@ -230,21 +225,6 @@ class HybridDrafter(Drafter):
         self.cost = Costs(self.t_verify, self.start_cost) if self.t_verify is not None else None
         self.rounds = {"lookup": 0, "learned": 0}
         self.since = [0] * (len(EDGES) + 1)  # per bucket: rounds since the learned one drafted
-
-    def variants(self):
-        """bench's comparison rows: the lookup alone at the rule's length, and the fixed rules."""
-        rows = {"hybrid-lookup": dict(choices=("lookup",))}
-        rows.update({f"hybrid-m{m}": dict(rule="match", min_match=m) for m in MATCH_RULES})
-        out = {}
-        for name, changes in rows.items():
-            v = copy.copy(self)
-            v.__dict__.update(changes)
-            v.reset_record()
-            out[name] = v
-        return out
-
-    def batched(self):
-        raise NotImplementedError("the hybrid drafts one request at a time (batch 1)")
 
     def begin(self, tokens, hidden):
         self.lookup.begin(tokens, hidden)
@@ -362,18 +342,3 @@ class HybridDrafter(Drafter):
     def lookup_share(self):
         """The share of rounds the lookup drafted."""
         return self.rounds["lookup"] / max(1, sum(self.rounds.values()))
-
-
-def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
-    """The ceiling of any choice between the two drafts: the hybrid under its 'oracle' rule over
-    `prompts`, judged against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
-    oracle = copy.copy(hybrid)
-    oracle.rule = "oracle"
-    oracle.reset_record()
-    total = Stats()
-    for prompt, ref in zip(prompts, refs):
-        oracle.reference = list(prompt) + list(ref)
-        total.add(generate_speculative(target, oracle, prompt, max_new_tokens, k,
-                                       make_sampler())[1])
-    return {"tau": total.tau, "lookup_share": oracle.lookup_share}
-

@@ -1,7 +1,7 @@
 """
 draft_lookup.py -- prompt lookup: a drafter with no network, no training and no checkpoint.
 
-speculative.py drafted with a small GPT of its own; draft_mtp.py, draft_dflash.py and
+draft_small.py drafted with a small GPT of its own; draft_mtp.py, draft_dflash.py and
 draft_dspark.py with heads trained on the target's hidden states. This file drops the network
 altogether and adds the drafter a practitioner tries first (Saxena 2023, "prompt lookup
 decoding"; transformers' `prompt_lookup_num_tokens`, vLLM's `ngram`, llama.cpp's lookup

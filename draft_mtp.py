@@ -2,7 +2,7 @@
 draft_mtp.py -- multi-token prediction (MTP) as a built-in drafter
 (DeepSeek-V3, arXiv 2412.19437, §2.2).
 
-speculative.py drafted with an independent small GPT that reads only tokens. An MTP module
+draft_small.py drafted with an independent small GPT that reads only tokens. An MTP module
 instead reads the target's own last hidden state: to predict the token after next it takes
 h_i (what the target 'thinks' at position i) and the embedding of t_{i+1} (the token the
 target just chose), mixes them with one linear map, runs ONE transformer block and reads
@@ -37,7 +37,7 @@ weights, each fed its own previous output, with the attention it has at inferenc
 losses weighted beta^(j-1) (see "learning its own recursion"). EAGLE-3 calls the same thing its
 training-time test (draft_eagle.py).
 
-    python train.py --only mtp && python speculative.py --method mtp --k 2
+    python train.py --only mtp && python sample.py --method mtp --k 2
 """
 
 import math
@@ -47,9 +47,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import (Block, GPTConfig, KVCache, Linear, Ragged, RaggedCache, attention, chunk_mask,
-                 number, setting)
-from batched import BatchDrafter, Confirmed
+from gpt import Block, GPTConfig, KVCache, attention, chunk_mask
 from draft_small import total_variation
 from speculative import Drafter
 
@@ -97,7 +95,7 @@ class MTPModule(nn.Module):
         # puts them on one scale before M mixes them
         self.norm_h = nn.RMSNorm(d)
         self.norm_e = nn.RMSNorm(d)
-        self.proj = Linear(2 * d, d, bias=False)  # M
+        self.proj = nn.Linear(2 * d, d, bias=False)  # M
         self.block = Block(config.block_config())
 
     def mix(self, h, e):
@@ -261,13 +259,6 @@ def unroll_anchors(B, T, steps, n, gen=None, device="cpu"):
     return torch.rand(B, hi, generator=gen).argsort(dim=1)[:, :n].to(device)
 
 
-def check_unroll(flag, steps, block_size):
-    """At start-up, what unroll_anchors would refuse only once training ran: a training window
-    (block_size tokens, block_size - 1 inputs) must hold `steps` labels after an anchor."""
-    if steps >= block_size - 1:
-        raise ValueError(f"{flag} {steps} needs a longer --block-size than {block_size}")
-
-
 def step_loss(logits, labels, teacher, distill):
     """(1 - distill)·CE(labels) + distill·(KL(teacher || drafter) + TV), mean over rows:
     logits (..., V) the drafter's, labels (...) the text's tokens, teacher (..., V) the target's
@@ -319,9 +310,9 @@ class MTPDrafter(Drafter):
         just became 'all but the last' go into H[0], to be eaten by the next propose.
     H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it."""
     name = "mtp"
-    # trained on the target's own text, the head's acceptance decays slowly by position, so
-    # deeper drafts pay up to about 5; under sampling the later drafts rarely survive, and 3 is
-    # the best of a coupled sweep (docs/experiments.md: MTP: k)
+    # trained on the target's own text, the head's acceptance decays slowly by position, so deep
+    # drafts pay; under sampling the later drafts rarely survive (each the best of a sweep,
+    # docs/experiments.md: MTP: k)
     default_k = 5
     sampled_k = 3
     max_k = None
@@ -336,18 +327,10 @@ class MTPDrafter(Drafter):
         self.caches = [KVCache(cfg.block_config(), 1, p.device, p.dtype) for _ in range(D)]
         self.H = torch.zeros(D + 1, cfg.block_size, cfg.n_embd, device=p.device, dtype=p.dtype)
 
-    def fresh(self):
-        return type(self)(self.mtp, self.target)
-
     def features(self, hidden):
         """What step 1 reads at each position, from the target's returned states: (B, T, d).
         For MTP the last block's output h_i (draft_eagle.py fuses three layers instead)."""
         return hidden[self.hidden_layers[0]]
-
-    def batched(self):
-        if self.mtp.config.n_modules != 1:
-            return super().batched()  # a deeper stack: row by row (batched.PerRow)
-        return BatchMTP(self)
 
     def begin(self, tokens, hidden):
         self.seq = tokens.view(-1).clone()
@@ -399,186 +382,3 @@ class MTPDrafter(Drafter):
             c.rollback(max(0, min(c.length, S - k)))  # keep exact entries 0..S-1-k, drop the rest
         self.H[0, S - 1:S + n] = self.features(hidden)[0]  # h_{S-1} .. h_{S+n-1}
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
-
-
-# -----------------------------------------------------------------------------
-# many requests at once (batched.py): one module over a ragged batch
-
-
-class BatchMTP(BatchDrafter):
-    """MTPDrafter over B rows, for the one-module head (n_modules = 1, what train.py makes; a
-    deeper stack is batched row by row, batched.PerRow): one RaggedCache for the module, each row
-    at its own length. A round first lets every row catch up on the target states its last
-    commit handed over (a ragged chunk, packed), whose last output drafts its first token; then
-    the module recurses on its own outputs, every row at once, a row that wants fewer drafts
-    getting zero tokens. Bookkeeping per row exactly as MTPDrafter's (its docstring)."""
-
-    def __init__(self, drafter):
-        if drafter.mtp.config.n_modules != 1:
-            raise ValueError("BatchMTP batches a one-module MTP head; wrap a deeper one in "
-                             "batched.PerRow")
-        super().__init__(drafter)
-        self.mtp, self.target, self.mod = drafter.mtp, drafter.target, drafter.mtp.mods[0]
-        self.features = drafter.features
-
-    def begin(self, seqs, hidden):
-        cfg, p, B = self.mtp.config, self.target.lm_head.weight, len(seqs)
-        self.cache = RaggedCache(cfg.block_config(), B, p.device, p.dtype)
-        width = cfg.block_size + self.cache.slack
-        self.rows = Confirmed(seqs, width)
-        self.H = torch.zeros(B, width, cfg.n_embd, device=p.device, dtype=p.dtype)  # h_0, h_1, ..
-        h = self.features(hidden)  # (B, T, d)
-        self.H[:, :h.size(1)] = h
-
-    def step(self, h, toks, counts):
-        """The module over row r's counts[r] entries (h, toks) at its next indices -> (B, T, d)."""
-        rag = Ragged(self.cache.lengths, counts, h.size(1), h.device)
-        emb = self.target.transformer.wte(toks)
-        out = self.mod(rag.pack(h), rag.pack(emb), (self.cache.k[0], self.cache.v[0]), rag)
-        self.cache.lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
-        return rag.unpack(out), rag
-
-    @torch.inference_mode()
-    def propose(self, ks, sampler):
-        S, first = self.rows.lengths, self.cache.lengths
-        # catch up: entries first..S-2, (h_i, t_{i+1}); the output at S-2 drafts token S
-        chunk = [s - 1 - f if k > 0 else 0 for s, f, k in zip(S, first, ks)]
-        T = max(max(chunk), 1)
-        idx = torch.tensor(first, device=self.H.device)[:, None] + torch.arange(
-            T, device=self.H.device)
-        h = self.H.gather(1, idx[..., None].expand(-1, -1, self.H.size(2)))
-        out, rag = self.step(h, self.rows.at([f + 1 for f in first], T), chunk)
-        h_last = rag.last(out)  # (B, 1, d)
-        drafts, qs = [], []
-        for j in range(max(ks)):
-            if j > 0:  # the recursion: its own last output and its own last draft
-                h_last, _ = self.step(h_last, drafts[-1], [int(k > j) for k in ks])
-            tok, q = sampler.draft(head(self.target, h_last), [s + j for s in S],
-                                   [int(k > j) for k in ks])
-            drafts.append(tok)
-            qs.append(q)
-        q = torch.cat(qs, 1) if qs[0] is not None else None
-        return torch.cat(drafts, 1), list(ks), q
-
-    def commit(self, kept, new, hidden):
-        S = self.rows.lengths
-        # exact entries only (indices < S - 1); the target's states of the kept slots go to H
-        self.cache.rollback([min(n, s - 1) if m else n
-                             for n, s, m in zip(self.cache.lengths, S, kept)])
-        h = self.features(hidden)  # (B, T, d)
-        pos = torch.tensor([s - 1 for s in S], device=h.device)[:, None] + torch.arange(
-            h.size(1), device=h.device)
-        self.H[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
-        self.rows.extend(new, kept)
-
-
-# -----------------------------------------------------------------------------
-# loading (speculative.load_drafter has already checked this head belongs to this target)
-
-
-def load_mtp(ckpt, target, device, dtype):
-    cfg = MTPConfig.from_dict(ckpt["config"])
-    tc = target.config
-    if (cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size):
-        raise RuntimeError(f"MTP config {cfg} does not fit the target {tc}")
-    mtp = MTP(cfg)
-    mtp.load_state_dict(ckpt["state_dict"])
-    return MTPDrafter(mtp.to(device=device, dtype=dtype).eval(), target)
-
-
-# -----------------------------------------------------------------------------
-# how it learns: train.py runs train_mtp(trainer) as its "mtp" stage (posthoc), or trains the
-# head inside its target stage (joint: new_head, then save_head)
-
-SETTINGS = {
-    "mtp_mode": setting("posthoc", "mtp: 'joint' (the target trains with L_main + lambda*L_mtp "
-                        "and writes mtp.pt too) or 'posthoc' (the head trains on the frozen "
-                        "target)", choices=["joint", "posthoc"]),
-    "mtp_modules": setting(1, "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse "
-                           "the last one"),
-    "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
-                          type=number(float, 0)),
-    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=250,
-                         tiny=10),
-    "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
-    "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
-                           "distribution of the token after next (1 = pure distillation, 0 = "
-                           "the text's own tokens only)", type=number(float, 0, 1)),
-    "mtp_text": setting("gen", "mtp: posthoc training text, 'gen' (the distillation set the "
-                        "target wrote) or 'data' (the corpus)", choices=["gen", "data"]),
-    "mtp_unroll": setting(4, "mtp: posthoc, draft steps the one module is unrolled over in "
-                          "training, each fed its own last output (FastMTP); 1 = depth 1 only, "
-                          "DeepSeek-V3's", type=number(int, 1), tiny=3),
-    "mtp_anchors": setting(32, "mtp: posthoc, positions per training sequence at which steps 2.. "
-                           "are unrolled (step 1 trains at every position)", type=number(int, 1),
-                           tiny=8),
-    "mtp_beta": setting(0.6, "mtp: posthoc, weight decay of the unrolled steps' losses, "
-                        "beta^(j-1) (FastMTP: 0.6)", type=number(float, above=0)),
-}
-
-
-def phases(a):
-    """The train_loop phases this stage runs: (name, steps); none in joint mode, where the head
-    trains inside the target's stage."""
-    if a.mtp_mode == "posthoc" and a.mtp_unroll > 1 and a.mtp_modules > 1:
-        raise ValueError(f"--mtp-unroll {a.mtp_unroll} unrolls ONE module over its own recursion, "
-                         f"but --mtp-modules is {a.mtp_modules}: use one of them (--mtp-unroll 1 "
-                         "trains chained modules)")
-    check_unroll("--mtp-unroll", a.mtp_unroll, a.block_size)
-    return [("mtp", a.mtp_iters)] if a.mtp_mode == "posthoc" else []
-
-
-def new_head(tr, target_cfg):
-    """A freshly initialised MTP for a target of this config."""
-    torch.manual_seed(tr.args.seed + 2)
-    return MTP(MTPConfig.for_target(target_cfg, tr.args.mtp_modules)).to(tr.device)
-
-
-def save_head(tr, mtp, mode):
-    """out/mtp.pt, with the head's own val loss: CE on t_{i+2} (comparable across modes)."""
-    target, _ = tr.target()
-    last = target.config.n_layer  # the MTP head reads the last block's states
-    mtp.eval()
-    val = tr.val_loss(
-        lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(last,))[2][last], x, y))
-    print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
-    steps = tr.args.target_iters if mode == "joint" else None  # joint: it trained with the target
-    tr.save("mtp", mtp.config.to_dict(), mtp, {"val_loss": val, "mode": mode}, steps=steps)
-    return val
-
-
-def train_mtp(tr):
-    """MTP post hoc: the head trains on the frozen target's hidden states. (In joint mode the
-    target stage already wrote out/mtp.pt; this runs only if that target predates it.)"""
-    a = tr.args
-    target, target_ckpt = tr.target()
-    if a.mtp_mode == "joint":
-        print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc "
-              "on it (`python train.py --only target --force` retrains both jointly)")
-    mtp = new_head(tr, target.config)
-    last = target.config.n_layer
-    n_params = sum(p.numel() for p in mtp.parameters())
-    print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
-    batches = tr.distill.batches(a.mtp_text)
-
-    def loss_of(w, t_logits, hid, step=-1):
-        """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
-        the module's inputs (h) and the distillation teacher (its logits), causal, so [:, :-1] is
-        x's. The unrolled steps' anchors are drawn from a generator seeded by the step (the
-        validation's: step -1)."""
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 5_555_555)
-        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, a.mtp_unroll,
-                                                      a.mtp_anchors, g, w.device), w.size(0))
-        return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
-                        a.mtp_distill, a.mtp_unroll, a.mtp_beta, anchors)
-
-    fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
-                   "target": target_ckpt["model_hash"],
-                   "iters": a.mtp_iters, "lr": a.mtp_lr, "distill": a.mtp_distill,
-                   "text": a.mtp_text, "gen": tr.distill.key(a.mtp_text), "seed": a.seed,
-                   "unroll": (a.mtp_unroll, a.mtp_anchors, a.mtp_beta)}
-    tr.fit("mtp", mtp, lambda s: loss_of(*batches(s), s),
-           lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus windows
-           steps=a.mtp_iters, lr=a.mtp_lr, fingerprint=fingerprint,
-           tokens_per_step=a.batch_size * a.block_size)
-    return save_head(tr, mtp, "posthoc")

@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 
-from gpt import ArgumentParser
+from settings import ArgumentParser
 
 MISSING = "no figure drawn: matplotlib is not installed (pip install matplotlib)"
 

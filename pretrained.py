@@ -37,13 +37,14 @@ import time
 import tiktoken.load
 import torch
 
-import draft_dflash
-import draft_dspark
-from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
-from draft_dspark import DSpark, DSparkConfig, DSparkDrafter, profile_propose
+import cpu_speed
+from checkpoint import CheckpointError, load_drafter, load_target
 from data import EOT
-from gpt import GPT, GELU, GPTConfig, ArgumentParser, CheckpointError, load_target, number_list
-from speculative import load_drafter
+from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
+from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
+from gpt import GPT, GELU, GPTConfig
+from profiling import profile_propose
+from settings import DFLASH, DSPARK, ArgumentParser, number_list
 
 # -----------------------------------------------------------------------------
 # config.json
@@ -365,20 +366,19 @@ def forward_ms(model, context, sizes, repeats):
 
 def block_drafters(target):
     """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
-    (draft_dflash.py's and draft_dspark.py's SETTINGS) with the target's width and heads, and
+    (settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
     random weights: what a draft costs does not depend on them."""
     def value(settings, name):
         return settings[name].value(("gpt2", "cuda"))
     c = target.config
     cfg = DFlashConfig(n_embd=c.n_embd, n_head=c.n_head,
-                       n_layer=value(draft_dflash.SETTINGS, "dflash_layers"),
-                       taps=draft_dflash.parse_taps("auto", c.n_layer),
-                       block=value(draft_dflash.SETTINGS, "dflash_block"))
-    rank = value(draft_dspark.SETTINGS, "dspark_rank")
+                       n_layer=value(DFLASH, "dflash_layers"), taps=default_taps(c.n_layer),
+                       block=value(DFLASH, "dflash_block"))
+    rank = value(DSPARK, "dspark_rank")
     torch.manual_seed(0)
-    return {"dflash": DFlashDrafter(DFlash(cfg, target).eval()),
-            "dspark": DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank), target).eval(),
-                                    schedule="full", profile=False)}
+    return {"dflash": cpu_speed.speed_up(DFlashDrafter(DFlash(cfg, target).eval())),
+            "dspark": cpu_speed.speed_up(DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank),
+                                                              target).eval(), schedule="full"))}
 
 
 def report_cost(models, context, sizes, repeats):
@@ -405,6 +405,7 @@ def report_cost(models, context, sizes, repeats):
 def cost_models(model, toy_path):
     """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
     gpt2 preset's shape, and the toy target with its trained ones where they exist."""
+    cpu_speed.speed_up(model)
     models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
     if os.path.exists(toy_path):
         toy, ckpt = load_target(toy_path)
@@ -427,7 +428,8 @@ def main(argv=None):
                    help="write a folder of random weights of this shape (small: GPT-2 small; "
                    "tiny: the tests') instead of reading one (default: read)")
     p.add_argument("--cost", action="store_true",
-                   help="time the folder's forward of --sizes tokens against --toy's")
+                   help="time the folder's forward of --sizes tokens against --toy's (default: "
+                   "off)")
     p.add_argument("--sizes", type=number_list(), default=[1, 8, 16],
                    help="tokens per timed forward, comma-separated (default: 1,8,16)")
     p.add_argument("--toy", default="out/target.pt",

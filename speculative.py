@@ -16,50 +16,36 @@ Three ways to accept a draft (the `Sampler`):
              Same *distribution* as plain sampling, not the same tokens.
 
 Every drafter implements one interface, `Drafter`, and the loop never asks which one it runs:
-draft_small.py (an independent small GPT), draft_mtp.py, draft_dflash.py, draft_dspark.py and
-draft_lookup.py each add one. How well a drafter does is measured by τ (tau): tokens per
+each draft_*.py file adds one. How well a drafter does is measured by τ (tau): tokens per
 target forward, the target's own token included -- plain decoding has τ = 1.
 
-    python speculative.py --prompt "def parse(" --method small   # watch it draft and verify
+    python sample.py --prompt "def parse(" --method small   # watch it draft and verify
 """
 
-import copy
-import importlib
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from gpt import (CheckpointError, load_checkpoint, load_target, number, path_arg,
-                 pick_device, ArgumentParser, synchronize)
-
 # -----------------------------------------------------------------------------
 # sampling: one object decides how tokens are picked, drafted and verified
 
 
 def sampling_dtype(device):
-    """The float type sampling computes in: float64 where the device has it (CPU, CUDA), float32
-    on MPS, which has no float64. Why not float32 everywhere: it would be exact too (below), but
-    float64 is what the published results were sampled in (docs/results.md), so a seed keeps
-    giving the same text, and
-    it costs nothing that shows: V values per token, next to a whole forward pass. What makes
-    coupled sampling token-identical is that plain and speculative decoding compute the same
-    function of (logits, seed, position) -- true in either dtype, as long as both use the same."""
+    """The float type sampling computes in: float64 where the device has it, float32 on MPS (no
+    float64). float32 would be exact too: plain and speculative decoding compute the same function
+    of (logits, seed, position) in either dtype. float64 keeps a seed giving the text published
+    results were sampled with, and costs V values a token, nothing next to a forward pass."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 def consecutive(positions, who):
-    """(first position, count) of `positions`, which must be consecutive: a range with step 1,
-    or a list like [S + j]. Else a ValueError naming `who`."""
+    """(first position, count) of `positions`, which must be consecutive (a range with step 1, or
+    a list like [S + j]); else a ValueError naming `who`."""
     start, n = positions[0], len(positions)
-    if isinstance(positions, range):
-        ok = positions.step == 1
-    else:
-        ok = list(positions) == list(range(start, start + n))
-    if not ok:
+    if not (positions.step == 1 if isinstance(positions, range)
+            else list(positions) == list(range(start, start + n))):
         raise ValueError(f"{who} needs consecutive positions (got {list(positions)})")
     return start, n
 
@@ -98,10 +84,8 @@ class Sampler:
     """mode: 'greedy', 'coupled' or 'rejection'. Plain decoding uses pick() for every token but
     the first in all three modes (keyed Gumbel-max is exact sampling from softmax(logits / T));
     first_token() draws the token after the prefill, from the sampler's own generator in
-    rejection mode.
-    dtype: what sampling computes in (default: sampling_dtype of the logits' device).
-
-    No method reads a value back to the host except verify(), once: the loop's one sync a round."""
+    rejection mode. dtype: what sampling computes in (default: sampling_dtype of the logits'
+    device). No method reads a value back to the host but verify(), once: the round's one sync."""
 
     def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu",
                  dtype=None):
@@ -132,10 +116,9 @@ class Sampler:
         return F.softmax(self.scaled(logits), dim=-1)
 
     def sample(self, p):
-        """One token per row of probabilities p (..., V) from this sampler's generator: the
-        exponential race, argmax p / E with E ~ Exp(1). It is exactly what torch.multinomial does
-        for one draw (same generator, same tokens), minus multinomial's two checks of its input,
-        each an .item(): a host sync per sampled token on a GPU."""
+        """One token per row of probabilities p (..., V) from this sampler's generator: argmax p / E,
+        E ~ Exp(1), exactly torch.multinomial's one draw (same generator, same tokens) without its
+        two checks of its input, each an .item(): a host sync per sampled token on a GPU."""
         return (p / torch.empty_like(p).exponential_(generator=self.gen)).argmax(-1)
 
     def pick(self, logits, positions):
@@ -148,10 +131,9 @@ class Sampler:
     def noise(self, positions, vocab_size, device):
         """keyed_gumbel's rows for these consecutive positions, made NOISE_CHUNK positions at a
         time and kept until the positions move past them. Why: a round's drafter and its verify
-        pass want the same positions (drafts at S..S+k-1, the target's picks at S..S+k), and one
-        call for 32 rows costs far less than 32 one-row calls (docs/experiments.md: Coupled
-        sampling: noise in chunks). Chunks start at multiples of NOISE_CHUNK, and plain decoding
-        reads the same chunks: both see the very same numbers, however they ask."""
+        want the same positions, and one call for 32 rows costs far less than 32 one-row calls
+        (docs/experiments.md: Coupled sampling: noise in chunks). The noise is a pure function
+        of the position: plain decoding sees the very same numbers, however it asks."""
         dtype = self.float_dtype(device)
         start, n = consecutive(positions, "noise")
         first, last = start // NOISE_CHUNK, (start + n - 1) // NOISE_CHUNK
@@ -282,16 +264,13 @@ class Drafter:
                                 n+1 positions that just became 'all but the last'.
     catch_up(new, hidden)       the sequence grew by `new` (m,) on rounds another drafter drafted
                                 (draft_hybrid.py); hidden (1, m, d) as in commit. By default a
-                                commit that kept none of its own drafts: every drafter here reads
-                                n in commit only as len(new) - 1 past the drafts it was fed.
+                                commit: every drafter here reads n only as len(new) - 1.
     """
     name = "drafter"
     hidden_layers = ()  # which target hidden states this drafter reads
     max_k = None        # most tokens it can draft in one round (None: no limit)
-    default_k = 4       # what bench.py and speculative.py use unless told otherwise (greedy)
+    default_k = 4       # the k it drafts unless told (greedy)
     sampled_k = None    # the same when sampling (None: default_k); see k_for
-    budget = []         # its training: [{steps, seconds}], a warm start's first (load_drafter)
-    sweeps = True       # whether bench's k sweep runs it (not the hybrid: its k is only a cap)
 
     def begin(self, tokens, hidden):
         raise NotImplementedError
@@ -305,23 +284,10 @@ class Drafter:
     def catch_up(self, new, hidden):
         self.commit(new.numel() - 1, new, hidden)
 
-    def batched(self):
-        """This drafter over a batch of rows (batched.BatchDrafter). The default asks one fresh
-        copy of it per row (batched.PerRow); drafters with a network override it with a native
-        batched twin, which drafts every row in one pass."""
-        from batched import PerRow
-        return PerRow(self)
-
-    def fresh(self):
-        """A copy with state of its own (caches, sequence) and the same weights: one per row
-        when batched.PerRow batches a drafter. Drafters with buffers override it."""
-        return copy.copy(self)
-
 
 def k_for(drafter, mode):
-    """The k a drafter drafts unless told: its best in a bench sweep on the CPU preset, greedy or
-    sampled (coupled, temperature 0.8; each drafter's k in docs/experiments.md). Sampling lowers
-    acceptance, so long drafts stop paying."""
+    """The k a drafter drafts unless told, greedy or sampling: sampling lowers acceptance, so long
+    drafts stop paying (each drafter's k: docs/experiments.md)."""
     return drafter.sampled_k if mode != "greedy" and drafter.sampled_k else drafter.default_k
 
 
@@ -362,18 +328,6 @@ class Stats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < n_accepted
 
-    def add(self, other):
-        self.tokens += other.tokens
-        self.target_forwards += other.target_forwards
-        self.rounds += other.rounds
-        for name in ("drafted_at", "accepted_at"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
-        self.draft_time += other.draft_time
-        self.verify_time += other.verify_time
-
 
 def check_k(drafter, k):
     """k, the tokens drafted per round, must be one this drafter can draft."""
@@ -386,17 +340,16 @@ def check_k(drafter, k):
 
 @torch.inference_mode()
 def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None,
-                         trace=None, split_timing=False):
+                         trace=None, sync=None):
     """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
     Returns (generated tokens, Stats). If `trace` is a list, each round appends
     (accepted draft tokens, the target's own token, whether that token was a bonus; None when
     the round drafted nothing).
 
     Host syncs: one after the prefill, then exactly one per round (in verify), plus whatever a
-    drafter takes itself (DSpark's scheduler reads its confidences once a round). split_timing:
-    also wait for the drafter's work before the verify, so Stats' draft/verify split is true on
-    a GPU -- a second wait per round, so leave it off when timing throughput. On a CPU the
-    split is true either way (nothing runs asynchronously)."""
+    drafter takes itself (DSpark's scheduler reads its confidences once a round). sync: called
+    between draft and verify, so that Stats' draft/verify split is true on a GPU (one more wait
+    a round: None when timing throughput; a CPU runs nothing asynchronously)."""
     check_k(drafter, k)
     dev = target.lm_head.weight.device
     x = as_prompt(prompt, dev)
@@ -407,9 +360,8 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     cache.reset()
     stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
 
-    # the LM head on the last row only, as in generate_plain: the same computation, so the same
-    # first token even in float32 (a head over every row may round differently). The drafter
-    # still gets the hidden states of every prompt row
+    # the LM head on the last row only, as in generate_plain: the same first token even in
+    # float32 (a head over every row may round differently); the drafter gets every row's states
     logits, _, hid = target(x, cache=cache, hidden_layers=layers, last_only=True)
     first = sampler.first_token(logits[0], P)
     seq = torch.cat([x[0], first])  # confirmed tokens
@@ -425,8 +377,8 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
         else:
             draft, q = seq[:0], None
         n_drafted = draft.numel()  # a scheduling drafter may offer fewer than asked
-        if split_timing:
-            synchronize(dev)  # only so that the draft/verify split is honest on a GPU
+        if sync is not None:
+            sync()  # only so that the draft/verify split is honest on a GPU
         t1 = time.perf_counter()
         logits, _, hid = target(torch.cat([seq[-1:], draft]).view(1, -1), cache=cache,
                                 hidden_layers=layers)
@@ -445,186 +397,3 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
             trace.append((new_ids[:n], new_ids[n], None if n_drafted == 0 else n == n_drafted))
     stats.tokens = len(out)
     return out, stats
-
-
-# -----------------------------------------------------------------------------
-# loading drafters by name: the one place that knows which file makes which
-
-DRAFTERS = {  # name -> (module, checkpoint file in out/, train.py stage that makes it)
-    "small": ("draft_small", "small.pt", "small"),
-    "mtp": ("draft_mtp", "mtp.pt", "mtp"),
-    "eagle": ("draft_eagle", "eagle.pt", "eagle"),
-    "dflash": ("draft_dflash", "dflash.pt", "dflash"),
-    "dspark": ("draft_dspark", "dspark.pt", "dspark"),
-    "lookup": ("draft_lookup", None, None),  # prompt lookup: nothing to train, nothing to load
-    # prompt lookup and a learned drafter (HYBRID_WITH unless told), chosen round by round: no
-    # weights of its own, the learned one's checkpoint
-    "hybrid": ("draft_hybrid", None, None),
-}
-HYBRID_WITH = "dspark"  # the learned drafter the hybrid pairs with the lookup: the strongest one
-
-
-def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32,
-                 sampling="greedy", hybrid_with=HYBRID_WITH):
-    """Load a drafter: a trained one is checked to belong to this very target and tokenizer;
-    one without weights (prompt lookup) is simply built for this target. sampling: the mode it
-    will draft in; a checkpoint with sampling weights (DSpark's 'sampled' entry, see
-    draft_dspark.sampling_weights) loads those for coupled and rejection sampling.
-    hybrid_with: the learned drafter the hybrid pairs with prompt lookup."""
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
-    if name == "hybrid":
-        if hybrid_with in ("lookup", "hybrid"):
-            raise ValueError(f"the hybrid pairs prompt lookup with a learned drafter, not "
-                             f"{hybrid_with!r}: choose from "
-                             f"{', '.join(n for n in DRAFTERS if n not in ('lookup', 'hybrid'))}")
-        from draft_hybrid import HybridDrafter
-        learned = load_drafter(hybrid_with, out_dir, target, target_ckpt, device, dtype, sampling)
-        return HybridDrafter(learned, target)
-    module, fname, stage = DRAFTERS[name]
-    if fname is None:  # a drafter with no weights works for any target as it is
-        return getattr(importlib.import_module(module), f"load_{name}")(None, target, device, dtype)
-    path = os.path.join(out_dir, fname)
-    ckpt = load_checkpoint(path, name, stage=stage)
-    for what, key, want in (("target", "target_hash", target_ckpt["model_hash"]),
-                            ("tokenizer", "tokenizer_hash", target_ckpt["tokenizer_hash"])):
-        if ckpt.get(key) != want:
-            raise CheckpointError(f"{path} was trained against {what} {str(ckpt.get(key))[:16]} "
-                                  f"but the current {what} is {str(want)[:16]}: "
-                                  f"run `python train.py --only {stage} --force` to retrain it")
-    tuned = ckpt.get("sampled") if sampling != "greedy" else None
-    if tuned:
-        ckpt = {**ckpt, "state_dict": tuned["state_dict"]}
-    try:
-        load = getattr(importlib.import_module(module), f"load_{name}")
-        drafter = load(ckpt, target, device, dtype)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
-                              f"run `python train.py --only {stage} --force`") from None
-    # what its training cost
-    drafter.budget = [b for b in (ckpt.get("init_budget"), ckpt.get("budget"),
-                                  tuned and tuned["budget"]) if b]
-    return drafter
-
-
-# -----------------------------------------------------------------------------
-# watch it work
-
-
-def show(enc, prompt_ids, trace, color):
-    """Prompt, then each round: accepted drafts (green), the target's own token (red if it
-    corrected a draft, blue if it was a free bonus after full acceptance, plain if nothing was
-    drafted that round: `full` is None)."""
-    if color:
-        G, R, B, Z = "\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m"
-    else:
-        G, R, B, Z = "", "[", "{", ""
-    parts = [enc.decode(prompt_ids)]
-    for acc, tok, full in trace:
-        if acc:
-            parts.append(G + enc.decode(acc) + Z)
-        if full is None:  # a round with no draft (prompt lookup found no match): a plain step
-            parts.append(enc.decode([tok]))
-            continue
-        close = (Z if color else ("}" if full else "]"))
-        parts.append((B if full else R) + enc.decode([tok]) + close)
-    return "".join(parts)
-
-
-DEFAULT_TEMPERATURE = 1.0  # the flag's default is None, so that parse_args can tell "not given"
-
-
-def add_sampling_flags(p):
-    """--sampling, --temperature, --top-k, --seed: the same four flags here and in bench.py."""
-    p.add_argument("--sampling", default="greedy", choices=["greedy", "coupled", "rejection"],
-                   help="acceptance rule (default: %(default)s)")
-    p.add_argument("--temperature", type=number(float, above=0), default=None,
-                   help=f"sampling temperature (coupled/rejection; default: {DEFAULT_TEMPERATURE})")
-    p.add_argument("--top-k", type=number(int, 1), default=None,
-                   help="sample only among the k most likely tokens (default: all of them)")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
-                   help="sampling seed (default: %(default)s)")
-
-
-def build_parser():
-    p = ArgumentParser(description="Generate text with speculative decoding and show what was "
-                                   "drafted and kept.")
-    p.add_argument("--prompt", default="def parse(", help="the text to continue")
-    p.add_argument("--method", default="small",
-                   help=f"drafter: {', '.join(DRAFTERS)} (default: small)")
-    p.add_argument("--k", type=number(int, 1), default=None,
-                   help="tokens drafted per round (default: the drafter's own)")
-    p.add_argument("--hybrid-with", default=HYBRID_WITH,
-                   help="with --method hybrid: the learned drafter it pairs with prompt lookup "
-                   "(default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
-                   help="how many tokens to generate")
-    add_sampling_flags(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
-                   help="where train.py put the checkpoints")
-    p.add_argument("--no-color", action="store_true",
-                   help="mark tokens with [correction] and {bonus} instead of colors")
-    return p
-
-
-def sampling_flag_problems(sampling, temperature_given, top_k_given):
-    """The one-line warning for sampling flags the chosen mode does not use, or None. Greedy
-    decoding takes the argmax, so --temperature and --top-k would be silently ignored. (Values
-    no mode can use, like a temperature <= 0, are refused where they are parsed.)"""
-    flags = (("--temperature", temperature_given), ("--top-k", top_k_given))
-    unused = [f for f, given in flags if given]
-    if sampling != "greedy" or not unused:
-        return None
-    return (f"warning: {' and '.join(unused)} unused: --sampling greedy takes the argmax "
-            "(use coupled or rejection to sample)")
-
-
-def parse_args(parser, argv=None):
-    """parser.parse_args, warning (one line, on stderr) about sampling flags the mode ignores,
-    then filling in the temperature's default."""
-    a = parser.parse_args(argv)
-    warning = sampling_flag_problems(a.sampling, a.temperature is not None, a.top_k is not None)
-    if warning:
-        print(warning, file=sys.stderr)
-    if a.temperature is None:
-        a.temperature = DEFAULT_TEMPERATURE
-    return a
-
-
-def main(argv=None):
-    a = parse_args(build_parser(), argv)
-    import data
-    device = pick_device(a.device)
-    target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
-    enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
-    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
-                           hybrid_with=a.hybrid_with)
-    sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
-    ids = data.encode(enc, a.prompt)
-    trace = []
-    a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
-    out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
-                                      trace=trace, split_timing=True)
-    color = sys.stdout.isatty() and not a.no_color
-    print(show(enc, ids, [([], out[0], False)] + trace, color))
-    print()
-    if len(out) < a.max_new_tokens:
-        print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
-              f"the target's context window)")
-    print(f"method {a.method}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
-          f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
-    print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))
-    print(f"time: draft {stats.draft_time * 1000:.0f} ms, verify {stats.verify_time * 1000:.0f} ms")
-    if color:
-        legend = "green = accepted draft, red = target's correction, blue = target's bonus"
-    else:
-        legend = "plain = accepted draft, [x] = target's correction, {x} = target's bonus"
-    print(legend)
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {e}")

@@ -7,10 +7,10 @@ train.py -- trains the target GPT, then every drafter for it, as a list of stage
     python train.py --init-from DIR      # drafters for a pretrained GPT-2 (pretrained.py)
     torchrun --standalone --nproc_per_node=N train.py   # the same run on N processes (ddp.py)
 
-The drafter files hold their models, how they draft and how they learn (a function
-train_<name>(trainer)); distill.py holds the text they learn from. This file holds what every
-stage shares: the settings and presets, the one training loop, the target's own stage and the
-command line. The `Trainer` is everything a stage gets: the training-side twin of
+The drafter files hold their models, how they draft and their losses; stages.py runs each as a
+stage (a function train_<name>(trainer)); distill.py holds the text they learn from; settings.py
+every setting and preset. This file holds what every stage shares: the one training loop, the
+target's own stage and the command line. The `Trainer` is everything a stage gets: the training-side twin of
 speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that checkpoint
 belongs to the current target and records the same settings (unless --force). A running phase
 saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches
@@ -19,7 +19,6 @@ With --init-from the target's stage reads a Hugging Face GPT-2 folder instead of
 torchrun every stage trains data-parallel, one shard of each step's batch per process.
 """
 
-import hashlib
 import math
 import os
 import sys
@@ -27,83 +26,17 @@ import time
 
 import torch
 
+import cpu_speed
 import data as datamod
 import ddp
-import draft_dflash
-import draft_dspark
-import draft_eagle
-import draft_mtp
-import draft_small
 import distill
 import pretrained
-from gpt import (GPT, GPTConfig, CheckpointError, ArgumentParser, add_settings, allow_tf32,
-                 cpu_state_dict, cpu_tree, fast_bf16, load_checkpoint, load_target, number,
-                 path_arg, pick_device, save_checkpoint, setting, state_hash)
-
-# -----------------------------------------------------------------------------
-# settings: one table per stage, each field with its value in every preset, its type and help.
-# The drafters' tables live in their files; the target's and the shared ones here.
-
-PRESETS = {
-    "cpu": "the full run, sized for 2 CPU cores (docs/results.md: times)",
-    "quick": "every drafter, far fewer steps: the lesson in minutes on a CPU",
-    "tiny": "seconds: a smoke run of the whole pipeline (the tests use it)",
-    "cuda": "one consumer GPU: wider, deeper, longer (never run yet: its time is unknown)",
-    "mps": "Apple GPUs: the cuda preset",
-    "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
-            "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
-            "time is in the README)",
-}
-
-RUN = {
-    "vocab_size": setting(datamod.DEFAULT_VOCAB, "BPE vocabulary size, end-of-text included",
-                          type=number(int, 257, 65536)),
-    "tokenizer": setting("bpe", "train our own BPE, or use tiktoken's gpt2 if it loads",
-                         choices=["bpe", "gpt2"]),
-    "seed": setting(1337, "seed for initialisation and batch sampling",
-                    type=number(int, 0, 2**32 - 1)),
-    "bf16": setting("auto", "bfloat16 autocast: auto = where this device measurably runs it "
-                    "faster", choices=["auto", "on", "off"]),
-    "threads": setting(None, "torch CPU threads (none: torch's choice)", type=number(int, 1)),
-    "log_interval": setting(25, "steps between progress lines"),
-    # the drafters are judged by tau in bench.py, not by this loss on corpus text
-    "eval_interval": setting(2500, "steps between validation losses (the last step always has "
-                             "one)"),
-    "ckpt_interval": setting(60.0, "seconds between resume checkpoints", type=number(float, 0)),
-    "grad_accum": setting(1, "micro-steps per optimizer step in each process: the global batch "
-                          "is split into processes x this many equal shards (less memory, the "
-                          "same step)"),
-}
-TARGET = {
-    "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
-    "n_head": setting(8, "target: attention heads per block", tiny=2),
-    "n_embd": setting(256, "target: model width", cuda=512, tiny=32),
-    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=250, tiny=30),
-    "target_lr": setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3),
-}
-SHARED = {
-    "block_size": setting(256, "context window (target and drafters; with --init-from at most "
-                          "the model's, whose first positions are kept)", cuda=512, tiny=64),
-    "batch_size": setting(8, "sequences per optimizer step (every stage; under torchrun the "
-                          "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4),
-    "warmup": setting(60, "linear warmup steps before the cosine decay (every stage)",
-                      type=number(int, 0), cuda=200, tiny=5),
-}
-GROUPS = {  # --help's groups, in order: title -> settings table
-    "the run": RUN, "target": TARGET, "every stage": SHARED,
-    "the distillation set (distill.py)": distill.SETTINGS,
-    **{f"{m.__name__[6:]} ({m.__name__}.py)": m.SETTINGS
-       for m in (draft_small, draft_mtp, draft_eagle, draft_dflash, draft_dspark)},
-}
-SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
-# a preset that takes another's values where it names none of its own: preset -> the chain
-PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda")}
-
-
-def preset_values(preset):
-    """{setting: value} of one preset."""
-    return {name: s.value(PRESETS_OF.get(preset, preset)) for name, s in SETTINGS.items()}
-
+from checkpoint import (CheckpointError, cpu_state_dict, load_checkpoint, load_target,
+                        save_checkpoint)
+from devices import allow_tf32, fast_bf16, pick_device
+from settings import (GROUPS, PRESETS, PRESETS_OF, SETTINGS, ArgumentParser, add_settings,
+                      path_arg, preset_values)
+from stages import STAGES, is_current, stage_settings
 
 # -----------------------------------------------------------------------------
 # the pieces of the training loop
@@ -317,6 +250,7 @@ class Trainer:
         at the last step too with keep_resume (a finished phase a rerun then skips).
         after_step(n), if given, runs after the n-th step."""
         a = self.args
+        cpu_speed.speed_up(module)  # its no-grad passes (validation, calibration) as bench's
         params, opt = make_optimizer(module, lr)
         path = os.path.join(a.out_dir, f"{name}.resume.pt")
         start = resume(name, module, opt, path, fingerprint, steps)
@@ -386,146 +320,6 @@ class Trainer:
 
 
 # -----------------------------------------------------------------------------
-# the target's stage (with --mtp-mode joint, the MTP head trains alongside it; with --init-from
-# it is a pretrained GPT-2's, read from its folder instead)
-
-
-def train_target(tr):
-    a = tr.args
-    if a.init_from:
-        return import_target(tr)
-    cfg = GPTConfig(block_size=a.block_size, vocab_size=tr.info["vocab_size"], n_layer=a.n_layer,
-                    n_head=a.n_head, n_embd=a.n_embd)
-    torch.manual_seed(a.seed)
-    model = GPT(cfg).to(tr.device)
-    print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
-    mtp = draft_mtp.new_head(tr, cfg) if a.mtp_mode == "joint" else None
-    taps = (cfg.n_layer,) if mtp is not None else ()  # the last block's states, for the head
-
-    def loss_fn(step):
-        x, y = tr.data.get("train", step, tr.device)
-        _, loss, hid = model(x, y, hidden_layers=taps)
-        if mtp is not None:  # DeepSeek-V3: L_main + lambda L_mtp, into the whole target
-            loss = loss + a.mtp_lambda * draft_mtp.mtp_loss(mtp, model, hid[cfg.n_layer], x, y)
-        return loss
-
-    fingerprint = {"stage": "target", "config": cfg.to_dict(),
-                   "tokenizer": tr.info["tokenizer_hash"],
-                   "iters": a.target_iters, "lr": a.target_lr, "batch": a.batch_size,
-                   "seed": a.seed, "mtp": None if mtp is None else (a.mtp_modules, a.mtp_lambda)}
-    module = model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp})
-    val, opt_state = tr.fit("target", module, loss_fn,
-                            lambda: tr.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
-                            steps=a.target_iters, lr=a.target_lr, fingerprint=fingerprint,
-                            tokens_per_step=a.batch_size * a.block_size)
-    sd = cpu_state_dict(model)
-    save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
-                     "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "step": a.target_iters, "optimizer": cpu_tree(opt_state), "val_loss": val,
-                     "tokens_seen": a.target_iters * a.batch_size * a.block_size,
-                     "settings": stage_settings(a, "target")},
-                    tr.path("target"))
-    if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current
-        ddp.barrier(tr.world)  # every rank reads the target.pt rank 0 just wrote
-        tr.forget_target()
-        draft_mtp.save_head(tr, mtp, "joint")
-    return val
-
-
-def import_target(tr):
-    """out/target.pt from the --init-from folder (pretrained.py): the weights as they are, the
-    context window cut to --block-size; its loss on the corpus's validation windows printed."""
-    a = tr.args
-    # the token files are the folder's tokenizer's: prepare() rebuilds them when its ranks change
-    model = pretrained.load_folder(a.init_from, a.block_size)[0].to(tr.device)
-    print(f"target: {model.num_params() / 1e6:.2f}M parameters from {a.init_from}, "
-          f"{model.config}")
-    val = tr.val_loss(lambda x, y: model(x, y)[1])
-    sd = cpu_state_dict(model)
-    save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
-                     "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "step": 0, "val_loss": val, "tokens_seen": 0, "init_from": a.init_from,
-                     "settings": stage_settings(a, "target")},
-                    tr.path("target"))
-    return val
-
-
-def weights_id(folder):
-    """Which model a folder holds, for the target stage's settings: the sha256 of its config.json
-    and weights file (a pretrained target is re-read when either changes)."""
-    h = hashlib.sha256()
-    names = [n for n in ("config.json", "model.safetensors", "pytorch_model.bin")
-             if os.path.isfile(os.path.join(folder, n))][:2]
-    for name in names:
-        with open(os.path.join(folder, name), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return f"{' + '.join(names)} {h.hexdigest()[:16]}"
-
-
-def target_phases(a):
-    """The target stage's train_loop phases: (name, steps). Checks its settings too."""
-    if a.init_from:
-        if a.mtp_mode == "joint":
-            raise ValueError("--mtp-mode joint trains the MTP head inside the target's training, "
-                             "and with --init-from the target is not trained: use --mtp-mode "
-                             "posthoc")
-        return []
-    if a.n_embd % a.n_head:
-        raise ValueError(f"--n-embd ({a.n_embd}) must be a multiple of --n-head ({a.n_head})")
-    return [("target", a.target_iters)]
-
-
-STAGES = {  # stage -> (its function, its train_loop phases [(name, steps)], its settings)
-    "target": (train_target, target_phases, TARGET),
-    "small": (draft_small.train_small, draft_small.phases, draft_small.SETTINGS),
-    "mtp": (draft_mtp.train_mtp, draft_mtp.phases, draft_mtp.SETTINGS),
-    "eagle": (draft_eagle.train_eagle, draft_eagle.phases, draft_eagle.SETTINGS),
-    "dflash": (draft_dflash.train_dflash, draft_dflash.phases, draft_dflash.SETTINGS),
-    "dspark": (draft_dspark.train_dspark, draft_dspark.phases,
-               {**draft_dflash.SETTINGS, **draft_dspark.SETTINGS}),  # DFlash's backbone
-}
-
-
-def stage_settings(args, stage):
-    """The settings a stage's checkpoint records: one trained with other values is not current.
-    The target's include the MTP head's in joint mode, where it trains inside the target stage."""
-    if stage == "target" and args.init_from:  # read, not trained: which weights, what context
-        return {"init_from": os.path.abspath(args.init_from),
-                "weights": weights_id(args.init_from), "block_size": args.block_size}
-    names = [*SHARED, *STAGES[stage][2]]
-    if stage != "target":
-        names += [*distill.SETTINGS]
-    else:
-        names += ["mtp_mode"] + (["mtp_modules", "mtp_lambda"] if args.mtp_mode == "joint" else [])
-    return {"seed": args.seed, **{n: getattr(args, n) for n in names}}
-
-
-def is_current(tr, stage):
-    """Does out/<stage>.pt exist, belong to the current target and tokenizer, and record the
-    settings of this run?"""
-    path = tr.path(stage)
-    if not os.path.exists(path):
-        return False
-    try:
-        ckpt = load_checkpoint(path, stage)
-    except CheckpointError:  # truncated, garbage, or another kind of checkpoint: it is remade
-        print(f"{stage}: {path} is unreadable; retraining it")
-        return False
-    if (ckpt.get("tokenizer_hash") != tr.info["tokenizer_hash"] if stage == "target"
-            else ckpt.get("target_hash") != tr.target()[1]["model_hash"]):
-        print(f"{stage}: {path} was trained against another target or tokenizer; retraining it")
-        return False
-    had = ckpt.get("settings") or {}
-    changed = [f"{k} {had.get(k)} -> {v}" for k, v in stage_settings(tr.args, stage).items()
-               if had.get(k) != v]
-    if changed:
-        print(f"{stage}: {path} was trained with other settings ({', '.join(changed[:4])}"
-              f"{', ...' if len(changed) > 4 else ''}); retraining it")
-    return not changed
-
-
-# -----------------------------------------------------------------------------
 # command line
 
 
@@ -541,7 +335,7 @@ def build_parser(preset=None):
     first.add_argument("--only", choices=list(STAGES), default=None,
                        help=f"run one stage ({', '.join(STAGES)}); default: all, in that order")
     first.add_argument("--force", action="store_true",
-                       help="retrain stages even if their checkpoint exists")
+                       help="retrain stages even if their checkpoint exists (default: off)")
     first.add_argument("--out-dir", type=path_arg("dir"), default="out",
                        help="where tokenizer, token files and checkpoints go (default: out)")
     first.add_argument("--data", type=path_arg("data"), default=None,
@@ -622,6 +416,7 @@ def plan(args):
 
 def main(argv=None):
     args = resolve_args(argv)
+    cpu_speed.enable()
     check_out_dir(args)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,8 +23,9 @@ import torch
 
 import data
 from bench import read_prompts
-from gpt import CheckpointError, load_target, number, path_arg, ArgumentParser
+from checkpoint import CheckpointError, load_target
 from draft_lookup import LookupDrafter
+from settings import ArgumentParser, number, path_arg
 from speculative import Sampler, generate_plain, generate_speculative
 
 # -----------------------------------------------------------------------------
@@ -73,17 +74,18 @@ def build_parser():
     p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, "
                                    "same weights.")
     p.add_argument("--out-dir", type=path_arg("dir"), default="out",
-                   help="where train.py put target.pt and the tokenizer")
+                   help="where train.py put target.pt and the tokenizer (default: %(default)s)")
     p.add_argument("--prompts", type=path_arg("in"), default="prompts/outside.jsonl",
-                   help='JSONL file of {"prompt": "..."} lines')
+                   help='JSONL file of {"prompt": "..."} lines (default: %(default)s)')
     p.add_argument("--max-new-tokens", type=number(int, 1), default=128,
-                   help="tokens generated per prompt")
+                   help="tokens generated per prompt (default: %(default)s)")
     p.add_argument("--lookup-tokens", type=number(int, 1), default=10,
-                   help="transformers' prompt_lookup_num_tokens (its documented example uses 10)")
+                   help="transformers' prompt_lookup_num_tokens (default: %(default)s, its "
+                   "documented example's)")
     p.add_argument("--ngram", type=number(int, 1), default=2,
                    help="transformers' max_matching_ngram_size (its default: 2)")
     p.add_argument("--repeats", type=number(int, 1), default=3,
-                   help="timed passes over all prompts per method")
+                   help="timed passes over all prompts per method (default: %(default)s)")
     p.add_argument("--threads", type=number(int, 1), default=None,
                    help="torch CPU threads (default: torch's choice)")
     return p

@@ -10,12 +10,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cpu_speed  # noqa: E402
 import data  # noqa: E402
 import train  # noqa: E402
+from cpu_speed import speed_up  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from draft_small import DraftModel  # noqa: E402
 
 VOCAB = 64
+
+# what train.py, bench.py and sample.py switch on at start: attention written out when training on
+# a CPU (cpu_speed.cpu_sdpa). On from the start, so that the drafters fitted below come out the
+# same whichever test (or the shared train.py run) comes first
+cpu_speed.enable()
 
 
 def peaked(model, scale):
@@ -29,10 +36,11 @@ def peaked(model, scale):
 
 
 def tiny_gpt(seed, n_layer=2, n_embd=32, n_head=2, vocab=VOCAB, block_size=96, scale=8.0):
+    """With the CPU speed-ups the loaders give every model (cpu_speed.speed_up)."""
     torch.manual_seed(seed)
     cfg = GPTConfig(block_size=block_size, vocab_size=vocab, n_layer=n_layer, n_head=n_head,
                     n_embd=n_embd)
-    return peaked(GPT(cfg), scale).double().eval()
+    return speed_up(peaked(GPT(cfg), scale).double().eval())
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +117,7 @@ def make_mtp(target):
     """Two chained MTP modules, so k >= 3 exercises the chain AND the recursive reuse of the last
     one."""
     from draft_mtp import MTPDrafter
-    return MTPDrafter(fit_mtp(target), target)
+    return speed_up(MTPDrafter(fit_mtp(target), target))
 
 
 _EAGLE_FITTED = {}
@@ -135,7 +143,7 @@ def fit_eagle(target, unroll=3, steps=30):
 
 def make_eagle(target):
     from draft_eagle import EagleDrafter
-    return EagleDrafter(fit_eagle(target), target)
+    return speed_up(EagleDrafter(fit_eagle(target), target))
 
 
 _BLOCK_FITTED = {}
@@ -175,17 +183,17 @@ def _fit_block_drafter(target, kind, steps, shift):
 
 def make_dflash(target, shift=0):
     from draft_dflash import DFlashDrafter
-    return DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift))
+    return speed_up(DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift)))
 
 
 def make_dspark(target, shift=0):
     """DSpark with its Markov head and the throughput scheduler on. At load it profiles the real
-    device; here it gets a fixed latency table instead (an m-token verify costs 1 + 0.5·m draft
-    times: dear enough that it verifies ~4 of 8 drafts), so which prefix it verifies -- and with
-    it every test over it -- is deterministic."""
+    device (profiling.profile_dspark); here it gets a fixed latency table instead (an m-token
+    verify costs 1 + 0.5·m draft times: dear enough that it verifies ~4 of 8 drafts), so which
+    prefix it verifies -- and with it every test over it -- is deterministic. The CPU speed-ups
+    as the loader gives them (cpu_speed.speed_up): greedy drafting takes the chain on the host."""
     from draft_dspark import DSparkDrafter
-    d = DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto",
-                      profile=False)
+    d = speed_up(DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto"))
     d.t_draft, d.t_verify = 1.0, [0.0] + [1.0 + 0.5 * m for m in range(1, d.max_k + 2)]
     return d
 
@@ -204,7 +212,7 @@ def make_hybrid(target, learned=None, script=None):
     a cycle of choices instead of the rule, so that rounds switch drafters for certain."""
     from draft_hybrid import HybridDrafter, LOOKUP_MAX
     d = HybridDrafter(learned or make_dflash(target), target,
-                      rule="script" if script else "auto", profile=False)
+                      rule="script" if script else "auto")
     d.script = script or []
     d.t_verify = [0.0] + [1.0 + 0.05 * m for m in range(1, LOOKUP_MAX + 2)]
     d.start_cost = {"lookup": 0.01, "learned": 0.5}

@@ -10,10 +10,15 @@ import pytest
 import torch
 
 import batched
-from batched import (BatchSampler, CostTable, PerRow, admit_batch, best_single_k, fill_budget,
-                     generate_batched, generate_plain_batched, interpolate, plan_budget)
+import ragged
+from batch_rules import (CostTable, admit_batch, best_single_k, fill_budget, interpolate,
+                         plan_budget)
+from batched import BatchSampler, generate_batched, generate_plain_batched
+from batched_drafters import PerRow
+from batched_drafters import batched as batched_twin
 from conftest import DRAFTER_FACTORIES, fit_mtp, tiny_gpt
-from gpt import RaggedCache
+from draft_dspark import DSparkDrafter
+from ragged import RaggedCache
 from speculative import Sampler, generate_plain
 
 
@@ -41,8 +46,13 @@ def fixed_costs(drafter, B):
 
 def batched_drafter(name, target, B):
     if name.startswith("hybrid"):
-        pytest.skip("the hybrid drafts one request at a time (its batched() says so)")
-    d = DRAFTER_FACTORIES[name](target).batched()
+        with pytest.raises(NotImplementedError, match="one request at a time"):
+            batched_twin(DRAFTER_FACTORIES[name](target))
+        pytest.skip("the hybrid drafts one request at a time (batched_drafters.batched says so)")
+    one = DRAFTER_FACTORIES[name](target)
+    # DSpark's batched twin under the rule that pays in the serving sweep (bench_batched.py)
+    options = {"schedule": "budget"} if isinstance(one, DSparkDrafter) else {}
+    d = batched_twin(one, **options)
     return fixed_costs(d, B) if hasattr(d, "flush_cost") else d
 
 
@@ -53,16 +63,16 @@ def batched_drafter(name, target, B):
 def test_a_ragged_forward_equals_each_row_alone(target):
     prompts = ragged_prompts(4, target.config.vocab_size, seed=3)
     P = [len(p) for p in prompts]
-    cache = target.new_cache(4, ragged=True)
+    cache = ragged.new_cache(target, 4)
     with torch.no_grad():
-        logits = target(batched.padded(prompts, "cpu"), cache=cache, counts=P)[0]
+        logits = ragged.forward(target, batched.padded(prompts, "cpu"), cache, P)[0]
         for r, p in enumerate(prompts):
             ref = target(torch.tensor([p]))[0][0]
             assert torch.allclose(logits[r, :len(p)], ref, atol=1e-12)
         # a ragged second chunk: rows of 3, 0, 5 and 1 new tokens, at their own positions
         new = [[1, 2, 3], [], [4, 5, 6, 7, 8], [9]]
-        logits = target(batched.padded([n or [0] for n in new], "cpu", 5), cache=cache,
-                        counts=[len(n) for n in new])[0]
+        logits = ragged.forward(target, batched.padded([n or [0] for n in new], "cpu", 5), cache,
+                                [len(n) for n in new])[0]
         for r, (p, n) in enumerate(zip(prompts, new)):
             if n:
                 ref = target(torch.tensor([p + n]))[0][0][len(p):]
@@ -74,10 +84,10 @@ def test_a_ragged_forward_equals_each_row_alone(target):
 
 
 def test_a_ragged_forward_refuses_to_pass_the_window(target):
-    cache = target.new_cache(2, ragged=True)
+    cache = ragged.new_cache(target, 2)
     window = target.config.block_size
     with torch.no_grad(), pytest.raises(ValueError, match="context window"):
-        target(torch.zeros(2, window + 1, dtype=torch.long), cache=cache, counts=[1, window + 1])
+        ragged.forward(target, torch.zeros(2, window + 1, dtype=torch.long), cache, [1, window + 1])
     assert isinstance(cache, RaggedCache) and cache.lengths == [0, 0]
 
 
@@ -118,7 +128,7 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
         fit_mtp(t, n_modules=1), t)}
     for name in ("small", "mtp1", "eagle", "dflash"):
         one = factories[name](target)
-        native = one.batched()
+        native = batched_twin(one)
         assert not isinstance(native, PerRow), name
         runs = [generate_batched(target, d, prompts, 24, 3, BatchSampler(mode, 4, 0.9, None, 2))
                 for d in (native, PerRow(one))]
@@ -198,7 +208,7 @@ def test_goodput_gives_every_row_one_length_and_budget_plans_before_drafting():
 @pytest.mark.parametrize("schedule", ["auto", "goodput", "budget", "full"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_batch_rule_is_exact(target, schedule, mode):
-    from draft_dspark import BatchDSpark
+    from batched_dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.block_size)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
     d = fixed_costs(BatchDSpark(DRAFTER_FACTORIES["dspark"](target), schedule), 4)
@@ -212,7 +222,7 @@ def test_the_budget_rule_skips_drafting_when_verifying_is_dear(target):
     """With a verify that costs ten times per token what a row's step does, no draft pays: the
     budget rule skips the draft itself (every row verifies its last token alone) and probes now
     and then; the tokens stay exact."""
-    from draft_dspark import BatchDSpark
+    from batched_dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
     d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "budget")
     d.costs[4] = (CostTable(4, [1.0 + 10.0 * m for m in range(d.max_k + 1)]),
@@ -247,7 +257,7 @@ def test_bad_batches_are_one_clear_error(target):
         generate_plain_batched(target, [[1] * window, [1]], 4, s)
     with pytest.raises(ValueError, match="seeds for a batch"):
         BatchSampler("coupled", 3, seeds=[1, 2])
-    d = DRAFTER_FACTORIES["dflash"](target).batched()
+    d = batched_twin(DRAFTER_FACTORIES["dflash"](target))
     with pytest.raises(ValueError, match="prompt 1 of the batch"):
         generate_batched(target, d, [[1, 2], []], 4, 2, s)
     assert math.isfinite(generate_batched(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)

@@ -11,7 +11,8 @@ import pytest
 
 import bench
 import plot
-from speculative import DRAFTERS, Stats
+from checkpoint import DRAFTERS
+from speculative import Stats
 
 
 def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
@@ -103,11 +104,10 @@ def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypat
 
     monkeypatch.setattr(bench, "run_ar", fake_ar)
     monkeypatch.setattr(bench, "run_spec", fake_spec)
-    fake = lambda name, max_k, sweeps=True: (SimpleNamespace(name=name, max_k=max_k,
-                                                             sweeps=sweeps), 1)
-    # "h" says it is not swept (the hybrid: its k is only a cap)
+    fake = lambda name, max_k: (SimpleNamespace(name=name, max_k=max_k), 1)  # noqa: E731
+    # the hybrid is not swept (its k is only a cap)
     drafters = {"a": fake("a", None), "b": fake("b", 1), "b-full": fake("f", 1),
-                "b-threshold": fake("t", 1), "h": fake("h", None, sweeps=False)}
+                "b-threshold": fake("t", 1), "hybrid": fake("h", None)}
     args = SimpleNamespace(sweep=[1, 3], sweep_prompts=2)
     out = bench.sweep_k(None, [[1], [2], [3]], drafters, args, "cpu", None)
     assert {n: [r["k"] for r in rows] for n, rows in out.items()} == {

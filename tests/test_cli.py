@@ -12,12 +12,12 @@ import pytest
 
 import bench
 import data
-import speculative
+import sample
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
-           "speculative.py": speculative.build_parser, "data.py": data.build_parser}
+           "sample.py": sample.build_parser, "data.py": data.build_parser}
 
 
 def numeric_flags(name):
@@ -40,7 +40,7 @@ def refused(name, flag, value, capsys):
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_every_numeric_flag_refuses_garbage_negatives_and_nan(name, capsys):
     flags = numeric_flags(name)
-    assert len(flags) >= {"train.py": 35, "bench.py": 9, "speculative.py": 4, "data.py": 1}[name]
+    assert len(flags) >= {"train.py": 35, "bench.py": 9, "sample.py": 4, "data.py": 1}[name]
     for flag, _ in flags:
         for bad in ("abc", "-5", "nan", "inf", "1e999", "2,x" if flag == "--sweep" else "1.5.2"):
             refused(name, flag, bad, capsys)
@@ -82,7 +82,7 @@ def test_a_seeded_random_sweep_of_values(capsys):
 
 @pytest.mark.parametrize("argv", [["train.py", "--target-iters", "-1"],
                                   ["bench.py", "--sweep", "1,x"],
-                                  ["speculative.py", "--max-new-tokens", "0"],
+                                  ["sample.py", "--max-new-tokens", "0"],
                                   ["data.py", "--vocab-size", "abc"]])
 def test_the_real_command_line_ends_in_one_error_line(argv, tmp_path):
     p = subprocess.run([sys.executable, *argv, "--out-dir", str(tmp_path)], cwd=ROOT,

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint
 import ddp
-import speculative
 import train
-from gpt import GPT, GPTConfig, load_target
+from checkpoint import load_target
+from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +149,7 @@ def test_torchrun_trains_the_tiny_preset_and_its_checkpoints_load(two_process_ru
     assert so.count("train.py finished") == 1  # rank 0 alone prints
     target, ckpt = load_target(str(out / "target.pt"))
     for name in ("small", "mtp", "eagle", "dflash", "dspark"):
-        d = speculative.load_drafter(name, str(out), target, ckpt, "cpu", torch.float32)
+        d = checkpoint.load_drafter(name, str(out), target, ckpt, "cpu", torch.float32)
         assert d is not None
     assert not [f for f in os.listdir(out) if ".tmp" in f or f.endswith(".resume.pt")]
 

@@ -12,6 +12,7 @@ Every other test runs on the CPU either way (the bit-identical-retraining ones m
 are not bitwise deterministic)."""
 
 import functools
+import inspect
 import math
 import os
 import subprocess
@@ -20,9 +21,10 @@ import sys
 import pytest
 import torch
 
-import speculative
+import settings
+from checkpoint import load_target
 from conftest import DRAFTER_FACTORIES, tiny_args, tiny_gpt
-from gpt import check_dtype, load_target, pick_device, synchronize
+from devices import check_dtype, pick_device, synchronize
 from draft_small import DraftModel
 from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,
                          sampling_dtype)
@@ -183,14 +185,14 @@ CALLS = ("begin", "propose", "commit")
 def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     drafter = DRAFTER_FACTORIES[drafter_name](target)
     if drafter_name == "dspark":
-        # its greedy chain on the host (greedy_on_host) runs only where the Markov table is in
-        # CPU memory, where reading back costs nothing; on a GPU the chain stays on the device,
-        # which is what this test counts
-        drafter.markov_host = None
+        # its greedy chain on the host (greedy_chain, cpu_speed.host_greedy_chain) runs only
+        # where the Markov table is in CPU memory, where reading back costs nothing; on a GPU the
+        # chain stays on the device, which is what this test counts
+        drafter.greedy_chain = None
     for name in CALLS:
         counting_calls(drafter, name)
-    waits = []
-    monkeypatch.setattr(speculative, "synchronize", lambda d: waits.append(d))
+    # the loop waits for the device only when given a sync (below): by default, never
+    assert inspect.signature(generate_speculative).parameters["sync"].default is None
     syncs = HostSyncs(monkeypatch)
     out, stats = generate_speculative(target, drafter, [1, 2, 3], 40, 4,
                                       Sampler(mode, 0.9, None, 0))
@@ -210,8 +212,8 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     reads = 1 + stats.rounds + sum(own[w][0] * calls[w] for w in own)
     uploads = 1 + sum(own[w][1] * calls[w] for w in own)  # 1: the prompt
     assert stats.rounds > 3 and len(out) == 40
-    counted = (syncs.reads, syncs.uploads, waits)
-    assert counted == (reads, uploads, []), (stats.rounds, drafter.calls)
+    counted = (syncs.reads, syncs.uploads)
+    assert counted == (reads, uploads), (stats.rounds, drafter.calls)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
@@ -222,11 +224,13 @@ def test_plain_decoding_reads_back_only_at_the_end(target, mode, monkeypatch):
     assert len(out) == 40 and (syncs.reads, syncs.uploads) == (1, 1)  # the result; the prompt
 
 
-def test_split_timing_waits_once_more_per_round(target, monkeypatch):
+def test_a_sync_waits_once_more_per_round(target):
+    """sync (what sample.py passes, so that the draft/verify split is true on a GPU): one wait a
+    round, between the draft and the verify."""
     waits = []
-    monkeypatch.setattr(speculative, "synchronize", lambda d: waits.append(d))
     small = DRAFTER_FACTORIES["small"](target)
-    _, stats = generate_speculative(target, small, [1, 2, 3], 20, 4, Sampler(), split_timing=True)
+    _, stats = generate_speculative(target, small, [1, 2, 3], 20, 4, Sampler(),
+                                    sync=lambda: waits.append(1))
     assert len(waits) == stats.rounds
 
 
@@ -235,11 +239,11 @@ def test_split_timing_waits_once_more_per_round(target, monkeypatch):
 
 
 def test_sampling_flags_greedy_ignores_are_one_warning_line(tmp_path):
-    assert speculative.sampling_flag_problems("greedy", False, False) is None
-    assert speculative.sampling_flag_problems("coupled", True, True) is None
-    problems = speculative.sampling_flag_problems("greedy", True, True)
+    assert settings.sampling_flag_problems("greedy", False, False) is None
+    assert settings.sampling_flag_problems("coupled", True, True) is None
+    problems = settings.sampling_flag_problems("greedy", True, True)
     assert "--temperature and --top-k unused" in problems
-    p = subprocess.run([sys.executable, "speculative.py", "--temperature", "0.5",
+    p = subprocess.run([sys.executable, "sample.py", "--temperature", "0.5",
                         "--out-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = p.stderr.splitlines()
@@ -279,7 +283,7 @@ def test_device_token_identity():
 
 @on_device
 def test_device_pipeline_trains_benches_and_decodes(corpus, tmp_path):
-    """The tiny preset trained on the device, then bench.py and speculative.py on it."""
+    """The tiny preset trained on the device, then bench.py and sample.py on it."""
     import bench
     import train
     out = tmp_path / "out"
@@ -295,7 +299,7 @@ def test_device_pipeline_trains_benches_and_decodes(corpus, tmp_path):
                         "--max-new-tokens", "12", "--repeats", "1", "--sweep", "",
                         "--dtype", "float64"])
         assert all(m["exact_match"] == 1.0 for m in r["methods"].values())
-    p = subprocess.run([sys.executable, "speculative.py", "--out-dir", str(out),
+    p = subprocess.run([sys.executable, "sample.py", "--out-dir", str(out),
                         "--device", TEST_DEVICE, "--sampling", "coupled", "--max-new-tokens", "16",
                         "--no-color"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -8,9 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+import gpt
 from conftest import make_dflash, tiny_gpt
-from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, block_states, dflash_loss,
-                          sample_anchors, training_mask)
+from cpu_speed import cpu_sdpa
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors,
+                          training_mask, training_states)
 from distill import target_continuations
 from speculative import Sampler, generate_plain, generate_speculative
 
@@ -40,24 +42,26 @@ def test_a_block_never_sees_past_its_anchor_or_another_block(target):
     x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)
     hid = target(x, hidden_layers=net.config.taps)[2]
     anchors = torch.tensor([[7, 15]])
-    h, tpos = block_states(net, x, hid, anchors)
+    h, tpos = training_states(net, x, hid, anchors)
     assert tpos[0, 0].tolist() == list(range(8, 8 + net.config.block - 1))
     hid2 = {l: v.clone() for l, v in hid.items()}
     for v in hid2.values():
         v[:, 7:] += 1.0  # every state at or after the first anchor
     x2 = x.clone()
     x2[0, 15] = (x[0, 15] + 1) % target.config.vocab_size  # the other block's anchor token
-    h2, _ = block_states(net, x2, hid2, anchors)
+    h2, _ = training_states(net, x2, hid2, anchors)
     assert torch.allclose(h[0, 0], h2[0, 0], atol=1e-12, rtol=0)
     assert not torch.allclose(h[0, 1], h2[0, 1])
 
 
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("alibi", [True, False])
-def test_training_path_equals_inference_path(target, alibi, grad):
-    """block_states (all anchors at once, masked) == the drafter's cached one-block forward, with
-    the ALiBi bias and without (random weights). With gradients on, as in training, the masked
-    attention is gpt.attention's written-out form; without, and in the drafter, it is SDPA."""
+def test_training_path_equals_inference_path(target, alibi, grad, monkeypatch):
+    """training_states (all anchors at once, masked) == the drafter's cached one-block forward,
+    with the ALiBi bias and without (random weights). With gradients on, as in training (where
+    train.py calls cpu_speed.enable()), the masked attention is cpu_sdpa's written-out form;
+    without, and in the drafter, it is SDPA."""
+    monkeypatch.setattr(gpt, "sdpa", cpu_sdpa)
     d = make_dflash(target)
     if not alibi:
         torch.manual_seed(4)
@@ -69,12 +73,12 @@ def test_training_path_equals_inference_path(target, alibi, grad):
         hid = target(x, hidden_layers=d.hidden_layers)[2]
     anchors = torch.tensor([[3, 11, 16]])
     with torch.set_grad_enabled(grad):
-        h, _ = block_states(d.net, x, hid, anchors)
+        h, _ = training_states(d.net, x, hid, anchors)
     assert h.requires_grad == grad
     with torch.inference_mode():
         for i, a in enumerate(anchors[0].tolist()):
             d.begin(x[:, :a + 1], {l: v[:, :a] for l, v in hid.items()})
-            hb = d.cached_block_states(d.net.config.block)[1:]
+            hb = d.block_states(d.net.config.block)[1:]
             assert torch.allclose(h[0, i].detach(), hb, atol=1e-10, rtol=0)
 
 
@@ -98,7 +102,7 @@ def test_cached_context_equals_recomputing_from_scratch(target):
         fresh = make_dflash(target)
         fresh.begin(full[None], hid_full)
         assert d.n_ctx == fresh.n_ctx == full.numel() - 1
-        a, b = d.cached_block_states(9), fresh.cached_block_states(9)
+        a, b = d.block_states(9), fresh.block_states(9)
         assert torch.allclose(a, b, atol=1e-10, rtol=0)
 
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import train
+from ablations import variants
 from conftest import fit_block_drafter, make_dflash, make_dspark
-from draft_dspark import SCORE_EVERY, calibrate, ece, expected_saving, schedule_length
+from cpu_speed import host_greedy_chain
+from draft_dspark import SCORE_EVERY, calibrate, ece, expected_saving, markov_chain, schedule_length
 from speculative import Sampler, generate_plain, generate_speculative
 
 
@@ -98,7 +100,7 @@ def test_the_scheduler_scores_only_while_its_cuts_pay(target):
     assert lengths == [8] * (2 * SCORE_EVERY)
     assert len(scored) == n_scored + 2 and min(scored[-2:]) > 0  # each would have cut
     # bench's ablation rows, copies of this drafter, keep their own account from scratch
-    assert all(v.saved is None and v.rounds == 0 for v in d.variants().values())
+    assert all(v.saved is None and v.rounds == 0 for v in variants(d).values())
 
 
 @torch.inference_mode()
@@ -144,18 +146,25 @@ def test_markov_head_probabilities_are_exact_softmaxes(target, table):
 
 @torch.inference_mode()
 def test_greedy_drafting_on_the_host_picks_what_the_torch_chain_picks(target):
-    """DSparkDrafter.greedy_on_host (numpy over the Markov table) against markov_chain, on many
-    contexts, and the path greedy propose() takes on a CPU."""
+    """cpu_speed.host_greedy_chain (numpy over the Markov table) against draft_dspark.markov_chain,
+    on many contexts, and the path greedy propose() takes on a CPU (the drafter's greedy_chain,
+    which cpu_speed.speed_up sets)."""
     d = make_dspark(target)
-    assert d.markov_host is not None
+    assert d.greedy_chain is not None
+    host = host_greedy_chain(d.markov_table)
     d.schedule = "full"
     g = torch.Generator().manual_seed(3)
+    sampler = Sampler("greedy")
     for _ in range(20):
         seq = torch.randint(0, target.config.vocab_size, (1, 12), generator=g)
         d.begin(seq, target(seq[:, :-1], hidden_layers=d.hidden_layers)[2])
         base_logits = d.net.head(d.draft_states(d.max_k))
-        chain, _ = d.markov_chain(base_logits, Sampler("greedy"))
-        assert torch.equal(d.greedy_on_host(base_logits), chain)
+        S = d.seq.numel()
+        chain, _ = markov_chain(d.spark, base_logits[None], d.seq[-1:],
+                                lambda logits, j: sampler.draft(logits, [S + j]),
+                                d.markov_table, d.markov)
+        chain = chain[0]
+        assert torch.equal(host(base_logits, int(d.seq[-1])), chain)
         assert torch.equal(d.propose(d.max_k, Sampler("greedy"))[0], chain)
     # the Markov bias changes the picks: the test compares two paths that have work to do
     assert not torch.equal(chain, base_logits.argmax(-1))
@@ -227,11 +236,11 @@ def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, pre
     """The equivalence tests run over conftest's DFlash and DSpark; they prove something about
     the shipped drafters only if those are configured as train.py configures them. Every
     DFlashConfig field that is a choice, not a size fitted to the tiny target, must match
-    draft_dflash.network_config's, the one DFlash's and DSpark's training build (shift 0 above
+    stages_dflash.network_config's, the one DFlash's and DSpark's training build (shift 0 above
     all: the tests once ran DSpark at shift 1 only)."""
-    import draft_dflash
+    import stages_dflash
     args = train.resolve_args(["--preset", preset, "--device", "cpu"])
-    shipped = draft_dflash.network_config(args, target.config)
+    shipped = stages_dflash.network_config(args, target.config)
     sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
     for d in (make_dspark(target), make_dflash(target)):
         ours = d.net.config  # DSpark's drafter holds its backbone here

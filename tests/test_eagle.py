@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import train
+from batched_drafters import fresh as fresh_copy
+from checkpoint import load_drafter, load_target
 from conftest import fit_eagle, fit_mtp, tiny_args
-from draft_eagle import EagleDrafter, default_taps, parse_taps
+from draft_eagle import EagleDrafter, default_taps
 from draft_mtp import MTPDrafter, head, mtp_loss, unrolled
-from gpt import load_target
-from speculative import Sampler, load_drafter
+from speculative import Sampler
+from stages import eagle_taps
 
 
 class Forced(Sampler):
@@ -54,7 +56,7 @@ def test_unrolled_training_forward_equals_step_by_step_drafting(target, kind):
     out = unrolled(d.mtp.mods[0], target, d.features(hid), x, steps, anchors)
     for a, i in enumerate(anchors[0].tolist()):
         S = i + 2  # confirmed t_0 .. t_{i+1}: step 1 reads (state_i, t_{i+1})
-        fresh = d.fresh()
+        fresh = fresh_copy(d)
         fresh.begin(x[:, :S], {layer: h[:, :S - 1] for layer, h in hid.items()})
         spy = Forced(x[0])
         fresh.propose(steps, spy)
@@ -111,7 +113,7 @@ def test_the_fusion_reads_its_three_layers(target):
     assert torch.allclose(g[0, 3], want, atol=1e-12, rtol=0)
     assert EagleDrafter(net, target).hidden_layers == (1, 2)
     with pytest.raises(ValueError, match="--eagle-taps"):
-        parse_taps("2,9", 6)
+        eagle_taps("2,9", 6)
 
 
 def test_the_eagle_stage_trains_a_drafter_that_loads(trained, corpus, tmp_path):

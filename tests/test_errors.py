@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import bench
-import speculative
-from gpt import CheckpointError, load_checkpoint, load_target, pick_device, save_checkpoint
+import checkpoint
+from checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
+from devices import pick_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,10 +45,10 @@ def out(trained, tmp_path):
 # -----------------------------------------------------------------------------
 # before training, and files that don't belong together
 
-def test_bench_and_speculative_before_training_name_the_stage(tmp_path):
+def test_bench_and_sample_before_training_name_the_stage(tmp_path):
     rc, _, err = cli("bench.py", "--out-dir", str(tmp_path))
     one_clear_error(rc, err, "target.pt not found", "python train.py --only target")
-    rc, _, err = cli("speculative.py", "--out-dir", str(tmp_path))
+    rc, _, err = cli("sample.py", "--out-dir", str(tmp_path))
     one_clear_error(rc, err, "target.pt not found", "train.py")
 
 
@@ -58,7 +59,7 @@ def test_missing_drafter_names_its_stage(out):
 
 
 def test_the_hybrid_refuses_a_partner_that_is_not_learned(out):
-    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--method", "hybrid",
+    rc, _, err = cli("sample.py", "--out-dir", str(out), "--method", "hybrid",
                      "--hybrid-with", "lookup")
     one_clear_error(rc, err, "pairs prompt lookup with a learned drafter", "dspark")
     os.remove(out / "dspark.pt")  # its partner's checkpoint is its own
@@ -73,7 +74,7 @@ def test_drafter_of_another_target_is_refused_naming_both_hashes(out):
     target, target_ckpt = load_target(str(out / "target.pt"))
     pattern = f"0123456789abcdef.*{target_ckpt['model_hash']}.*--only small --force"
     with pytest.raises(CheckpointError, match=pattern):
-        speculative.load_drafter("small", str(out), target, target_ckpt)
+        checkpoint.load_drafter("small", str(out), target, target_ckpt)
 
 
 def test_drafter_of_another_tokenizer_is_refused(out):
@@ -82,7 +83,7 @@ def test_drafter_of_another_tokenizer_is_refused(out):
     save_checkpoint(ck, str(out / "small.pt"))
     target, target_ckpt = load_target(str(out / "target.pt"))
     with pytest.raises(CheckpointError, match="tokenizer feedfacefeedface"):
-        speculative.load_drafter("small", str(out), target, target_ckpt)
+        checkpoint.load_drafter("small", str(out), target, target_ckpt)
 
 
 # -----------------------------------------------------------------------------
@@ -122,14 +123,14 @@ def test_a_file_that_is_not_a_checkpoint(tmp_path):
 
 def test_prompt_longer_than_context_and_empty_prompt(out):
     long_prompt = "x = 1\n" * 400
-    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--prompt", long_prompt)
+    rc, _, err = cli("sample.py", "--out-dir", str(out), "--prompt", long_prompt)
     one_clear_error(rc, err, "context window", "shorten it")
-    rc, _, err = cli("speculative.py", "--out-dir", str(out), "--prompt", "")
+    rc, _, err = cli("sample.py", "--out-dir", str(out), "--prompt", "")
     one_clear_error(rc, err, "prompt is empty")
 
 
 def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
-    rc, so, err = cli("speculative.py", "--out-dir", str(out), "--prompt", "def f(x):\n" * 5,
+    rc, so, err = cli("sample.py", "--out-dir", str(out), "--prompt", "def f(x):\n" * 5,
                       "--max-new-tokens", "1000", "--no-color")
     assert rc == 0, err
     assert "stopped at the context limit" in so
@@ -144,8 +145,8 @@ def test_generation_reaching_the_context_limit_stops_cleanly_and_says_so(out):
     (["--method", "nope"], "unknown drafter 'nope'"),
     (["--device", "tpu"], "device 'tpu' is not available"),
 ])
-def test_bad_flags_of_speculative_py(out, flags, needle):
-    rc, _, err = cli("speculative.py", "--out-dir", str(out), *flags)
+def test_bad_flags_of_sample_py(out, flags, needle):
+    rc, _, err = cli("sample.py", "--out-dir", str(out), *flags)
     one_clear_error(rc, err, needle)
 
 
@@ -209,7 +210,7 @@ def test_unknown_stage_in_train_py(tmp_path):
 # determinism: same seed and flags, same text
 
 def test_same_seed_same_text(out):
-    args = ("speculative.py", "--out-dir", str(out), "--sampling", "coupled",
+    args = ("sample.py", "--out-dir", str(out), "--sampling", "coupled",
             "--temperature", "0.8", "--seed", "5", "--no-color", "--max-new-tokens", "24")
     first, second = cli(*args), cli(*args)
     # the generated text, without the timings

@@ -3,7 +3,7 @@ never a traceback, and a failed run leaves out/ exactly as it was:
 
 - damaged files in out/ (truncated, garbage, deleted, a folder in their place): the commands
   that build them (data.py, train.py) rebuild them with a one-line notice, byte for byte; the
-  ones that only read them (bench.py, speculative.py) refuse, naming the file and the command
+  ones that only read them (bench.py, sample.py) refuse, naming the file and the command
   that remakes it;
 - paths of the wrong kind (a folder for a file, a file for a folder): one error line;
 - a seeded random sweep of values at every numeric and path flag of the four commands.
@@ -27,13 +27,14 @@ import torch
 
 import bench
 import data
-import speculative
+import sample
+import stages
 import train
 from conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
-           "speculative.py": speculative.build_parser, "data.py": data.build_parser}
+           "sample.py": sample.build_parser, "data.py": data.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
 CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "eagle.pt", "dflash.pt", "dspark.pt"]
 
@@ -124,7 +125,7 @@ def fast(script, out, corpus):
                          "--max-new-tokens", "3", "--repeats", "1", "--sweep", "",
                          "--sweep-prompts", "1", "--threads", "1",
                          *(["--plot", ""] if "--plot" in flags("bench.py") else [])],
-            "speculative.py": ["--out-dir", out, "--max-new-tokens", "3", "--no-color"]}[script]
+            "sample.py": ["--out-dir", out, "--max-new-tokens", "3", "--no-color"]}[script]
 
 
 def flags(script):
@@ -149,7 +150,7 @@ def test_damaged_data_file_readers_refuse_and_data_py_rebuilds(out, corpus, name
     good = snapshot(out)
     damage(out / name, how)
     damaged = snapshot(out)
-    for script in ("bench.py", "speculative.py"):
+    for script in ("bench.py", "sample.py"):
         refused(run(script, *fast(script, out, corpus)), name, "python data.py")
         assert snapshot(out) == damaged  # a refusal changes nothing
     res = run("data.py", *fast("data.py", out, corpus))
@@ -171,8 +172,8 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
     bench_argv = with_flag(fast("bench.py", out, corpus), "--methods", methods)
     refused(run("bench.py", *bench_argv), name, f"python train.py --only {stage}")
     method = "small" if stage == "target" else stage
-    spec_argv = with_flag(fast("speculative.py", out, corpus), "--method", method)
-    refused(run("speculative.py", *spec_argv), name, f"python train.py --only {stage}")
+    spec_argv = with_flag(fast("sample.py", out, corpus), "--method", method)
+    refused(run("sample.py", *spec_argv), name, f"python train.py --only {stage}")
     if how == "folder":
         refused(run("train.py", *fast("train.py", out, corpus)), name, "is a folder")
     assert snapshot(out) == damaged
@@ -183,19 +184,19 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
 def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
     damage(out / name, how)
     args = train.resolve_args(fast("train.py", out, corpus))
-    assert not train.is_current(train.Trainer(args), name[:-3])
+    assert not stages.is_current(train.Trainer(args), name[:-3])
     assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
 
 
 def test_train_py_retrains_damaged_files_and_a_later_run_works(out, corpus):
     """Garbage in distill.pt, small.pt cut short: one train.py run remakes both, with a notice
-    each, and speculative.py then runs on them, with no cleanup by hand."""
+    each, and sample.py then runs on them, with no cleanup by hand."""
     damage(out / "distill.pt", "garbage")
     damage(out / "small.pt", "truncate")
     log = succeeded(run("train.py", *fast("train.py", out, corpus), "--only", "small"))
     assert "small.pt is unreadable; retraining it" in log
     assert "distill.pt is unreadable; rewriting it" in log
-    succeeded(run("speculative.py", *fast("speculative.py", out, corpus)))
+    succeeded(run("sample.py", *fast("sample.py", out, corpus)))
 
 
 # -----------------------------------------------------------------------------
@@ -223,7 +224,7 @@ def things(tmp_path):
     ("bench.py", "--markdown", "folder", "is a folder, not a file"),
     ("bench.py", "--json", "under_a_file", "folder that does not exist"),
     ("bench.py", "--out-dir", "file", "is a file, not a folder"),
-    ("speculative.py", "--out-dir", "file", "is a file, not a folder"),
+    ("sample.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--out-dir", "under_a_file", "cannot be made"),
     ("data.py", "--out-dir", "file", "is a file, not a folder"),
@@ -255,7 +256,7 @@ COSTLY = {
     ("train.py", "--data", "file"), ("data.py", "--data", "file"),  # a text file is another corpus
 }
 # runs that succeed cost time
-GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "speculative.py": 5}
+GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "sample.py": 5}
 
 
 def sweep_flags(script):

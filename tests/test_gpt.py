@@ -1,14 +1,22 @@
-"""The target's KV cache: cached == uncached in float64, and rollback is exact; gpt.Linear's fast
-path computes what nn.Linear does."""
+"""The target's KV cache: cached == uncached in float64, and rollback is exact; cpu_speed's
+PackedLinear (what speed_up makes of every nn.Linear) computes what nn.Linear does."""
 
 import os
 
 import pytest
 import torch
 
+import gpt
+from checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint, state_hash
 from conftest import tiny_gpt
-from gpt import (CheckpointError, Linear, load_checkpoint, load_target, pack_weight,
-                 save_checkpoint, state_hash)
+from cpu_speed import PackedLinear, cpu_sdpa, pack_weight, speed_up
+
+
+@pytest.fixture
+def written_out(monkeypatch):
+    """gpt.attention's kernel as cpu_speed.enable() sets it: cpu_sdpa, the written-out path when
+    training on a CPU."""
+    monkeypatch.setattr(gpt, "sdpa", cpu_sdpa)
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +132,14 @@ def test_checkpoint_errors(tmp_path):
         load_checkpoint(str(other), "target")
 
 
-# gpt.Linear: a packed oneDNN product at float32 CPU inference, torch's own everywhere else
+# cpu_speed.PackedLinear: a packed oneDNN product at float32 CPU inference, torch's own everywhere
+# else
 
 
 def linear_pair(bias=True, dtype=torch.float32):
     torch.manual_seed(3)
-    lin = Linear(48, 80, bias=bias).to(dtype)
+    lin = speed_up(torch.nn.Linear(48, 80, bias=bias)).to(dtype)
+    assert type(lin) is PackedLinear  # speed_up converted it in place
     ref = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     ref.load_state_dict(lin.state_dict())
     return lin, ref
@@ -183,9 +193,10 @@ def test_linear_other_dtypes_use_torch_exactly():
 
 
 @pytest.mark.parametrize("case", ["causal", "none", "mask per head", "mask for all heads"])
-def test_training_attention_is_sdpa(case):
-    """gpt.attention writes attention out by hand when training on a CPU (gradients on); it must
-    compute what F.scaled_dot_product_attention does, values and gradients, in float64."""
+def test_training_attention_is_sdpa(case, written_out):
+    """gpt.attention under cpu_speed.enable() (cpu_sdpa) writes attention out by hand when
+    training on a CPU (gradients on); it must compute what F.scaled_dot_product_attention does,
+    values and gradients, in float64."""
     import torch.nn.functional as F
     from gpt import attention
     g = torch.Generator().manual_seed(5)
@@ -208,7 +219,7 @@ def test_training_attention_is_sdpa(case):
 
 @pytest.mark.parametrize("heads", [1, 3])  # one mask for all heads, one per head
 @pytest.mark.parametrize("grad", [True, False])  # the written-out path, SDPA
-def test_boolean_mask_hides_exactly_the_false_keys(grad, heads):
+def test_boolean_mask_hides_exactly_the_false_keys(grad, heads, written_out):
     """A boolean mask means True = may attend (SDPA's convention) in every path of gpt.attention;
     a written-out path that added it as 1.0/0.0 would mask nothing. Checked against softmax
     written from the definition, with the False keys left out, and against SDPA itself."""
@@ -234,7 +245,7 @@ def test_boolean_mask_hides_exactly_the_false_keys(grad, heads):
 
 
 @pytest.mark.parametrize("grad", [True, False])  # the written-out path, SDPA
-def test_is_causal_aligns_a_short_query_block_bottom_right(grad):
+def test_is_causal_aligns_a_short_query_block_bottom_right(grad, written_out):
     """is_causal with Tq < Tk: the queries are the last Tq positions (a block appended after
     cached keys), so query i sees keys 0..Tk-Tq+i. SDPA's own is_causal aligns top-left (query i
     sees keys 0..i) and would hide most of the cache from it."""

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import stages
+from checkpoint import CheckpointError, load_drafter, load_target
 from conftest import fit_mtp, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, head, mtp_loss
 from draft_small import total_variation
-from speculative import Sampler, load_drafter
-from gpt import CheckpointError, load_target
+from speculative import Sampler
 
 
 def seq_of(target, T, seed):
@@ -198,9 +199,9 @@ def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_p
     assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
     assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
     ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "joint")))
-    assert train.is_current(ctx, "mtp")  # so the mtp stage is skipped
+    assert stages.is_current(ctx, "mtp")  # so the mtp stage is skipped
     ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc")))
-    assert not train.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
+    assert not stages.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert post["mode"] == "posthoc" and post["target_hash"] == target_ckpt["model_hash"]

@@ -19,7 +19,8 @@ import bench
 import data
 import pretrained
 import train
-from gpt import GPT, GPTConfig, load_target
+from checkpoint import load_target
+from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

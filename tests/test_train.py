@@ -13,11 +13,14 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import data
-import speculative
+import devices
+import settings
+import stages
 import train
+from checkpoint import load_checkpoint, load_target
 from conftest import tiny_args
-from gpt import load_checkpoint, load_target
 
 
 def test_target_checkpoint_is_complete_and_learned(trained):
@@ -25,17 +28,17 @@ def test_target_checkpoint_is_complete_and_learned(trained):
     for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer",
                 "val_loss"):
         assert key in ckpt
-    assert ckpt["step"] == train.preset_values("tiny")["target_iters"]
+    assert ckpt["step"] == settings.preset_values("tiny")["target_iters"]
     # a random model scores about ln(V); training must have beaten that clearly
     assert ckpt["val_loss"] < math.log(ckpt["config"]["vocab_size"]) - 0.5
     assert not [f for f in os.listdir(trained) if ".tmp" in f or f.endswith(".resume.pt")]
     model, _ = load_target(str(trained / "target.pt"))
-    assert model.config.n_layer == train.preset_values("tiny")["n_layer"]
+    assert model.config.n_layer == settings.preset_values("tiny")["n_layer"]
 
 
 def test_every_stage_wrote_a_matching_checkpoint(trained):
     t = load_checkpoint(str(trained / "target.pt"), "target")
-    for stage in train.STAGES:
+    for stage in stages.STAGES:
         if stage == "target":
             continue
         ck = load_checkpoint(str(trained / f"{stage}.pt"), stage)
@@ -43,10 +46,10 @@ def test_every_stage_wrote_a_matching_checkpoint(trained):
 
 
 def test_existing_stages_are_skipped(trained, corpus, capsys):
-    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in stages.STAGES}
     train.main(tiny_args(corpus, trained))
     assert "exists, skipping" in capsys.readouterr().out
-    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in stages.STAGES}
 
 
 class Interrupt(Exception):
@@ -95,7 +98,7 @@ def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path
 
 def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
     train.main(tiny_args(corpus, tmp_path))
-    for stage in train.STAGES:
+    for stage in stages.STAGES:
         a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
@@ -133,7 +136,7 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
     # a copy: the shared fixture stays as it is
     trained = shutil.copytree(trained, tmp_path / "out")
     ck = load_checkpoint(str(trained / "distill.pt"), "distill")
-    P = train.preset_values("tiny")
+    P = settings.preset_values("tiny")
     assert tuple(ck["tokens"].shape) == (P["gen_seqs"], P["block_size"])
     target_hash = load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
     assert ck["settings"]["target"] == target_hash
@@ -148,7 +151,7 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
 
 
 def test_bf16_autocast_is_measured_and_can_be_forced_off(corpus, tmp_path):
-    assert train.fast_bf16("cpu") in (True, False) and train.fast_bf16("mps") is False
+    assert devices.fast_bf16("cpu") in (True, False) and devices.fast_bf16("mps") is False
     args = train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
     assert args.use_bf16 is False
     assert train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
@@ -162,7 +165,7 @@ def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, co
     train.main(tiny_args(corpus, out, "--only", "mtp", "--force", "--mtp-text", "data"))
     for stage in ("dflash", "mtp"):
         ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
-        P = train.preset_values("tiny")
+        P = settings.preset_values("tiny")
         assert ck["budget"]["steps"] == P[f"{stage}_iters"] + P.get(f"{stage}_narrow_iters", 0)
         assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
 
@@ -171,7 +174,7 @@ def test_dspark_branches_off_dflash_at_an_equal_step_budget(trained, corpus, tmp
     """--dspark-init dflash: DFlash saves its state after dflash_steps - dspark_iters steps
     (out/dflash.branch.pt) and DSpark starts there, so both have trained the same number of
     steps; a branch from another DFlash run is refused, naming the fix."""
-    P = train.preset_values("tiny")
+    P = settings.preset_values("tiny")
     branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
     steps = P["dflash_narrow_iters"] + P["dflash_iters"]
     assert branch["budget"]["steps"] == steps - P["dspark_iters"] >= 1
@@ -195,7 +198,7 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     those weights. DSpark's branch, taken in the narrow phase here, is widened when DSpark loads
     it. A process that dies after the narrow phase reruns only the full block, to the same
     weights."""
-    P = train.preset_values("tiny")
+    P = settings.preset_values("tiny")
     dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
     assert dflash["config"]["block"] == P["dflash_block"]
     assert dflash["state_dict"]["mask_emb"].size(0) == P["dflash_block"] - 1
@@ -234,7 +237,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     only, stored in out/dspark.pt beside the greedy ones; load_drafter hands them out for
     sampling only, their steps added to the budget. A run that dies in those steps resumes them
     without redoing DSpark's own, to the same weights; without sampled text there are none."""
-    P = train.preset_values("tiny")
+    P = settings.preset_values("tiny")
     dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
     tuned = dspark["sampled"]
     assert tuned["budget"]["steps"] == P["dspark_sampled_iters"]
@@ -242,7 +245,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     assert any(not torch.equal(tuned["state_dict"][k], v) for k, v in dspark["state_dict"].items())
     target, target_ckpt = load_target(str(trained / "target.pt"))
     for mode, want in (("greedy", dspark["state_dict"]), ("coupled", tuned["state_dict"])):
-        d = speculative.load_drafter("dspark", str(trained), target, target_ckpt, sampling=mode)
+        d = checkpoint.load_drafter("dspark", str(trained), target, target_ckpt, sampling=mode)
         assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
@@ -286,19 +289,13 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
 def test_every_setting_has_one_home_and_every_preset_value_parses():
     """Each setting is defined in exactly one table; each preset's value passes the setting's
     own flag type (so a preset can never hold a value the command line would refuse)."""
-    import draft_dflash
-    import draft_dspark
-    import draft_eagle
-    import draft_mtp
-    import draft_small
-    tables = [train.RUN, train.TARGET, train.SHARED, train.distill.SETTINGS, draft_small.SETTINGS,
-              draft_mtp.SETTINGS, draft_eagle.SETTINGS, draft_dflash.SETTINGS,
-              draft_dspark.SETTINGS]
+    tables = [settings.RUN, settings.TARGET, settings.SHARED, settings.DISTILL, settings.SMALL,
+              settings.MTP, settings.EAGLE, settings.DFLASH, settings.DSPARK]
     names = [n for t in tables for n in t]
-    assert len(names) == len(set(names)) == len(train.SETTINGS)
-    for preset in train.PRESETS:
-        for name, value in train.preset_values(preset).items():
-            s = train.SETTINGS[name]
+    assert len(names) == len(set(names)) == len(settings.SETTINGS)
+    for preset in settings.PRESETS:
+        for name, value in settings.preset_values(preset).items():
+            s = settings.SETTINGS[name]
             assert s.help, name
             if s.choices:
                 assert value in s.choices, (preset, name, value)
@@ -317,7 +314,7 @@ def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
     for preset in ("cpu", "quick", "tiny"):
         text = help_of("--preset", preset, "--device", "cpu")
         for name in ("dflash_iters", "target_iters", "gen_seqs"):
-            want = train.preset_values(preset)[name]
+            want = settings.preset_values(preset)[name]
             assert f"(default: {want}, preset {preset})" in text.split(
                 "--" + name.replace("_", "-"))[-1], (preset, name)
     text = help_of("--device", "cpu")
@@ -352,11 +349,15 @@ def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, 
 
 
 def test_no_drafter_file_imports_train_py():
-    """Each drafter's training gets what it needs from the Trainer object it is handed."""
+    """Each drafter's training (its stage in stages.py or stages_dflash.py) gets what it needs
+    from the Trainer object it is handed."""
     import ast
     import glob
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for path in glob.glob(os.path.join(root, "draft_*.py")):
+    paths = [p for pattern in ("draft_*.py", "stages*.py")
+             for p in glob.glob(os.path.join(root, pattern))]
+    assert {"stages.py", "stages_dflash.py"} <= {os.path.basename(p) for p in paths}
+    for path in paths:
         tree = ast.parse(open(path).read())
         imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                     for a in node.names}

@@ -1,0 +1,67 @@
+"""
+ablations.py -- the rows bench.py runs beside each drafter: the same drafter with one part
+switched off or another rule in charge, and the hybrid's ceiling.
+
+A drafter here knows nothing of benchmarks; these are copies of it that share its network and
+buffers (every generation starts with begin(), so they can), each with counts of its own:
+  DSpark     -full (no scheduler: verify the whole block), -threshold (the static rule),
+             -nomarkov (no Markov head: DFlash's parallel picks)
+  hybrid     -lookup (the lookup alone at the rule's length), -m1/-m4/-m8 (fixed rules: the
+             lookup where m >= 1, 4, 8 tokens match, else the learned drafter), and the oracle
+  batched DSpark (bench_batched.py): -cut, -goodput, -budget, -full, its other batch rules
+"""
+
+import copy
+
+from batched_dflash import BATCH_SCHEDULES
+from draft_dspark import DSparkDrafter
+from draft_hybrid import HybridDrafter
+from profiling import add_stats
+from speculative import Stats, generate_speculative
+
+MATCH_RULES = (1, 4, 8)  # the hybrid's fixed rules: lookup when m >= each of these
+
+
+def copies(drafter, rows, reset):
+    """{name: a copy of drafter with the attributes rows[name] changed, reset(copy) called}."""
+    out = {}
+    for name, changes in rows.items():
+        v = copy.copy(drafter)
+        v.__dict__.update(changes)
+        reset(v)  # its own counts and its own account
+        out[name] = v
+    return out
+
+
+def variants(drafter):
+    """The ablation rows of one batch-1 drafter ({} for most)."""
+    if isinstance(drafter, DSparkDrafter):
+        return copies(drafter, {"dspark-full": dict(schedule="full"),
+                                "dspark-threshold": dict(threshold=0.5, schedule="threshold"),
+                                "dspark-nomarkov": dict(markov=False)},
+                      DSparkDrafter.reset_account)
+    if isinstance(drafter, HybridDrafter):
+        rows = {"hybrid-lookup": dict(choices=("lookup",))}
+        rows.update({f"hybrid-m{m}": dict(rule="match", min_match=m) for m in MATCH_RULES})
+        return copies(drafter, rows, HybridDrafter.reset_record)
+    return {}
+
+
+def batch_variants(batch_dspark):
+    """The batched DSpark drafter under each other rule ("auto" is named "cut"): copies that share
+    its start-up profiles and its buffers."""
+    rows = {"dspark-" + ("cut" if s == "auto" else s): dict(schedule=s)
+            for s in BATCH_SCHEDULES if s != batch_dspark.schedule}
+    return copies(batch_dspark, rows, type(batch_dspark).new_account)
+
+
+def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
+    """The ceiling of any choice between the two drafts: the hybrid under its 'oracle' rule over
+    `prompts`, judged against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
+    oracle = copies(hybrid, {"oracle": dict(rule="oracle")}, HybridDrafter.reset_record)["oracle"]
+    total = Stats()
+    for prompt, ref in zip(prompts, refs):
+        oracle.reference = list(prompt) + list(ref)
+        add_stats(total, generate_speculative(target, oracle, prompt, max_new_tokens, k,
+                                       make_sampler())[1])
+    return {"tau": total.tau, "lookup_share": oracle.lookup_share}

@@ -1,0 +1,185 @@
+"""
+ragged.py -- many requests in one forward: a KV cache with a length per row, and the target's
+forward over it, applied to gpt.py's model from outside.
+
+gpt.py runs one sequence (or B of the same length) at one start position. Serving B requests at
+once (batched.py) needs each row at its own position, with its own number of new tokens:
+  RaggedCache  gpt.KVCache with a length per row, and per-row O(1) rollback
+  Ragged       where a forward's real tokens are: positions, the mask built from them, and
+               the packing that runs the Linears and MLPs on the real tokens only (Packing)
+  forward()    gpt.GPT.forward over a RaggedCache, the same weights and the same arithmetic
+               per row (the attention padded, everything else packed)
+"""
+
+import torch
+
+from gpt import chunk_mask, attention
+
+# -----------------------------------------------------------------------------
+# the cache and the batch layout
+
+
+class RaggedCache:
+    """gpt.KVCache for B rows that each have their own length (many requests at once).
+
+    lengths[r]: the valid positions of row r. A forward over a ragged batch writes row r's new
+    tokens at lengths[r].. and its padding slots after them: padding and stale K/V always sit past
+    every valid query of their row, so the mask built from positions never shows them (Ragged).
+    `slack` extra positions past the context window hold the padding of a row that is already
+    near the end of it. Rollback is per row and O(1), like KVCache's: a list of new lengths."""
+
+    def __init__(self, config, batch_size, device="cpu", dtype=torch.float32, slack=64):
+        hs = config.n_embd // config.n_head
+        self.max_len, self.slack = config.block_size + slack, slack
+        # (n_layer, B, nh, Tmax, hs)
+        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = [0] * batch_size
+
+    def rollback(self, ns):
+        """Row r forgets its positions >= ns[r]."""
+        if len(ns) != len(self.lengths) or not all(0 <= n <= m for n, m in zip(ns, self.lengths)):
+            raise ValueError(f"cannot roll back rows of lengths {self.lengths} to {list(ns)}")
+        self.lengths = list(ns)
+
+    def reset(self):
+        self.lengths = [0] * len(self.lengths)
+
+
+def bucket(n):
+    """n rounded up to one of a few sizes, four per octave (8, 16, 24, ..., 64, 80, 96, 112, 128,
+    160, ...). Why: oneDNN builds a kernel for every new row count it sees, about half a
+    millisecond a Linear, and a ragged batch would show it a new count almost every round
+    (docs/experiments.md: Batched: packing in buckets)."""
+    step = max(8, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+class Packing:
+    """The real slots of a (B, T, ...) batch whose row r has counts[r] real slots (then padding):
+      pack / unpack: (B, T, ...) <-> (N, ...) over the real slots, N = sum(counts) rounded up to
+      a bucket() size with padding slots. Linears and MLPs run on the packed rows, so their cost
+      follows the real tokens. Where that would save nothing (no padding, or a bucket as large
+      as the batch) both are the identity, and the whole padded batch runs."""
+
+    def __init__(self, counts, T, device):
+        self.B, self.T, self.counts = len(counts), T, list(counts)
+        self.index = None
+        n = bucket(sum(counts))
+        if n < self.B * T:
+            flat = [r * T + t for r, c in enumerate(counts) for t in range(c)]
+            pad = [r * T + t for r, c in enumerate(counts) for t in range(c, T)]
+            self.index = torch.tensor(flat + pad[:n - len(flat)], device=device, dtype=torch.long)
+
+    def pack(self, x):
+        """(B, T, ...) -> (N, ...), the real slots only."""
+        return x if self.index is None else x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x):
+        """(N, ...) -> (B, T, ...); the padding slots hold zeros or what the padding computed."""
+        if self.index is None:
+            return x
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.B, self.T, *x.shape[1:])
+
+    def last(self, x):
+        """x (B, T, ...) -> (B, 1, ...): each row's last real slot (slot 0 for a row with none)."""
+        idx = torch.tensor([max(c - 1, 0) for c in self.counts], device=x.device)
+        return x[torch.arange(self.B, device=x.device), idx][:, None]
+
+
+class Ragged(Packing):
+    """Where the real tokens of a ragged batch are: row r has counts[r] new tokens at absolute
+    positions starts[r]..; its other slots, up to T, are padding. Built once per forward and
+    handed to every layer (in place of an int `start`):
+      pos   (B, T) absolute position of every slot (padding continues its row's count)
+      mask  (B, 1, T, L) query at p may see key j iff j <= p: the cached prefix of its own row
+            and the new tokens before it. Padding and stale K/V sit past p, so never show.
+      pack / unpack (Packing): the Linears and the MLP run on the real tokens; only the attention
+            is padded."""
+
+    def __init__(self, starts, counts, T, device):
+        super().__init__(counts, T, device)
+        self.pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        self.L = max(starts) + T  # keys to attend over: through the last slot written
+        # every row at one position (always so at batch 1): the batch-1 path's slice writes and
+        # masks, which cost less than per-row indexing
+        self.start = starts[0] if len(set(starts)) == 1 else None
+        if self.start is not None:
+            self.mask = chunk_mask(self.start, T, device) if T > 1 else None
+        else:
+            self.mask = (torch.arange(self.L, device=device) <= self.pos[..., None])[:, None]
+        self.rows = torch.arange(self.B, device=device)[:, None, None]
+
+    def write(self, cache, new):
+        """Write new (B, nh, T, hs) into cache (B, nh, Tmax, hs) at every slot's position, padding
+        included (past its row's valid length: stale, overwritten later) -> the (B, nh, L, hs)
+        prefix to attend over."""
+        if self.start is not None:
+            cache[:, :, self.start:self.L] = new
+        else:
+            heads = torch.arange(new.size(1), device=new.device)[None, :, None]
+            cache.index_put_((self.rows, heads, self.pos[:, None, :]), new)  # faster than scatter_
+        return cache[:, :, :self.L]
+
+
+
+def new_cache(model, batch_size, device=None, dtype=None):
+    """A RaggedCache for `model` (a gpt.GPT), on its device and in its dtype unless told."""
+    p = model.lm_head.weight
+    return RaggedCache(model.config, batch_size, device or p.device, dtype or p.dtype)
+
+
+# -----------------------------------------------------------------------------
+# the target's forward over a ragged batch
+
+
+def attend(attn, x, kv, rag):
+    """gpt.CausalSelfAttention over a ragged batch: x, the real tokens packed, (N, C) (or
+    (B, T, C) with no padding); rag: where they are. The projections run on the packed rows; the
+    attention on the padded (B, nh, T, hs)."""
+    qkv = rag.unpack(attn.c_attn(x))  # (B, T, 3C)
+    B, T, C = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+    q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
+               for t in qkv.split(C, dim=2))  # each (B, nh, T, hs)
+    k, v = rag.write(kv[0], k), rag.write(kv[1], v)  # (B, nh, L, hs)
+    y = attention(q, k, v, rag.mask).transpose(1, 2).reshape(B, T, C)
+    return attn.resid_dropout(attn.c_proj(rag.pack(y)))
+
+
+def block(blk, x, kv, rag):
+    """gpt.Block over a ragged batch: the same two residual steps, attention by attend()."""
+    x = x + attend(blk.attn, blk.ln_1(x), kv, rag)
+    return x + blk.mlp(blk.ln_2(x))
+
+
+def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
+    """gpt.GPT.forward over a RaggedCache: row r's first counts[r] tokens of idx (B, T) are real
+    and go at positions cache.lengths[r]..; the rest is padding. The same logits and hidden
+    states (B, T, ...) as running each row alone (up to float rounding) at the real slots; the
+    padding slots hold zeros or what the padding computed (Packing). -> (logits, None, hiddens)."""
+    B, T = idx.size()
+    counts = list(counts) if counts is not None else [T] * B
+    starts, window = cache.lengths, model.config.block_size
+    if len(counts) != B or not all(0 <= c <= T for c in counts):
+        raise ValueError(f"counts {counts} do not fit a batch of {B} rows of {T} tokens")
+    if max(starts) + T > cache.max_len:  # padding slots too are written at their positions
+        raise ValueError(f"a ragged forward of {T} slots after {max(starts)} cached positions "
+                         f"overruns the cache ({cache.max_len} positions, its slack included)")
+    if any(s + c > window for s, c in zip(starts, counts)):
+        raise ValueError(f"sequence exceeds the context window of {window}")
+    rag = Ragged(starts, counts, T, idx.device)
+    pos = rag.pos.clamp_max(window - 1)  # a padding slot past the window: any position will do
+    x = rag.pack(model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(pos)))
+    hiddens = {0: rag.unpack(x)} if 0 in hidden_layers else {}
+    for i, blk in enumerate(model.transformer.h):
+        x = block(blk, x, (cache.k[i], cache.v[i]), rag)
+        if i + 1 in hidden_layers:
+            hiddens[i + 1] = rag.unpack(x)
+    cache.lengths = [s + c for s, c in zip(starts, counts)]
+    x = rag.unpack(model.transformer.ln_f(x))  # (B, T, C)
+    if last_only:
+        x = rag.last(x)
+    return model.lm_head(x), None, hiddens
+

@@ -1,0 +1,103 @@
+"""
+sample.py -- watch speculative decoding work: one prompt, one drafter, every round shown.
+
+speculative.py is the loop; this is its command line (nanoGPT's sample.py): it loads the target
+and a drafter from train.py's out/ folder, generates, and prints the text with each round's
+accepted drafts in green, the target's corrections in red and its free bonus tokens in blue,
+then tau and the acceptance by draft position.
+
+    python sample.py --prompt "def parse(" --method dflash
+"""
+
+import os
+import sys
+
+import cpu_speed
+import data
+from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
+from devices import pick_device, synchronize
+from settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
+from speculative import Sampler, generate_speculative, k_for
+
+
+def show(enc, prompt_ids, trace, color):
+    """Prompt, then each round: accepted drafts (green), the target's own token (red if it
+    corrected a draft, blue if it was a free bonus after full acceptance, plain if nothing was
+    drafted that round: `full` is None)."""
+    if color:
+        G, R, B, Z = "\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m"
+    else:
+        G, R, B, Z = "", "[", "{", ""
+    parts = [enc.decode(prompt_ids)]
+    for acc, tok, full in trace:
+        if acc:
+            parts.append(G + enc.decode(acc) + Z)
+        if full is None:  # a round with no draft (prompt lookup found no match): a plain step
+            parts.append(enc.decode([tok]))
+            continue
+        close = (Z if color else ("}" if full else "]"))
+        parts.append((B if full else R) + enc.decode([tok]) + close)
+    return "".join(parts)
+
+
+def build_parser():
+    p = ArgumentParser(description="Generate text with speculative decoding and show what was "
+                                   "drafted and kept.")
+    p.add_argument("--prompt", default="def parse(",
+                   help="the text to continue (default: %(default)r)")
+    p.add_argument("--method", default="small",
+                   help=f"drafter: {', '.join(DRAFTERS)} (default: small)")
+    p.add_argument("--k", type=number(int, 1), default=None,
+                   help="tokens drafted per round (default: the drafter's own)")
+    p.add_argument("--hybrid-with", default=HYBRID_WITH,
+                   help="with --method hybrid: the learned drafter it pairs with prompt lookup "
+                   "(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
+                   help="how many tokens to generate (default: %(default)s)")
+    add_sampling_flags(p)
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or mps (default: %(default)s)")
+    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                   help="where train.py put the checkpoints (default: %(default)s)")
+    p.add_argument("--no-color", action="store_true",
+                   help="mark tokens with [correction] and {bonus} instead of colors (default: "
+                   "colors on a terminal)")
+    return p
+
+
+def main(argv=None):
+    a = parse_args(build_parser(), argv)
+    cpu_speed.enable()
+    device = pick_device(a.device)
+    target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
+    enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
+    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
+                           hybrid_with=a.hybrid_with)
+    sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
+    ids = data.encode(enc, a.prompt)
+    trace = []
+    a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
+    out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
+                                      trace=trace, sync=lambda: synchronize(device))
+    color = sys.stdout.isatty() and not a.no_color
+    print(show(enc, ids, [([], out[0], False)] + trace, color))
+    print()
+    if len(out) < a.max_new_tokens:
+        print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
+              f"the target's context window)")
+    print(f"method {a.method}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
+          f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
+    print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))
+    print(f"time: draft {stats.draft_time * 1000:.0f} ms, verify {stats.verify_time * 1000:.0f} ms")
+    if color:
+        legend = "green = accepted draft, red = target's correction, blue = target's bonus"
+    else:
+        legend = "plain = accepted draft, [x] = target's correction, {x} = target's bonus"
+    print(legend)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
