@@ -408,7 +408,7 @@ def run(target, prompts, drafters, args, device, cache):
         same = [o == r for o, r in zip(outs[name], ref)]
         divergences += diverged(name, outs[name], ref, target, prompts)
         d, k = drafters.get(name, (None, 0))  # plain decoding drafts 0 tokens and trained nothing
-        res[name] = summarize(stats[name], k, d.budget if d else [], times[name], times["ar"],
+        res[name] = summarize(stats[name], k, getattr(d, "budget", []), times[name], times["ar"],
                               n_tokens, same)
         if hasattr(d, "lookup_share"):  # a hybrid: how often it copied (over the whole run)
             res[name]["lookup_share"] = d.lookup_share

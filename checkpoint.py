@@ -181,9 +181,7 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTERS)}")
     if name == "lookup":
-        lookup = LookupDrafter(target.config.vocab_size)
-        lookup.budget = []  # nothing trained
-        return lookup
+        return LookupDrafter(target.config.vocab_size)
     if name == "hybrid":
         if hybrid_with in ("lookup", "hybrid"):
             raise ValueError(f"the hybrid pairs prompt lookup with a learned drafter, not "

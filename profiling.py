@@ -10,9 +10,8 @@ import time
 import torch
 
 from devices import synchronize
+from draft_hybrid import LOOKUP_MAX
 from speculative import Sampler
-
-LOOKUP_MAX = 32  # the hybrid's longest verify (draft_hybrid.LOOKUP_MAX)
 
 
 def profile_verify(target, m_max, context=None, reps=9, between=None):
