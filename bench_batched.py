@@ -25,6 +25,7 @@ import statistics
 import torch
 
 from ablations import batch_variants
+from bench_report import Progress
 from batched import BatchSampler, generate_batched, generate_plain_batched
 from batched_drafters import batched
 from profiling import timed
@@ -159,8 +160,12 @@ def sweep(target, prompts, drafters, args, device):
                              Sampler(args.sampling, args.temperature, args.top_k, args.seed,
                                      device)) for p in prompts]
     results, divergences, match = {}, [], {}
+    progress = Progress({"row": 1.0})  # rows decoded: a rough weight (a row costs less in a batch)
+    for B in args.batch_size:
+        progress.plan(["row"], B * min(MAX_BATCHES, len(prompts) // B))
     for B in args.batch_size:
         times, outs, stats, batches = at_batch_size(B, target, prompts, table, args, device)
+        progress.did(["row"], sum(len(b) for b in batches))
         n_tokens = sum(len(o) for b in outs["ar"] for o in b)
         results[B], match[B] = {}, {}
         for name in table:
@@ -169,8 +174,8 @@ def sweep(target, prompts, drafters, args, device):
             found = against_batch_one(name, outs[name], batches, single, target)
             match[B][name] = 1 - len(found) / sum(len(b) for b in batches)
             divergences += [dict(d, batch_size=B) for d in found]
-        print(f"batch {B}: " + ", ".join(f"{n} {results[B][n]['speedup']:.2f}x" for n in table),
-              flush=True)
+        progress.line(f"batch {B}: " + ", ".join(f"{n} {results[B][n]['speedup']:.2f}x"
+                                                 for n in table))
     costs = getattr(table.get("dspark", (None,))[0], "costs", {})
     return {"batch_sizes": list(args.batch_size), "results": results,
             "divergences": divergences, "batch_one_match": match,

@@ -42,10 +42,28 @@ REFERENCES = [  # (method, what, the paper's figure, its source and setting, our
 ]
 
 
-def references(res):
-    """[{method, what, paper, source, ours}] for every reference whose methods ran."""
+HUMANEVAL = [  # the same, per benchmark: tau on HumanEval (bench.py --prompts humaneval)
+    ("dflash", "humaneval tau", "6.50 (block 16)",
+     "DFlash 2026, Table 1: Qwen3-8B, H200, temperature 0 (Qwen3-4B: 6.64)",
+     lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
+    ("eagle", "humaneval tau", "3.17-3.65 (tree)",
+     "EAGLE-3 as DFlash's baseline, DFlash 2026 Table 1: Qwen3-8B, H200, temperature 0, trees of "
+     "16 and 60 tokens", lambda m: f"{m['eagle']['tau']:.2f} (chain, k {m['eagle']['k']})"),
+    ("eagle", "humaneval tau", "6.74 (tree)",
+     "EAGLE-3 2025, Table 1: LLaMA-Instruct-3.1-8B, temperature 0, a tree of 60 draft tokens",
+     lambda m: f"{m['eagle']['tau']:.2f} (chain, k {m['eagle']['k']})"),
+    ("dspark", "humaneval tau", "5.52 (block 7)",
+     "DSpark 2026, Table 1: Qwen3-8B, temperature 1.0 (its own DFlash 4.64, EAGLE-3 4.33)",
+     lambda m: f"{m['dspark']['tau']:.2f} (block {m['dspark']['k'] + 1})"),
+]
+
+
+def references(res, prompts="validation"):
+    """[{method, what, paper, source, ours}] for every reference whose methods ran; on HumanEval
+    its per-benchmark figures too."""
     rows = []
-    for method, what, paper, source, ours in REFERENCES:
+    for method, what, paper, source, ours in REFERENCES + (HUMANEVAL if prompts == "humaneval"
+                                                           else []):
         try:
             rows.append({"method": method, "what": what, "paper": paper, "source": source,
                          "ours": ours(res)})

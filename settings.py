@@ -230,7 +230,7 @@ TARGET = {
     "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
     "n_head": setting(8, "target: attention heads per block", tiny=2),
     "n_embd": setting(256, "target: model width", cuda=512, tiny=32),
-    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=250, tiny=30),
+    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=120, tiny=30),
     "target_lr": setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3),
 }
 SHARED = {
@@ -239,11 +239,11 @@ SHARED = {
     "batch_size": setting(8, "sequences per optimizer step (every stage; under torchrun the "
                           "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4),
     "warmup": setting(60, "linear warmup steps before the cosine decay (every stage)",
-                      type=number(int, 0), cuda=200, tiny=5),
+                      type=number(int, 0), cuda=200, quick=20, tiny=5),
 }
 DISTILL = {
     "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=256,
+                        "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=128,
                         tiny=8),
     "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
                            "(so drafters see sampled text too)", type=number(float, 0, 1)),
@@ -258,7 +258,7 @@ SMALL = {
     "small_layers": setting(1, "small: number of blocks", cuda=2, gpt2=4),
     "small_embd": setting(128, "small: width", cuda=256, gpt2=384, tiny=16),
     "small_heads": setting(4, "small: attention heads", gpt2=6, tiny=2),
-    "small_iters": setting(500, "small: optimizer steps", cuda=2000, gpt2=6000, quick=100,
+    "small_iters": setting(500, "small: optimizer steps", cuda=2000, gpt2=6000, quick=60,
                            tiny=10),
     "small_lr": setting(3e-3, "small: peak learning rate", cuda=2e-3),
     "small_distill": setting(1.0, "small: weight of the KL-to-target loss (1 = pure "
@@ -276,7 +276,7 @@ MTP = {
                            "the last one"),
     "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
                           type=number(float, 0)),
-    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=250,
+    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=60,
                          tiny=10),
     "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
     "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
@@ -295,7 +295,7 @@ MTP = {
 }
 
 EAGLE = {
-    "eagle_iters": setting(2000, "eagle: optimizer steps", gpt2=6000, quick=250, tiny=10),
+    "eagle_iters": setting(2000, "eagle: optimizer steps", gpt2=6000, quick=60, tiny=10),
     "eagle_lr": setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3),
     "eagle_unroll": setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
                             "training-time test); 1 = teacher forcing only", tiny=3),
@@ -324,7 +324,7 @@ DFLASH = {
                               "sequence at the full block", cuda=32, quick=16, tiny=4),
     "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
                             "(DFlash trains --dflash-narrow-iters + these in all)",
-                            cuda=2000, gpt2=6000, quick=500, tiny=6),
+                            cuda=2000, gpt2=6000, quick=400, tiny=6),
     "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
                          quick=2e-3, tiny=3e-3),
     "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",
@@ -347,7 +347,7 @@ DSPARK = {
     "dspark_rank": setting(256, "dspark: rank r of the Markov head W1[x] W2 (the paper's 256)",
                            tiny=8),
     "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, gpt2=4000,
-                            quick=150, tiny=8),
+                            quick=120, tiny=8),
     "dspark_lr": setting(2e-3, "dspark: peak learning rate", cuda=1e-3, tiny=3e-3),
     "dspark_init": setting("dflash", "dspark: 'dflash' (the backbone starts from DFlash's own "
                            "training dspark_iters steps before its end, so both drafters get "
@@ -358,7 +358,7 @@ DSPARK = {
     "dspark_sampled_iters": setting(400, "dspark: steps of its sampling weights, a copy "
                                     "fine-tuned on the sampled share of the distillation set, "
                                     "which bench.py and sample.py draft with when sampling "
-                                    "(0: none)", type=number(int, 0), cuda=800, quick=50, tiny=4),
+                                    "(0: none)", type=number(int, 0), cuda=800, quick=20, tiny=4),
     "dspark_sampled_block": setting(5, "dspark: the block those steps train, anchor included "
                                     "(what a sampled round drafts is its first slots)",
                                     type=number(int, 2), tiny=3),

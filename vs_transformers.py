@@ -22,7 +22,7 @@ import time
 import torch
 
 import data
-from bench import read_prompts
+from prompt_sets import read_jsonl
 from checkpoint import CheckpointError, load_target
 from draft_lookup import LookupDrafter
 from settings import ArgumentParser, number, path_arg
@@ -102,7 +102,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     target, _ = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
     enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
-    prompts = read_prompts(args.prompts, enc)
+    prompts = read_jsonl(args.prompts, enc)
     longest = max(len(p) for p in prompts)
     if longest >= target.config.block_size:
         raise ValueError(f"a prompt has {longest} tokens but the context window is "

