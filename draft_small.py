@@ -49,6 +49,7 @@ class DraftModel(Drafter):
     @torch.inference_mode()
     def propose(self, k, sampler):
         S = self.seq.numel()
+        self.cache.rollback(min(self.cache.length, S - 1))  # a propose before this one: undo it
         # the confirmed tokens not yet in the cache (at least one)
         pending = self.seq[self.cache.length:].view(1, -1)
         drafts, qs = [], []

@@ -255,10 +255,10 @@ class Drafter:
     last (that one is the first input of the next verify pass).
 
     begin(tokens, hidden)       a new sequence. tokens (1, n); hidden {layer: (1, n-1, d)}.
-    propose(k, sampler)         draft up to k tokens after the confirmed sequence ->
-                                (tokens (k',), q (k', V) or None), 0 <= k' <= k: a scheduler
-                                may choose to verify fewer, and a drafter with nothing to offer
-                                drafts none (the round is a plain step).
+    propose(k, sampler)         draft up to k tokens after the confirmed sequence (also again
+                                before a commit, each call as if the first: a profile does) ->
+                                (tokens (k',), q (k', V) or None), 0 <= k' <= k: fewer where a
+                                scheduler verifies fewer or the drafter has nothing to offer.
     commit(n, new, hidden)      n of the k drafts survived; `new` (n+1,) = those n plus the target's
                                 own token; hidden {layer: (1, n+1, d)} = the target's states at the
                                 n+1 positions that just became 'all but the last'.

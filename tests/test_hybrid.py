@@ -9,7 +9,8 @@ import torch
 
 from ablations import oracle_stats
 from conftest import DRAFTER_FACTORIES, make_hybrid
-from draft_hybrid import Costs, Record, best_round, bucket, outcome, EDGES
+from draft_hybrid import Costs, Record, best_round, bucket, outcome, EDGES, LOOKUP_MAX
+from profiling import profile_hybrid
 from speculative import Sampler, generate_plain, generate_speculative
 
 LEARNED = ["small", "mtp", "eagle", "dflash", "dspark"]
@@ -30,6 +31,20 @@ def test_rounds_that_switch_drafters_are_token_identical(target, learned, mode):
         assert got == want
         assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12)
     assert h.rounds["lookup"] > 5 and h.rounds["learned"] > 5
+
+
+@pytest.mark.parametrize("learned", LEARNED)
+def test_the_start_up_profile_runs_with_every_learned_partner(target, learned):
+    """checkpoint.load_drafter profiles the hybrid's partner (several proposes after one begin,
+    no commit); with small, MTP or EAGLE-3 that crashed at start-up (issue 44). Then it drafts
+    exactly."""
+    d = DRAFTER_FACTORIES[learned](target)
+    t_verify, t_draft = profile_hybrid(d, target, reps=2)
+    assert len(t_verify) == LOOKUP_MAX + 2 and t_draft > 0
+    h = make_hybrid(target, d)
+    for p in PROMPTS[:3]:
+        want = generate_plain(target, p, 30, Sampler("greedy"))
+        assert generate_speculative(target, h, p, 30, 8, Sampler("greedy"))[0] == want
 
 
 @pytest.mark.parametrize("learned", LEARNED)

@@ -36,6 +36,29 @@ def test_greedy_is_token_identical(target, drafter_name, k):
     assert rounds > 0
 
 
+class ProposeTwice:
+    """A drafter whose every round proposes twice before the commit, as a start-up profile does
+    (profiling.profile_propose): the second call must draft as if it were the first."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, k, sampler):
+        self.drafter.propose(k, sampler)
+        return self.drafter.propose(k, sampler)
+
+
+def test_propose_again_before_a_commit_keeps_greedy_exact(target, drafter_name):
+    drafter = ProposeTwice(DRAFTER_FACTORIES[drafter_name](target))
+    for i, p in enumerate(prompts(6, target.config.vocab_size)):
+        ref = generate_plain(target, p, 40, Sampler("greedy"))
+        out, _ = generate_speculative(target, drafter, p, 40, 4, Sampler("greedy"))
+        assert out == ref, f"prompt {i}"
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temperature):
     drafter = DRAFTER_FACTORIES[drafter_name](target)
