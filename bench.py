@@ -493,6 +493,10 @@ def main_batched(args):
     OUT_DIR/serving.png."""
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
+    twice = sorted({B for B in args.batch_size if args.batch_size.count(B) > 1})
+    if twice:
+        raise ValueError(f"--batch-size lists {', '.join(map(str, twice))} more than once: give "
+                         "each batch size once")
     device, target, prompts, drafters = load(args)
     if max(args.batch_size) > len(prompts):
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "

@@ -183,7 +183,7 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
     if name == "lookup":
         return LookupDrafter(target.config.vocab_size)
     if name == "hybrid":
-        if hybrid_with in ("lookup", "hybrid"):
+        if hybrid_with not in DRAFTERS or hybrid_with in ("lookup", "hybrid"):
             raise ValueError(f"the hybrid pairs prompt lookup with a learned drafter, not "
                              f"{hybrid_with!r}: choose from "
                              f"{', '.join(n for n in DRAFTERS if n not in ('lookup', 'hybrid'))}")

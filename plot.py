@@ -146,7 +146,8 @@ def draw_serving(results, path):
     from matplotlib.figure import Figure
 
     s = results["serving"]
-    Bs, res = s["batch_sizes"], s["results"]
+    # keyed by batch size: ints in the run's dict, strings once through JSON
+    Bs, res = s["batch_sizes"], {int(B): r for B, r in s["results"].items()}
     names = [n for n in res[Bs[0]] if n != "ar"]
     color = colors(["ar", *names])
     style = {n: "-" if n in ("dspark", "dspark-cut", "dspark-goodput") else
@@ -298,7 +299,13 @@ def main(argv=None):
             results = json.load(f)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: cannot read {args.json}: {e}")
-    if not save(results, args.image or os.path.splitext(args.json)[0] + ".png"):
+    try:
+        drawn = save(results, args.image or os.path.splitext(args.json)[0] + ".png")
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        raise SystemExit(f"error: {args.json} is not a results file bench.py wrote "
+                         f"({type(e).__name__}: {e}): give plot.py OUT_DIR/bench.json or "
+                         "OUT_DIR/serving.json")
+    if not drawn:
         raise SystemExit(1)
 
 

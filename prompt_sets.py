@@ -30,7 +30,7 @@ def read_jsonl(path, enc):
     if not os.path.exists(path):
         raise ValueError(f"--prompts file {path} not found")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is allowed
             lines = f.readlines()
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
@@ -42,11 +42,14 @@ def read_jsonl(path, enc):
         try:
             obj = json.loads(line)
             text = obj["prompt"]
-            if not isinstance(text, str) or not text:
+            if not isinstance(text, str):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             raise ValueError(f'{path} line {i} is not a JSON object like '
                              '{"prompt": "some text"}') from None
+        if not text:
+            raise ValueError(f"{path} line {i} has an empty prompt: give it some text or drop "
+                             "the line")
         prompts.append(data.encode(enc, text))
     if not prompts:
         raise ValueError(f"--prompts file {path} holds no prompts")

@@ -191,6 +191,8 @@ def test_the_serving_sweep_runs_every_method_exact_at_every_batch_size(trained, 
                       "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])
     s = json.loads((tmp_path / "s.json").read_text())["serving"]
     assert s["batch_sizes"] == [1, 2, 4] and (tmp_path / "s.png").exists()
+    plot.main([str(tmp_path / "s.json"), str(tmp_path / "again.png")])  # the README's redraw
+    assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     names = set(out["serving"]["results"][1])
     assert {"ar", "dspark", "dspark-cut", "dspark-goodput", "dspark-full", "lookup"} <= names
     for B in ("1", "2", "4"):

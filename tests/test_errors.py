@@ -230,3 +230,28 @@ def test_same_seed_same_text(out):
     # the generated text, without the timings
     text = [o.split("\nmethod ")[0] for o in (first[1], second[1])]
     assert first[0] == 0 and text[0] == text[1] and len(text[0]) > len("def parse(")
+
+
+def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(trained,
+                                                                              tmp_path):
+    """Issue 44: a BOM (as Windows editors write UTF-8) is valid input; an empty prompt gets its
+    own message, not the one for a line that is not JSON."""
+    import data
+    import prompt_sets
+    enc = data.encoding_of(data.load_build(str(trained)))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "def f(x):"}\n')
+    assert prompt_sets.read_jsonl(str(bom), enc) == [data.encode(enc, "def f(x):")]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    with pytest.raises(ValueError, match="line 2 has an empty prompt"):
+        prompt_sets.read_jsonl(str(empty), enc)
+
+
+def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(trained, capsys):
+    with pytest.raises(ValueError, match="lists 2 more than once"):
+        bench.main(["--out-dir", str(trained), "--batch-size", "1,2,2", "--n-prompts", "4"])
+    rc, _, err = cli("bench.py", "--out-dir", str(trained), "--methods", "ar,hybrid",
+                     "--hybrid-with", "nosuch")
+    one_clear_error(rc, err, "pairs prompt lookup with a learned drafter, not 'nosuch'")
+    assert "lookup" not in err.split("choose from")[1]

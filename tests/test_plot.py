@@ -158,3 +158,13 @@ def test_run_metadata():
     assert bench_report.machine("cpu")
     c = bench_report.commit()
     assert c is None or (isinstance(c, str) and c)
+
+
+@pytest.mark.parametrize("foreign", [{"methods": 3}, {"serving": {"batch_sizes": [1]}}, [1, 2],
+                                     {"methods": {"ar": {"speedup": 1.0}}}])
+def test_plot_py_on_a_json_of_another_shape_is_one_error_line(tmp_path, foreign):
+    src = tmp_path / "other.json"
+    src.write_text(json.dumps(foreign))
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(src)])
+    assert str(e.value.code).startswith("error: ") and "OUT_DIR/bench.json" in str(e.value.code)
