@@ -72,7 +72,7 @@ import data
 import papers
 import prompt_sets
 from bench_batched import margin_at
-from bench_report import Progress, commit, machine, print_report, write, write_serving
+from bench_report import Progress, commit, machine, print_report, write
 from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from devices import pick_device, synchronize
 from profiling import add_stats, timed
@@ -493,10 +493,6 @@ def main_batched(args):
     OUT_DIR/serving.png."""
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
-    twice = sorted({B for B in args.batch_size if args.batch_size.count(B) > 1})
-    if twice:
-        raise ValueError(f"--batch-size lists {', '.join(map(str, twice))} more than once: give "
-                         "each batch size once")
     device, target, prompts, drafters = load(args)
     if max(args.batch_size) > len(prompts):
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
@@ -511,7 +507,7 @@ def main_batched(args):
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}
     print()
     print(bench_batched.report(serving))
-    write_serving(out, args)
+    write(out, args, "serving")
     return out
 
 

@@ -147,30 +147,19 @@ def print_report(out, header):
     print("\n" + markdown(out["methods"]))
 
 
-def write(out, args):
+def write(out, args, stem="bench"):
     """The files: the JSON and the figure, by default beside the checkpoints (OUT_DIR/bench.json
-    and OUT_DIR/bench.png, so that `python plot.py out/bench.json` redraws the figure; '' skips
-    either), and the markdown table when asked for."""
-    path = os.path.join(args.out_dir, "bench.json") if args.json is None else args.json
+    and OUT_DIR/bench.png, so that `python plot.py out/bench.json` redraws the figure; the serving
+    sweep's stem is "serving"; '' skips either), and the one-request bench's markdown table when
+    asked for."""
+    path = os.path.join(args.out_dir, f"{stem}.json") if args.json is None else args.json
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=2)
         print(f"results: {path}")
-    if args.markdown:
+    if args.markdown and "methods" in out:
         with open(args.markdown, "w") as f:
             f.write(markdown(out["methods"]) + "\n")
-    path = os.path.join(args.out_dir, "bench.png") if args.plot is None else args.plot
+    path = os.path.join(args.out_dir, f"{stem}.png") if args.plot is None else args.plot
     if path:
         plot.save(out, path)  # without matplotlib: one line saying how to get it, no crash
-
-
-def write_serving(out, args):
-    """The serving sweep's files: OUT_DIR/serving.json and OUT_DIR/serving.png by default."""
-    path = os.path.join(args.out_dir, "serving.json") if args.json is None else args.json
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"results: {path}")
-    path = os.path.join(args.out_dir, "serving.png") if args.plot is None else args.plot
-    if path:
-        plot.save(out, path)

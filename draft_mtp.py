@@ -357,8 +357,8 @@ class MTPDrafter(Drafter):
         drafts, qs = [], []
         # a propose before this one (no commit between): back to the exact entries, and each
         # module re-runs at least index S-2, whose output drafts (after a commit: no change)
-        for k_, c in enumerate(self.caches, start=1):
-            c.rollback(max(0, min(c.length, S - max(k_, 2))))
+        for j, c in enumerate(self.caches, start=1):
+            c.rollback(max(0, min(c.length, S - max(j, 2))))
 
         def draft(out, position):
             tok, q = sampler.draft(head(self.target, out), [position])

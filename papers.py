@@ -6,16 +6,29 @@ what a 1-token step does. The rows say so, each with its source and setting.
 """
 
 
+def tau_block(name):
+    """Our tau beside the block it drafts with (k drafts after the anchor)."""
+    return lambda m: f"{m[name]['tau']:.2f} (block {m[name]['k'] + 1})"
+
+
+def tau_chain(name):
+    """Our tau beside the chain's length (the papers' EAGLE-3 drafts a tree)."""
+    return lambda m: f"{m[name]['tau']:.2f} (chain, k {m[name]['k']})"
+
+
+def speedup(name):
+    return lambda m: f"{m[name]['speedup']:.2f}x"
+
+
 REFERENCES = [  # (method, what, the paper's figure, its source and setting, our figure from res)
     ("dflash", "tau", "6.49 (block 16)",
      "DFlash, Chen et al. 2026: Qwen3-8B, H200, temperature 0, average of its benchmarks",
-     lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
-    ("dflash", "speedup", "4.86x", "DFlash, same setting",
-     lambda m: f"{m['dflash']['speedup']:.2f}x"),
+     tau_block("dflash")),
+    ("dflash", "speedup", "4.86x", "DFlash, same setting", speedup("dflash")),
     ("eagle", "tau", "2.96-3.40", "EAGLE-3 as DFlash's baseline: Qwen3-8B, H200, temperature 0",
      lambda m: f"{m['eagle']['tau']:.2f} (k {m['eagle']['k']})"),
     ("eagle", "speedup", "1.76-2.02x", "EAGLE-3 as DFlash's baseline, same setting",
-     lambda m: f"{m['eagle']['speedup']:.2f}x"),
+     speedup("eagle")),
     ("dflash", "speedup over eagle", "up to 2.5x", "DFlash's speedup over EAGLE-3's, same setting",
      lambda m: f"{m['dflash']['speedup'] / m['eagle']['speedup']:.2f}x"),
     ("dspark", "tau over eagle", "+27-31% (block 7)",
@@ -29,9 +42,9 @@ REFERENCES = [  # (method, what, the paper's figure, its source and setting, our
      "DeepSeek-V3 tech report: one MTP module, across generation topics",
      lambda m: f"{m['mtp-k1']['per_position_acceptance'][0]:.0%}"),
     ("mtp", "speedup", "1.8x tokens/s", "DeepSeek-V3 tech report, same setting",
-     lambda m: f"{m['mtp']['speedup']:.2f}x"),
+     speedup("mtp")),
     ("small", "speedup", "2-3x", "Leviathan et al. 2023: T5-XXL (11B) target, small T5 drafters",
-     lambda m: f"{m['small']['speedup']:.2f}x"),
+     speedup("small")),
     ("hybrid", "speedup over lookup", "+3-11% (over EAGLE-2)",
      "SAM-Decoding 2024: suffix automaton or EAGLE-2 by match length, Vicuna-7B, A100; "
      "SuffixDecoding 2024: up to 2.8x EAGLE-2/3 on agentic tasks",
@@ -44,17 +57,16 @@ REFERENCES = [  # (method, what, the paper's figure, its source and setting, our
 
 HUMANEVAL = [  # the same, per benchmark: tau on HumanEval (bench.py --prompts humaneval)
     ("dflash", "humaneval tau", "6.50 (block 16)",
-     "DFlash 2026, Table 1: Qwen3-8B, H200, temperature 0 (Qwen3-4B: 6.64)",
-     lambda m: f"{m['dflash']['tau']:.2f} (block {m['dflash']['k'] + 1})"),
+     "DFlash 2026, Table 1: Qwen3-8B, H200, temperature 0 (Qwen3-4B: 6.64)", tau_block("dflash")),
     ("eagle", "humaneval tau", "3.17-3.65 (tree)",
      "EAGLE-3 as DFlash's baseline, DFlash 2026 Table 1: Qwen3-8B, H200, temperature 0, trees of "
-     "16 and 60 tokens", lambda m: f"{m['eagle']['tau']:.2f} (chain, k {m['eagle']['k']})"),
+     "16 and 60 tokens", tau_chain("eagle")),
     ("eagle", "humaneval tau", "6.74 (tree)",
      "EAGLE-3 2025, Table 1: LLaMA-Instruct-3.1-8B, temperature 0, a tree of 60 draft tokens",
-     lambda m: f"{m['eagle']['tau']:.2f} (chain, k {m['eagle']['k']})"),
+     tau_chain("eagle")),
     ("dspark", "humaneval tau", "5.52 (block 7)",
      "DSpark 2026, Table 1: Qwen3-8B, temperature 1.0 (its own DFlash 4.64, EAGLE-3 4.33)",
-     lambda m: f"{m['dspark']['tau']:.2f} (block {m['dspark']['k'] + 1})"),
+     tau_block("dspark")),
 ]
 
 

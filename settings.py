@@ -140,11 +140,17 @@ def add_settings(parser, groups, preset):
 
 
 def number_list(kind=int, lo=1):
-    """An argparse type: comma-separated numbers, each >= lo ('' for none)."""
+    """An argparse type: comma-separated numbers, each >= lo and each once ('' for none): a value
+    listed twice would be measured twice, the second overwriting the first."""
     one = number(kind, lo)
 
     def parse(text):
-        return [one(t.strip()) for t in text.split(",") if t.strip()]
+        values = [one(t.strip()) for t in text.split(",") if t.strip()]
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{text!r} lists {', '.join(map(str, twice))} more "
+                                             "than once: give each value once")
+        return values
     parse.__name__ = "list"
     return parse
 

@@ -12,6 +12,8 @@ import torch
 
 import bench
 import checkpoint
+import data
+import prompt_sets
 from checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
 from devices import pick_device
 
@@ -236,8 +238,6 @@ def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(t
                                                                               tmp_path):
     """Issue 44: a BOM (as Windows editors write UTF-8) is valid input; an empty prompt gets its
     own message, not the one for a line that is not JSON."""
-    import data
-    import prompt_sets
     enc = data.encoding_of(data.load_build(str(trained)))
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "def f(x):"}\n')
@@ -249,8 +249,12 @@ def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(t
 
 
 def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(trained, capsys):
-    with pytest.raises(ValueError, match="lists 2 more than once"):
-        bench.main(["--out-dir", str(trained), "--batch-size", "1,2,2", "--n-prompts", "4"])
+    """A list flag names each value once (settings.number_list: --batch-size, --sweep and
+    pretrained.py's --sizes alike)."""
+    for flag in ("--batch-size", "--sweep"):
+        with pytest.raises(SystemExit):
+            bench.main(["--out-dir", str(trained), flag, "1,2,2", "--n-prompts", "4"])
+        assert "lists 2 more than once" in capsys.readouterr().err
     rc, _, err = cli("bench.py", "--out-dir", str(trained), "--methods", "ar,hybrid",
                      "--hybrid-with", "nosuch")
     one_clear_error(rc, err, "pairs prompt lookup with a learned drafter, not 'nosuch'")
