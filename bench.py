@@ -57,7 +57,6 @@ Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "ds
 "hybrid-m4") and "mtp-k1".
 """
 
-import argparse
 import os
 import random
 import statistics
@@ -70,14 +69,15 @@ import bench_batched
 import cpu_speed
 import data
 import papers
+import plot
 import prompt_sets
 from bench_batched import margin_at
-from bench_report import Progress, commit, machine, print_report, write
+from bench_report import Progress, check_outputs, commit, machine, print_report, write
 from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from devices import pick_device, synchronize
 from profiling import add_stats, timed
-from settings import (ArgumentParser, add_sampling_flags, number, number_list, parse_args,
-                      path_arg)
+from settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
+                      parse_args, path_arg)
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
@@ -123,13 +123,6 @@ def make_sampler(args, target):
 # main
 
 
-def plot_path(text):
-    """--plot: '' (no figure) or an image file to write, checked before the run, not after it."""
-    if text and os.path.splitext(text)[1].lower() not in (".png", ".svg", ".pdf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a .png, .svg or .pdf file name")
-    return text and path_arg("out")(text)
-
-
 def json_path(text):
     """--json: '' (no JSON) or a file to write, checked before the run."""
     return text and path_arg("out")(text)
@@ -166,7 +159,7 @@ def build_parser():
 
 
 def add_run_flags(g):
-    g.add_argument("--methods", default=None,
+    g.add_argument("--methods", type=name_list(["ar", *DRAFTERS]), default=None,
                    help=f"comma list from ar,{','.join(DRAFTERS)} (default: every trained one)")
     g.add_argument("--full", action="store_true",
                    help=f"everything: {FULL['n_prompts']} prompts, {FULL['repeats']} repeats, the "
@@ -216,7 +209,7 @@ def add_measurement_flags(g):
 
 
 def add_output_flags(g):
-    g.add_argument("--out-dir", type=path_arg("dir"), default="out",
+    g.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
                    help="where train.py put the checkpoints, and where the JSON and the figure "
                    "go by default (default: %(default)s)")
     g.add_argument("--json", type=json_path, default=None,
@@ -224,28 +217,42 @@ def add_output_flags(g):
                    "(default: OUT_DIR/bench.json; '' to skip)")
     g.add_argument("--markdown", type=path_arg("out"), default=None,
                    help="write a markdown results table here (default: none)")
-    g.add_argument("--plot", type=plot_path, default=None,
+    g.add_argument("--plot", type=plot.image_path, default=None,
                    help="draw the figure to this image file, e.g. a .png "
                    "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
 
 
-def load(args):
-    """The flags -> (device, target, prompts, drafters), every check made before anything runs."""
+def load(args, stem="bench"):
+    """The flags -> (device, target, prompts, drafters), every check made before anything runs
+    (the output files `stem`.json and .png, too)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
     if args.prompts == prompt_sets.HUMANEVAL:
         prompt_sets.check_humaneval()  # before minutes of loading, not after
-    wanted = args.methods.split(",") if args.methods else ["ar", *DRAFTERS]
-    for m in wanted:
-        if m != "ar" and m not in DRAFTERS:
-            raise ValueError(f"unknown method {m!r}: choose from ar, {', '.join(DRAFTERS)}")
+    wanted = args.methods or ["ar", *DRAFTERS]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
+    check_outputs(args, stem)
     enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
     prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.block_size)
+    fit_new_tokens(args, prompts, target.config.block_size)
     return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
+
+
+def fit_new_tokens(args, prompts, block_size):
+    """Every prompt gets the same number of new tokens, so the header and the JSON say how many
+    ran: --max-new-tokens, or what the context window leaves after the longest prompt."""
+    room = block_size - max(len(p) for p in prompts)
+    if room < 1:  # only --prompt-len can get here: a prompts file's long prompts are refused
+        raise ValueError(f"--prompt-len {args.prompt_len} leaves no room for a new token in the "
+                         f"target's context window ({block_size}): give at most {block_size - 1}")
+    if args.max_new_tokens > room:
+        print(f"note: --max-new-tokens {args.max_new_tokens} does not fit in the target's context "
+              f"window ({block_size}) after the longest prompt ({block_size - room} tokens): "
+              f"{room} new tokens per prompt")
+        args.max_new_tokens = room
 
 
 def load_drafters(wanted, args, target, target_ckpt, device, dtype):
@@ -493,7 +500,7 @@ def main_batched(args):
     OUT_DIR/serving.png."""
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
-    device, target, prompts, drafters = load(args)
+    device, target, prompts, drafters = load(args, "serving")
     if max(args.batch_size) > len(prompts):
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
                          "prompts: raise --n-prompts or lower --batch-size")

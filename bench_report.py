@@ -4,6 +4,7 @@ runs are done, the tables, the papers' figures beside ours, the divergences, the
 the JSON and the figure, and the machine and commit every number is named with.
 """
 
+import argparse
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import time
 import torch
 
 import plot
+from settings import path_arg
 
 
 def machine(device):
@@ -147,19 +149,42 @@ def print_report(out, header):
     print("\n" + markdown(out["methods"]))
 
 
+def outputs(args, stem="bench"):
+    """{flag: file} that write() writes, '' or None for none: by default the JSON and the figure
+    beside the checkpoints (OUT_DIR/bench.json and OUT_DIR/bench.png, so that `python plot.py
+    out/bench.json` redraws the figure; the serving sweep's stem is "serving"), and the
+    one-request bench's markdown table when asked for."""
+    return {"--json": os.path.join(args.out_dir, f"{stem}.json") if args.json is None else args.json,
+            "--plot": os.path.join(args.out_dir, f"{stem}.png") if args.plot is None else args.plot,
+            "--markdown": args.markdown if stem == "bench" else None}
+
+
+def check_outputs(args, stem="bench"):
+    """Refuse, before minutes of benchmarking, a file write() could not write at the end."""
+    for flag, path in outputs(args, stem).items():
+        try:
+            path and path_arg("out")(path)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{flag} {e}: pass {flag} with a file you can write"
+                             + ("" if flag == "--markdown" else f", or {flag} '' to skip it"))
+
+
 def write(out, args, stem="bench"):
-    """The files: the JSON and the figure, by default beside the checkpoints (OUT_DIR/bench.json
-    and OUT_DIR/bench.png, so that `python plot.py out/bench.json` redraws the figure; the serving
-    sweep's stem is "serving"; '' skips either), and the one-request bench's markdown table when
-    asked for."""
-    path = os.path.join(args.out_dir, f"{stem}.json") if args.json is None else args.json
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"results: {path}")
-    if args.markdown and "methods" in out:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(out["methods"]) + "\n")
-    path = os.path.join(args.out_dir, f"{stem}.png") if args.plot is None else args.plot
-    if path:
-        plot.save(out, path)  # without matplotlib: one line saying how to get it, no crash
+    """The files of outputs(); one that still cannot be written ends in an error line after the
+    others are written (the results are on the screen above it)."""
+    failed = []
+    for flag, path in outputs(args, stem).items():
+        if not path or (flag == "--markdown" and "methods" not in out):
+            continue
+        try:
+            if flag == "--plot":
+                plot.save(out, path)  # without matplotlib: one line saying how to get it
+                continue
+            with open(path, "w") as f:
+                f.write(json.dumps(out, indent=2) if flag == "--json"
+                        else markdown(out["methods"]) + "\n")
+            print(f"results: {path}" if flag == "--json" else f"table: {path}")
+        except OSError as e:
+            failed.append(f"{path} ({e.strerror or e})")
+    if failed:
+        raise ValueError(f"could not write {', '.join(failed)}; the results are printed above")

@@ -423,6 +423,29 @@ def encoding_of(info: dict) -> tiktoken.Encoding:
     return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
 
+def _wanted(data, vocab_size, tokenizer, given) -> dict:
+    """What a build records of how it was made; one recording other values is rebuilt."""
+    source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
+    return {"format": FORMAT, "pattern": given[1] if given else PAT, "source": source,
+            "fingerprint": _fingerprint(data),
+            "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
+            "tokenizer": tokenizer, **({"given_ranks": ranks_hash(given[0])} if given else {})}
+
+
+def _keep_trained(out: pathlib.Path, want: dict, force: bool):
+    """A rebuild for other data or another tokenizer would leave out/target.pt (trained on this
+    build, and every drafter with it) behind: refused unless force. (A damaged build is rebuilt
+    byte for byte: the target still belongs to it.)"""
+    try:
+        changed = [_WHAT[k] for k, v in want.items() if read_meta(out).get(k) != v]
+    except DataError:
+        return
+    if changed and not force and (out / "target.pt").exists():
+        raise DataError(f"{out / 'target.pt'} was trained on the build in {out}, which "
+                        f"{' and '.join(changed)} changing would replace: pass --force to "
+                        "rebuild it and retrain every stage, or pick another --out-dir")
+
+
 def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
     """The meta of an earlier build of the same data and settings whose files are intact; else None,
     after a one-line notice of why it is rebuilt."""
@@ -444,8 +467,9 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
-                 verbose=True, given=None) -> dict:
-    """given: for tokenizer 'pretrained', (mergeable ranks, split pattern, their folder)."""
+                 verbose=True, given=None, force=False) -> dict:
+    """given: for tokenizer 'pretrained', (mergeable ranks, split pattern, their folder).
+    force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
     if tokenizer not in KINDS or (tokenizer == "pretrained") != (given is not None):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
@@ -457,11 +481,8 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     if blocked:  # writing over a folder would only fail at the end, half done
         raise DataError(f"{blocked[0]} is a folder where data.py writes a file; move it away or "
                         "pick another --out-dir")
-    source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
-    want = {"format": FORMAT, "pattern": given[1] if given else PAT, "source": source,
-            "fingerprint": _fingerprint(data),
-            "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
-            "tokenizer": tokenizer, **({"given_ranks": ranks_hash(given[0])} if given else {})}
+    want = _wanted(data, vocab_size, tokenizer, given)
+    source = want["source"]
 
     # fast path: a complete previous build of the same data with the same settings, files intact
     meta = _reusable(out, want, log)
@@ -471,6 +492,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         return _result(out, meta)
 
     train_docs, val_docs = load_documents(data)
+    _keep_trained(out, want, force)
     log(f"data: {len(train_docs)} train / {len(val_docs)} val documents from {source}")
     if tokenizer == "gpt2":
         enc, tok_hash = get_encoding("gpt2"), "gpt2"
@@ -509,35 +531,6 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
                      for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer != "gpt2"}
     _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return _result(out, meta)
-
-
-def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
-    """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread
-    over documents."""
-    res = load_build(out_dir)  # every file checked against data_meta.json
-    enc, eot = encoding_of(res), res["eot_id"]
-    val = np.fromfile(res["val_bin"], dtype=np.uint16).astype(np.int64)
-    ends_nl = np.array([not enc.is_special_token(t)
-                        and enc.decode_single_token_bytes(t).endswith(b"\n")
-                        for t in range(enc.n_vocab)])
-    bounds = np.flatnonzero(val == eot)  # document i spans [previous EOT + 1, bounds[i])
-    starts = np.concatenate([[0], bounds[:-1] + 1])
-    rng = np.random.default_rng(seed)
-    # per long-enough document: the start positions right after a newline (or at its start)
-    cands = []
-    for s, e in zip(starts, bounds):
-        c = s + 1 + np.flatnonzero(ends_nl[val[s:e - 1]])
-        c = np.concatenate([[s], c])
-        c = c[c + prompt_len <= e]
-        if len(c):
-            cands.append(c)
-    if not cands:
-        raise DataError(f"No validation document has {prompt_len} tokens; use a shorter "
-                        "prompt_len or more data.")
-    order = rng.permutation(len(cands))
-    # round-robin over a shuffled document order, so n <= #documents gives n different documents
-    picks = [cands[order[i % len(cands)]] for i in range(n)]
-    return [val[(p := int(rng.choice(c))):p + prompt_len].tolist() for c in picks]
 
 
 # -----------------------------------------------------------------------------
@@ -583,12 +576,15 @@ def build_parser():
     ap.add_argument("--out-dir", type=path_arg("dir"), default="out",
                     help="where tokenizer.tiktoken, train.bin, val.bin and data_meta.json are "
                          "written (default: %(default)s)")
+    ap.add_argument("--force", action="store_true",
+                    help="rebuild even where out/target.pt was trained on the build it replaces "
+                    "(default: refuse)")
     return ap
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer)
+    info = prepare_data(args.out_dir, args.data, args.vocab_size, args.tokenizer, force=args.force)
     print(json.dumps(info, indent=2))
     return info
 

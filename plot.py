@@ -20,11 +20,12 @@ it save() prints how to get it instead of failing the run.
     python plot.py out/bench.json fig.svg            # or anywhere else
 """
 
+import argparse
 import itertools
 import json
 import os
 
-from settings import ArgumentParser
+from settings import ArgumentParser, path_arg
 
 MISSING = "no figure drawn: matplotlib is not installed (pip install matplotlib)"
 
@@ -287,11 +288,18 @@ def latency(ax, sweep, color, key, heading, top, legend=False):
         ax.legend(loc="upper left", frameon=False, fontsize=9)
 
 
+def image_path(text):
+    """An image file to draw to ('' for none), checked before the work, not after it."""
+    if text and os.path.splitext(text)[1].lower() not in (".png", ".svg", ".pdf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .png, .svg or .pdf file name")
+    return text and path_arg("out")(text)
+
+
 def main(argv=None):
     p = ArgumentParser(description="Draw bench.py's figure from the JSON it wrote "
                                    "(OUT_DIR/bench.json, or bench.py --json).")
     p.add_argument("json", help="a results file written by bench.py")
-    p.add_argument("image", nargs="?", default=None,
+    p.add_argument("image", nargs="?", default=None, type=image_path,
                    help="where to draw (default: the JSON's path with .png)")
     args = p.parse_args(argv)
     try:
@@ -300,7 +308,11 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: cannot read {args.json}: {e}")
     try:
-        drawn = save(results, args.image or os.path.splitext(args.json)[0] + ".png")
+        drawn = save(results, args.image or image_path(os.path.splitext(args.json)[0] + ".png"))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"error: cannot draw beside {args.json}: {e}; name an image to draw to")
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the figure: {e}")
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
         raise SystemExit(f"error: {args.json} is not a results file bench.py wrote "
                          f"({type(e).__name__}: {e}): give plot.py OUT_DIR/bench.json or "

@@ -28,6 +28,7 @@ measures against the toy target's (docs/results.md: a real-sized target).
                                                   # (out/target.pt): docs/results.md
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
 from profiling import profile_propose
-from settings import DFLASH, DSPARK, ArgumentParser, number_list
+from settings import DFLASH, DSPARK, ArgumentParser, number, number_list, path_arg
 
 # -----------------------------------------------------------------------------
 # config.json
@@ -246,7 +247,7 @@ def load_folder(folder, block_size=None):
     """(gpt.GPT in float32 and eval mode, tokenizer ranks) of a GPT-2 folder, every part checked.
     block_size: keep only the first block_size positions (a shorter context than n_positions)."""
     if not os.path.isdir(folder):
-        raise CheckpointError(f"--init-from {folder}: no such folder")
+        raise refuse(folder, "there is no such folder")
     cfg = read_config(folder)
     ranks, _ = read_ranks(folder)
     if len(ranks) + 1 != cfg.vocab_size:
@@ -408,7 +409,10 @@ def cost_models(model, toy_path):
     cpu_speed.speed_up(model)
     models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
     if os.path.exists(toy_path):
-        toy, ckpt = load_target(toy_path)
+        try:
+            toy, ckpt = load_target(toy_path)
+        except CheckpointError as e:
+            raise CheckpointError(f"--toy: {e}") from None
         out = os.path.dirname(os.path.abspath(toy_path))
         drafters = {n: load_drafter(n, out, toy, ckpt) for n in ("dflash", "dspark")
                     if os.path.exists(os.path.join(out, f"{n}.pt"))}
@@ -420,13 +424,29 @@ def cost_models(model, toy_path):
 # command line
 
 
-def main(argv=None):
+def check_writable(folder, force):
+    """--random's folder: one it can make or write to, and that holds nothing (a user's real
+    GPT-2 weights are not replaced by random ones) unless --force."""
+    try:
+        path_arg("dir")(folder)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{e}; pick another folder") from None
+    if os.path.isdir(folder) and os.listdir(folder) and not force:
+        raise ValueError(f"{folder} already holds files ({', '.join(sorted(os.listdir(folder))[:3])}"
+                         f"{', ...' if len(os.listdir(folder)) > 3 else ''}): pick an empty or new "
+                         "folder, or pass --force to replace them")
+
+
+def build_parser():
     p = ArgumentParser(description="Check, write or time a Hugging Face GPT-2 folder.")
     p.add_argument("folder", help="the GPT-2 folder (config.json, weights, vocab.json, "
                    "merges.txt)")
     p.add_argument("--random", choices=sorted(SHAPES), default=None,
                    help="write a folder of random weights of this shape (small: GPT-2 small; "
                    "tiny: the tests') instead of reading one (default: read)")
+    p.add_argument("--force", action="store_true",
+                   help="with --random, write into a folder that already holds files, replacing "
+                   "them (default: refuse)")
     p.add_argument("--cost", action="store_true",
                    help="time the folder's forward of --sizes tokens against --toy's (default: "
                    "off)")
@@ -435,21 +455,31 @@ def main(argv=None):
     p.add_argument("--toy", default="out/target.pt",
                    help="the toy target to time beside it with --cost, if it exists "
                    "(default: out/target.pt)")
-    p.add_argument("--context", type=int, default=128, help="cached positions before the timed "
-                   "forward (default: 128)")
-    p.add_argument("--repeats", type=int, default=30, help="timed rounds (default: 30)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--context", type=number(int, lo=0), default=128,
+                   help="cached positions before the timed forward (default: 128)")
+    p.add_argument("--repeats", type=number(int, lo=1), default=30,
+                   help="timed rounds (default: 30)")
+    p.add_argument("--threads", type=number(int, lo=1), default=None,
                    help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.random:
+        check_writable(a.folder, a.force)
         vocab = 50257 if a.random == "small" else 256 + 64 + 1
         write_folder(random_gpt2(a.random, vocab), synthetic_merges(vocab - 257), a.folder)
         print(f"wrote a random GPT-2 ({a.random}: {SHAPES[a.random]}, vocab {vocab}) to "
               f"{a.folder}")
     model, ranks = load_folder(a.folder)
     c = model.config
+    if a.cost and a.context + max(a.sizes) > c.block_size:
+        p.error(f"argument --context: {a.context} cached positions and a forward of "
+                f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of {c.block_size}")
     print(f"{a.folder}: GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
           f"{c.block_size}, {c.activation}, {model.num_params() / 1e6:.1f}M parameters; "
           f"tokenizer {len(ranks) + 1} tokens")

@@ -15,6 +15,8 @@ without it, `--prompts humaneval` is one error line that says how to get it.
 import json
 import os
 
+import numpy as np
+
 import data
 
 try:  # optional: only --prompts humaneval needs it
@@ -85,4 +87,33 @@ def prompts_for(args, out_dir, enc, block_size):
                                  f"{block_size}")
         return prompts
     prompt_len = args.prompt_len or min(64, block_size // 4)
-    return data.val_prompts(out_dir, args.n_prompts, prompt_len)
+    return val_prompts(out_dir, args.n_prompts, prompt_len)
+
+
+def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
+    """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread
+    over documents."""
+    res = data.load_build(out_dir)  # every file checked against data_meta.json
+    enc, eot = data.encoding_of(res), res["eot_id"]
+    val = np.fromfile(res["val_bin"], dtype=np.uint16).astype(np.int64)
+    ends_nl = np.array([not enc.is_special_token(t)
+                        and enc.decode_single_token_bytes(t).endswith(b"\n")
+                        for t in range(enc.n_vocab)])
+    bounds = np.flatnonzero(val == eot)  # document i spans [previous EOT + 1, bounds[i])
+    starts = np.concatenate([[0], bounds[:-1] + 1])
+    rng = np.random.default_rng(seed)
+    # per long-enough document: the start positions right after a newline (or at its start)
+    cands = []
+    for s, e in zip(starts, bounds):
+        c = s + 1 + np.flatnonzero(ends_nl[val[s:e - 1]])
+        c = np.concatenate([[s], c])
+        c = c[c + prompt_len <= e]
+        if len(c):
+            cands.append(c)
+    if not cands:
+        raise data.DataError(f"No validation document has {prompt_len} tokens; use a shorter "
+                        "prompt_len or more data.")
+    order = rng.permutation(len(cands))
+    # round-robin over a shuffled document order, so n <= #documents gives n different documents
+    picks = [cands[order[i % len(cands)]] for i in range(n)]
+    return [val[(p := int(rng.choice(c))):p + prompt_len].tolist() for c in picks]

@@ -57,7 +57,7 @@ def build_parser():
     add_sampling_flags(p)
     p.add_argument("--device", default="auto",
                    help="auto, cpu, cuda or mps (default: %(default)s)")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+    p.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
                    help="where train.py put the checkpoints (default: %(default)s)")
     p.add_argument("--no-color", action="store_true",
                    help="mark tokens with [correction] and {bonus} instead of colors (default: "

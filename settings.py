@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 
 DEFAULT_VOCAB = 4096  # BPE vocabulary size, end-of-text included (data.py)
@@ -59,6 +60,22 @@ def _made_blocked(p):
     return not os.path.isdir(up)
 
 
+def _unwritable(folder):
+    """Can this user not make a file in folder (or, if it does not exist yet, in the nearest folder
+    above it)? Tried, not read from the permission bits: root passes those, and a read-only mount
+    refuses everyone."""
+    up = os.path.abspath(folder)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    try:
+        fd, probe = tempfile.mkstemp(dir=up, prefix=".nanospec-probe-")
+    except OSError:
+        return True
+    os.close(fd)
+    os.remove(probe)
+    return False
+
+
 PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in order
     "in": [(lambda p: not os.path.exists(p), "does not exist"),
            (os.path.isdir, "is a folder, not a file")],
@@ -68,16 +85,24 @@ PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in
     "folder": [(lambda p: not os.path.exists(p), "does not exist"),
                (lambda p: not os.path.isdir(p), "is not a folder")],
     "dir": [(lambda p: os.path.exists(p) and not os.path.isdir(p), "is a file, not a folder"),
-            (_made_blocked, "cannot be made: a file is in the way")],
+            (_made_blocked, "cannot be made: a file is in the way"),
+            (_unwritable, "cannot be written to (no permission, or a read-only disk)")],
+    "checkpoints": [(lambda p: os.path.exists(p) and not os.path.isdir(p),
+                     "is a file, not a folder")],
     "out": [(os.path.isdir, "is a folder, not a file"),
             (lambda p: not os.path.isdir(os.path.dirname(os.path.abspath(p))),
-             "is in a folder that does not exist")],
+             "is in a folder that does not exist"),
+            (lambda p: (not os.access(p, os.W_OK) if os.path.exists(p)
+                        else _unwritable(os.path.dirname(os.path.abspath(p)))),
+             "cannot be written (no permission, or a read-only disk)")],
 }
 
 
 def path_arg(kind):
     """An argparse type for a path flag: 'in' a file to read, 'data' a file or folder to read,
-    'dir' a folder (made if missing), 'out' a file to write. A value of the wrong kind ends in
+    'folder' a folder to read, 'checkpoints' a folder to read if it exists (its files are checked
+    later, with a message naming the stage to train), 'dir' a folder to write (made if missing),
+    'out' a file to write. A value of the wrong kind ends in
     one line, 'error: argument --flag: ...', before anything runs."""
     def parse(text):
         p = os.path.expanduser(text)
@@ -152,6 +177,21 @@ def number_list(kind=int, lo=1):
                                              "than once: give each value once")
         return values
     parse.__name__ = "list"
+    return parse
+
+
+def name_list(choices):
+    """An argparse type: comma-separated names from choices, at least one, each once."""
+    def parse(text):
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        wrong = [n for n in names if n not in choices]
+        why = (f"names {wrong[0]!r}" if wrong else "is empty" if not names
+               else "lists a name twice" if len(set(names)) < len(names) else None)
+        if why:
+            raise argparse.ArgumentTypeError(f"{text!r} {why}: give each once, from "
+                                             f"{', '.join(choices)}")
+        return names
+    parse.__name__ = "names"
     return parse
 
 

@@ -144,9 +144,11 @@ def prepare(args):
         given = (ranks, pretrained.GPT2_PAT, os.path.abspath(args.init_from))
     else:
         keep_pretrained_build(args.out_dir)
+    keep_trained_target(args)
     if args.world.main:
         info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size,
-                                    "pretrained" if given else args.tokenizer, True, given)
+                                    "pretrained" if given else args.tokenizer, True, given,
+                                    force=args.force)
     ddp.barrier(args.world)
     return info if args.world.main else datamod.load_build(args.out_dir)  # read, never write
 
@@ -162,6 +164,33 @@ def keep_pretrained_build(out_dir):
         raise CheckpointError(f"{out_dir} holds the token files and target of the pretrained "
                               f"model in {meta.get('tokenizer_source', '?')}: pass --init-from "
                               "with it, or pick another --out-dir")
+
+
+def keep_trained_target(args):
+    """out/target.pt is not replaced without --force by a run that throws training away: an
+    --init-from import over it, or a retraining on fewer tokens than it saw (`--preset quick` over
+    the full run). A bigger one goes ahead, as the full run replaces the quick one. (A data build
+    of another corpus or tokenizer would orphan it: data.py refuses that.)"""
+    path = os.path.join(args.out_dir, "target.pt")
+    if args.force or args.only not in (None, "target") or not os.path.exists(path):
+        return
+    try:
+        ckpt = load_checkpoint(path, "target")
+    except CheckpointError:  # unreadable: it is remade anyway, with a notice
+        return
+    had, now = ckpt.get("settings") or {}, stage_settings(args, "target")
+    seen, tokens = ckpt.get("tokens_seen", 0), args.target_iters * args.batch_size * args.block_size
+    if args.init_from and had.get("init_from") != now["init_from"]:
+        why = f"--init-from {args.init_from} would be imported over it"
+    elif not args.init_from and had != now and tokens < seen:
+        why = f"it trained on {seen:,} tokens, this run's target would train on {tokens:,}"
+    else:
+        return
+    made = (f"imported from {ckpt['init_from']}" if ckpt.get("init_from")
+            else f"trained here, validation loss {ckpt.get('val_loss', float('nan')):.4f}")
+    raise CheckpointError(f"{path} holds a target ({made}) that this run would replace: {why}. "
+                          "Pass --force to replace it and retrain its drafters, or pick another "
+                          "--out-dir")
 
 
 # -----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def hf_generate(hf, prompt, n, lookup=None, ngram=2):
 def build_parser():
     p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, "
                                    "same weights.")
-    p.add_argument("--out-dir", type=path_arg("dir"), default="out",
+    p.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
                    help="where train.py put target.pt and the tokenizer (default: %(default)s)")
     p.add_argument("--prompts", type=path_arg("in"), default="prompts/outside.jsonl",
                    help='JSONL file of {"prompt": "..."} lines (default: %(default)s)')

@@ -3,6 +3,8 @@ one 'error: argument --flag: ...' line naming the allowed range, exit code 2, be
 any model or file loads; a good one parses. Table-driven over every flag, plus a seeded random
 sweep, plus one real command line per command (no traceback)."""
 
+import contextlib
+import io
 import os
 import random
 import subprocess
@@ -78,6 +80,16 @@ def test_a_seeded_random_sweep_of_values(capsys):
                 got = getattr(args, flag[2:].replace("-", "_"))
                 # parsed values are exactly the checked ones
                 assert got == kind(value), (flag, value)
+
+
+def test_a_method_list_names_each_known_method_once():
+    parse = bench.build_parser().parse_args
+    assert parse(["--methods", "ar, dspark"]).methods == ["ar", "dspark"]
+    for bad, why in [("ar,ar", "twice"), ("", "is empty"), (",", "is empty"),
+                     ("ar,medusa", "'medusa'")]:
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            parse(["--methods", bad])
+        assert err.getvalue().startswith("error: argument --methods") and why in err.getvalue()
 
 
 @pytest.mark.parametrize("argv", [["train.py", "--target-iters", "-1"],

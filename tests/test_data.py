@@ -13,6 +13,7 @@ import tiktoken.load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import prompt_sets  # noqa: E402
 from data import EOT, DataError  # noqa: E402
 
 SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n",
@@ -218,10 +219,10 @@ def test_prepare_data_writes_reuses_and_rebuilds(small_build, capsys):
 
 def test_val_prompts(small_build):
     _, out, info = small_build
-    prompts = data.val_prompts(out, 5, 16)
+    prompts = prompt_sets.val_prompts(out, 5, 16)
     assert len(prompts) == 5 and all(len(p) == 16 for p in prompts)
     assert all(info["eot_id"] not in p for p in prompts)
-    assert prompts == data.val_prompts(out, 5, 16)
-    assert prompts != data.val_prompts(out, 5, 16, seed=1)
+    assert prompts == prompt_sets.val_prompts(out, 5, 16)
+    assert prompts != prompt_sets.val_prompts(out, 5, 16, seed=1)
     with pytest.raises(DataError):
-        data.val_prompts(out, 1, 10**6)
+        prompt_sets.val_prompts(out, 1, 10**6)

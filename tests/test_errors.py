@@ -167,7 +167,7 @@ def test_bad_flags_of_sample_py(out, flags, needle):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--methods", "ar,warp"], "unknown method 'warp'"),
+    (["--methods", "ar,warp"], "names 'warp'"),
     (["--k", "-2"], "argument --k: -2 is out of range: it must be an integer >= 1"),
     (["--device", "cuda:7" if not torch.cuda.is_available() else "tpu"], "is not available"),
 ])

@@ -1,5 +1,6 @@
-"""Fuzzing the four command lines (issue 14). Every run ends in success or in one 'error:' line,
-never a traceback, and a failed run leaves out/ exactly as it was:
+"""Fuzzing the command lines (issue 14; pretrained.py, plot.py and vs_transformers.py: issue 44).
+Every run ends in success or in one 'error:' line, never a traceback, and a failed run leaves
+out/ exactly as it was:
 
 - damaged files in out/ (truncated, garbage, deleted, a folder in their place): the commands
   that build them (data.py, train.py) rebuild them with a one-line notice, byte for byte; the
@@ -15,7 +16,9 @@ each: about 15 s beyond that shared training."""
 
 import contextlib
 import hashlib
+import importlib.util
 import io
+import json
 import os
 import random
 import runpy
@@ -27,14 +30,19 @@ import torch
 
 import bench
 import data
+import plot
+import pretrained
 import sample
 import stages
 import train
+import vs_transformers
 from conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
-           "sample.py": sample.build_parser, "data.py": data.build_parser}
+           "sample.py": sample.build_parser, "data.py": data.build_parser,
+           "pretrained.py": pretrained.build_parser,
+           "vs_transformers.py": vs_transformers.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
 CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "eagle.pt", "dflash.pt", "dspark.pt"]
 
@@ -119,6 +127,16 @@ def out(trained, tmp_path):
 def fast(script, out, corpus):
     """The cheapest full run of each command on the tiny out/ (every train.py stage is current;
     one thread: the tiny models gain nothing from more, and a busy machine loses a lot)."""
+    if script == "pretrained.py":  # a random GPT-2 folder, timed beside the tiny target
+        gpt2 = out.parent / "gpt2"
+        if not gpt2.exists():
+            pretrained.write_folder(pretrained.random_gpt2("tiny", 321),
+                                    pretrained.synthetic_merges(64), gpt2)
+        return [gpt2, "--cost", "--sizes", "1", "--repeats", "1", "--context", "4", "--toy",
+                out / "target.pt", "--threads", "1"]
+    if script == "vs_transformers.py":
+        return ["--out-dir", out, "--prompts", os.path.join(ROOT, "prompts", "outside.jsonl"),
+                "--max-new-tokens", "3", "--repeats", "1", "--threads", "1"]
     return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1"),
             "data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
             "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1",
@@ -211,7 +229,13 @@ def things(tmp_path):
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
     return {"missing": tmp_path / "nope", "folder": tmp_path / "empty_folder",
             "file": tmp_path / "notes.txt", "binary": tmp_path / "blob.bin",
-            "under_a_file": tmp_path / "notes.txt" / "x", "device": os.devnull, "empty": ""}
+            "under_a_file": tmp_path / "notes.txt" / "x", "device": os.devnull, "empty": "",
+            "unwritable": UNWRITABLE}
+
+
+# a folder no one may make a file in, root included (Linux's /proc): a read-only output folder
+UNWRITABLE = "/proc/self/nanospec"
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc")
 
 
 @pytest.mark.parametrize("script, flag, kind, needle", [
@@ -227,6 +251,10 @@ def things(tmp_path):
     ("sample.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--out-dir", "under_a_file", "cannot be made"),
+    pytest.param("train.py", "--out-dir", "unwritable", "cannot be written", marks=needs_proc),
+    pytest.param("data.py", "--out-dir", "unwritable", "cannot be written", marks=needs_proc),
+    pytest.param("bench.py", "--json", "unwritable", "cannot be written", marks=needs_proc),
+    pytest.param("bench.py", "--plot", "unwritable", "not a .png", marks=needs_proc),
     ("data.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--data", "missing", "does not exist"),
     ("data.py", "--data", "device", "neither a file nor a folder"),
@@ -243,6 +271,112 @@ def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script,
     assert snapshot(out) == before
 
 
+def test_a_read_only_out_dir_is_refused_before_the_work(out, corpus, tmp_path):
+    """Permission bits, as a user who is not root meets them (root may write anyway: skipped)."""
+    if os.geteuid() == 0:
+        pytest.skip("root writes to a read-only folder")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    refused(run("train.py", *with_flag(fast("train.py", out, corpus), "--out-dir", ro / "out")),
+            "cannot be written")
+    os.chmod(out, 0o555)
+    try:  # bench.py reads its checkpoints there, and would write bench.json beside them
+        refused(run("bench.py", *fast("bench.py", out, corpus)), "--json", "cannot be written")
+    finally:
+        os.chmod(out, 0o755)
+
+
+def test_bench_py_checks_its_default_outputs_before_the_run(out, corpus):
+    """OUT_DIR/bench.json and bench.png, where no flag names them: a folder in the way is found
+    before minutes of benchmarking, not after them."""
+    before = snapshot(out)
+    argv = [a for a in fast("bench.py", out, corpus)]
+    argv = argv[:argv.index("--plot")] if "--plot" in argv else argv
+    (out / "bench.png").mkdir()
+    code, so, se = res = run("bench.py", *argv)
+    refused(res, "--plot", "is a folder", "--plot ''")
+    assert "tokens/s" not in so  # refused before the bench ran
+    os.rmdir(out / "bench.png")
+    (out / "serving.json").mkdir()
+    refused(run("bench.py", *argv, "--batch-size", "1"), "--json", "is a folder")
+    os.rmdir(out / "serving.json")
+    assert snapshot(out) == before
+
+
+def test_bench_py_names_the_new_tokens_that_fit(out, corpus):
+    """--max-new-tokens beyond the context window: the header and the JSON give the number every
+    prompt got, not the one asked for."""
+    argv = with_flag(fast("bench.py", out, corpus), "--max-new-tokens", "500")
+    for extra in ([], ["--batch-size", "1"]):
+        so = succeeded(run("bench.py", *argv, *extra, "--json", out / "r.json"))
+        n = json.loads((out / "r.json").read_text())["max_new_tokens"]
+        assert n < 500 and f"x {n} new tokens" in so and "does not fit" in so
+    refused(run("bench.py", *with_flag(argv, "--prompt-len", "500")), "--prompt-len 500")
+
+
+def test_plot_py_checks_where_it_draws_before_it_reads(out, tmp_path, things):
+    """The figure's file, named or beside the JSON: one error line, never a traceback."""
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"methods": {}}))
+    (tmp_path / "d.png").mkdir()
+    refused(run("plot.py", results, tmp_path / "d.png"), "is a folder")
+    refused(run("plot.py", results, tmp_path / "r.txt"), "not a .png")
+    if os.path.isdir("/proc/self"):
+        refused(run("plot.py", results, UNWRITABLE + ".png"), "cannot be written")
+    (tmp_path / "r.png").mkdir()
+    refused(run("plot.py", results), "is a folder", "name an image")
+
+
+# -----------------------------------------------------------------------------
+# writers that would replace what is there
+
+
+def test_pretrained_py_random_keeps_a_folder_that_holds_files(tmp_path):
+    real = tmp_path / "gpt2"
+    real.mkdir()
+    (real / "model.safetensors").write_bytes(b"a user's real weights")
+    before = snapshot(real)
+    refused(run("pretrained.py", real, "--random", "tiny"), "already holds files", "--force")
+    assert snapshot(real) == before
+    (tmp_path / "f").write_text("x")
+    refused(run("pretrained.py", tmp_path / "f", "--random", "tiny"), "is a file")
+    refused(run("pretrained.py", tmp_path / "nope"), "no such folder")
+    assert "GPT-2 2 layers" in succeeded(run("pretrained.py", real, "--random", "tiny", "--force"))
+    assert snapshot(real) != before
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path):
+    succeeded(run("pretrained.py", tmp_path / "gpt2", "--random", "tiny"))
+    return tmp_path / "gpt2"
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("init_from", "would be imported over it"),
+    ("smaller", "this run's target would train on"),
+    ("corpus", "the data path and the data contents"),
+])
+def test_train_py_keeps_a_trained_target_unless_forced(out, corpus, tmp_path, gpt2_folder,
+                                                         change, needle):
+    """A run that would throw a trained target away (and every drafter trained against it)
+    refuses and names --force: an --init-from import over it, a smaller retraining (the quick
+    preset over the full run), another corpus in the same out/."""
+    argv = fast("train.py", out, corpus)
+    if change == "init_from":
+        argv = [*argv, "--init-from", gpt2_folder, "--block-size", "64", "--mtp-mode", "posthoc"]
+    elif change == "smaller":
+        argv = with_flag(argv, "--target-iters", "5")
+    else:
+        (tmp_path / "other.txt").write_text("".join(f"line {i} of other\n" for i in range(2000)))
+        argv = with_flag(argv, "--data", tmp_path / "other.txt")
+    before = snapshot(out)
+    refused(run("train.py", *argv), "target.pt", needle, "--force")
+    if change == "corpus":  # the build itself, through data.py
+        data_argv = with_flag(fast("data.py", out, corpus), "--data", tmp_path / "other.txt")
+        refused(run("data.py", *data_argv), "target.pt", needle, "--force")
+    assert snapshot(out) == before
+
+
 # -----------------------------------------------------------------------------
 # a seeded random sweep over every numeric and path flag
 
@@ -256,7 +390,8 @@ COSTLY = {
     ("train.py", "--data", "file"), ("data.py", "--data", "file"),  # a text file is another corpus
 }
 # runs that succeed cost time
-GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "sample.py": 5}
+GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "sample.py": 5, "pretrained.py": 4,
+             "vs_transformers.py": 2 if importlib.util.find_spec("transformers") else 0}
 
 
 def sweep_flags(script):
@@ -304,4 +439,4 @@ def test_random_sweep_of_every_numeric_and_path_flag(out, corpus, things, tmp_pa
                 assert snapshot(out) == before, (flag, value)
             else:
                 runs, before = runs + 1, snapshot(out)
-    assert runs >= 2  # the sweep reached real runs, not only refusals
+    assert runs >= min(2, GOOD_RUNS[script])  # it reached real runs, where any can run

@@ -263,7 +263,12 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
     train.main(args)
     assert capsys.readouterr().out.count("exists, skipping") == 6
     pretrained.write_folder(tiny_model(seed=1), merges, d)  # other weights, same tokenizer
-    train.main(tiny_args(corpus, out, "--init-from", str(d), "--only", "target"))
+    before = (out / "target.pt").read_bytes()
+    with pytest.raises(SystemExit) as e:  # another folder's import replaces it only if asked
+        train.cli(tiny_args(corpus, out, "--init-from", str(d), "--only", "target"))
+    assert "would be imported over it" in str(e.value) and "--force" in str(e.value)
+    assert (out / "target.pt").read_bytes() == before
+    train.main(tiny_args(corpus, out, "--init-from", str(d), "--only", "target", "--force"))
     text = capsys.readouterr().out
     assert "target: done" in text and "data: reusing" in text
     assert load_target(str(out / "target.pt"))[1]["init_from"] == str(d)
