@@ -9,6 +9,8 @@ buffers (every generation starts with begin(), so they can), each with counts of
   hybrid     -lookup (the lookup alone at the rule's length), -m1/-m4/-m8 (fixed rules: the
              lookup where m >= 1, 4, 8 tokens match, else the learned drafter), and the oracle
   batched DSpark (bench_batched.py): -cut, -goodput, -budget, -full, its other batch rules
+  trees (tree.py)  dspark-tree, dflash-tree (each drafter's tree beside its chain), two-branch
+             (prompt lookup's copy and DSpark's draft as two branches of one tree)
 """
 
 import copy
@@ -18,8 +20,13 @@ from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter
 from profiling import add_stats
 from speculative import Stats, generate_speculative
+from tree import BlockTree, Branches
 
 MATCH_RULES = (1, 4, 8)  # the hybrid's fixed rules: lookup when m >= each of these
+# the trees' sizes, chosen by measurement on a CPU, where each node widens the verify
+# (docs/experiments.md: Trees: size and shape)
+TREES = {"dspark-tree": dict(nodes=20, width=2), "dflash-tree": dict(nodes=16, width=2)}
+TWO_BRANCH = dict(sure=2, nodes=32)  # DSpark's branch where lookup's match is one token or none
 
 
 def copies(drafter, rows, reset):
@@ -45,6 +52,23 @@ def variants(drafter):
         rows.update({f"hybrid-m{m}": dict(rule="match", min_match=m) for m in MATCH_RULES})
         return copies(drafter, rows, HybridDrafter.reset_record)
     return {}
+
+
+def trees(drafters, sampling):
+    """The tree rows, {name: (tree drafter, depth)}, over copies of the chain drafters in
+    `drafters` ({name: (drafter, k)}); none under rejection sampling, which tree.py refuses."""
+    if sampling == "rejection":
+        return {}
+    out = {}
+    for name, shape in TREES.items():
+        if name[:-len("-tree")] in drafters:
+            chain = copy.copy(drafters[name[:-len("-tree")]][0])
+            out[name] = (BlockTree(chain, **shape), chain.max_k)
+    if "lookup" in drafters and "dspark" in drafters:
+        (lookup, k_lookup), (dspark, k_dspark) = drafters["lookup"], drafters["dspark"]
+        two = Branches(copy.copy(lookup), copy.copy(dspark), k_lookup, k_dspark, **TWO_BRANCH)
+        out["two-branch"] = (two, two.max_k)
+    return out
 
 
 def batch_variants(batch_dspark):

@@ -46,15 +46,19 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
                                  start's first),
                       "lookup_share": float (hybrids only: the share of rounds the lookup
                                  drafted), "oracle": {"tau", "lookup_share", "gap_closed"}
-                                 (hybrid only, greedy and coupled: see hybrid_oracle)}},
+                                 (hybrid only, greedy and coupled: see hybrid_oracle),
+                      "nodes": int (trees only: most nodes a round), "oracle_tau": float
+                                 (two-branch only, beside the hybrid's oracle)}},
    "sweep": {name: [{"k", "block_size", "draft_ms", "verify_ms", "tau", "speedup"}]} ({} unless
             --full or --sweep),
    "divergences": [{"method", "prompt", "position", "margin"}],
-   "references": [{"method", "what", "paper", "source", "ours"}]}  (the papers' figures, see
-                                                                   REFERENCES)
+   "references": [{"method", "what", "paper", "source", "ours"}]  (the papers' figures, see
+                                                                   REFERENCES),
+   "verify_ms_by_tokens": {m: float} (with tree rows: a verify of m tokens, what trees pay)}
 Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "dspark", "lookup",
 "hybrid", and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov",
-"hybrid-m4") and "mtp-k1".
+"hybrid-m4"), "mtp-k1" and the trees (tree.py): "dspark-tree", "dflash-tree", "two-branch"
+(greedy and coupled only; one request at a time, so the serving sweep has none).
 """
 
 import os
@@ -75,16 +79,18 @@ from bench_batched import margin_at
 from bench_report import Progress, check_outputs, commit, machine, print_report, write
 from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from devices import pick_device, synchronize
-from profiling import add_stats, timed
+from profiling import add_stats, profile_verify, timed
 from settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
                       parse_args, path_arg)
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
+from tree import TreeDrafter, generate_tree
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
 # what each size runs where no flag says otherwise (docs/results.md: The headline bench: how
 # stable its ratios are at these sizes)
 HEADLINE = {"n_prompts": 16, "repeats": 1, "sweep": []}
 FULL = {"n_prompts": 32, "repeats": 3, "sweep": [1, 2, 3, 4, 5, 7, 10, 15]}
+TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prints beside the trees
 
 # -----------------------------------------------------------------------------
 # running one method over all prompts
@@ -107,8 +113,12 @@ def run_spec(target, drafter, k, prompts, args, cache):
     sync = (lambda: synchronize(device)) if device.type != "cpu" else None
     total, outs = Stats(), []
     for p in prompts:
-        out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
-                                          make_sampler(args, target), cache, sync=sync)
+        if isinstance(drafter, TreeDrafter):  # its depth is its own max_k, its size its nodes
+            out, stats = generate_tree(target, drafter, p, args.max_new_tokens,
+                                       make_sampler(args, target), cache)
+        else:
+            out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
+                                              make_sampler(args, target), cache, sync=sync)
         outs.append(out)
         add_stats(total, stats)
     return outs, total
@@ -276,6 +286,8 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
         if args.full:
             for vname, vd in ablations.variants(d).items():
                 drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
+    if args.full:
+        drafters.update(ablations.trees(drafters, args.sampling))
     if args.full and "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
         drafters["mtp-k1"] = (drafters["mtp"][0], 1)
@@ -342,6 +354,8 @@ def results(names, stats, times, outs, drafters, target, prompts):
                               n_tokens, same)
         if hasattr(d, "lookup_share"):  # a hybrid: how often it copied (over the whole run)
             res[name]["lookup_share"] = d.lookup_share
+        if isinstance(d, TreeDrafter):  # a tree: its most nodes a round
+            res[name]["nodes"] = d.nodes
     return res, divergences, ref
 
 
@@ -358,6 +372,8 @@ def hybrid_oracle(res, target, prompts, ref, drafters, args):
     gap = stats["tau"] - best
     stats["gap_closed"] = (res["hybrid"]["tau"] - best) / gap if gap > 0 else None
     res["hybrid"]["oracle"] = stats
+    if "two-branch" in res:  # both drafts verified every round where both are drafted
+        res["two-branch"]["oracle_tau"] = stats["tau"]
 
 
 def summarize(stats, k, budget, times, ar_times, n_tokens, same):
@@ -466,10 +482,24 @@ def main(argv=None):
            "prompts": prompt_set(args), "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
-           "references": papers.references(res, prompt_set(args))}
+           "references": papers.references(res, prompt_set(args)),
+           "verify_ms_by_tokens": tree_costs(target, drafters)}
     print_report(out, header)
+    if out["verify_ms_by_tokens"]:
+        print("what the trees pay, a verify of m tokens (ms, batch 1): " + ", ".join(
+            f"{m}: {ms:.2f}" for m, ms in out["verify_ms_by_tokens"].items()))
     write(out, args)
     return out
+
+
+def tree_costs(target, drafters):
+    """{m: ms of a target forward over m tokens} at the widths a tree may take, on this device:
+    a tree's price, beside its rows ({} without tree rows)."""
+    if not any(isinstance(d, TreeDrafter) for d, _ in drafters.values()):
+        return {}
+    m_max = min(max(TREE_WIDTHS), target.config.block_size // 2)
+    t = profile_verify(target, m_max, reps=5)
+    return {m: round(1000 * t[m], 3) for m in TREE_WIDTHS if m <= m_max}
 
 
 def prompt_set(args):

@@ -8,9 +8,9 @@ This is the model every drafter in nanospec drafts *for*. It is nanoGPT's model.
 three things added, all of which speculative decoding needs:
 
 1. A static, preallocated KV cache (the attention keys and values of every position so far,
-   as in gpt-fast). One forward call takes T new tokens at
-   an explicit start position, so prefill (T = prompt length), a one-token decode step
-   (T = 1) and a k-token verify (T = k + 1) are literally the same call.
+   as in gpt-fast). One forward call takes T new tokens at an explicit start position, so
+   prefill (T = prompt length), a one-token decode step (T = 1) and a k-token verify
+   (T = k + 1) are literally the same call; tree.py's verify of a tree is the same call too.
 2. Explicit rollback: `cache.rollback(n)` forgets everything at positions >= n. After a
    verify pass in which only some drafted tokens survive, the rejected tail is dropped here.
    Stale K/V past `cache.length` are never attended to and get overwritten by the next call.
@@ -150,8 +150,7 @@ class CausalSelfAttention(nn.Module):
         # each (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
-            # write the new keys/values at their absolute positions, then attend over the
-            # whole valid prefix [0, start + T). Nothing past that is ever read.
+            # write the new K/V at their absolute positions, attend over [0, start + T): no more
             k_cache, v_cache = kv
             k_cache[:, :, start:start + T] = k
             v_cache[:, :, start:start + T] = v
@@ -235,16 +234,18 @@ class GPT(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, device or p.device, dtype or p.dtype)
 
-    def forward(self, idx, targets=None, cache=None, start=None, hidden_layers=(), last_only=False):
+    def forward(self, idx, targets=None, cache=None, start=None, hidden_layers=(), last_only=False,
+                tree=None):
         """idx (B, T) token ids at absolute positions start .. start+T-1.
 
         cache=None: an ordinary full-sequence forward from position 0 (training).
-        cache given: `start` defaults to cache.length and must equal it (write at a gap or
-          over valid entries is a bookkeeping bug: roll back explicitly first). Afterwards
-          cache.length == start + T.
+        cache given: `start` defaults to cache.length and must equal it (write at a gap or over
+          valid entries is a bookkeeping bug: roll back first). After: cache.length == start + T.
         hidden_layers: which hidden states to return; layer 0 is the embedding output, layer i
           the output of block i (so n_layer is the last block, before ln_f).
         last_only: compute logits for the last position only (cheap one-token decoding).
+        tree: (depth (T,), mask (T, start+T)) of T draft-tree tokens (tree.py): token i sits at
+          position start + depth[i] and sees what its row of the mask allows.
         Returns (logits, loss, hiddens) with hiddens a dict {layer: (B, T, n_embd)}.
         """
         B, T = idx.size()
@@ -259,12 +260,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens exceeds the context window of "
                              f"{self.config.block_size}")
 
-        pos = torch.arange(start, start + T, device=idx.device)
+        pos = torch.arange(start, start + T, device=idx.device) if tree is None else start + tree[0]
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
-        # one-token steps need no mask; prefill from 0 uses is_causal; a chunk after a
-        # prefix (the verify pass) needs the explicit rectangular causal mask.
-        chunk_after_prefix = cache is not None and start > 0 and T > 1
-        mask = chunk_mask(start, T, idx.device) if chunk_after_prefix else None
+        # one-token steps need no mask; prefill from 0 uses is_causal; a chunk after a prefix
+        # (the verify pass) needs the explicit rectangular causal mask; a tree brings its own
+        chunk_after_prefix = cache is not None and start > 0 and T > 1 and tree is None
+        mask = chunk_mask(start, T, idx.device) if chunk_after_prefix else tree and tree[1]
         hiddens = {0: x} if 0 in hidden_layers else {}
         for i, block in enumerate(self.transformer.h):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None

@@ -30,7 +30,10 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
     for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep",
                 "references"):
         assert key in saved
-    assert {"ar", *DRAFTERS, "mtp-k1", "dspark-nomarkov", "hybrid-m4"} <= set(saved["methods"])
+    assert {"ar", *DRAFTERS, "mtp-k1", "dspark-nomarkov", "hybrid-m4", "dspark-tree",
+            "dflash-tree", "two-branch"} <= set(saved["methods"])
+    assert saved["methods"]["dspark-tree"]["nodes"] == 20 and saved["verify_ms_by_tokens"]
+    assert saved["methods"]["two-branch"]["oracle_tau"] == saved["methods"]["hybrid"]["oracle"]["tau"]
     assert saved["full"] is True and saved["prompts"] == "validation"
     for name, r in saved["methods"].items():
         for key in ("tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance"):
@@ -51,7 +54,7 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
 
 TOP_KEYS = {"device", "machine", "commit", "dtype", "threads", "torch", "k", "sampling",
             "temperature", "full", "prompts", "n_prompts", "max_new_tokens", "repeats", "methods",
-            "sweep", "divergences", "references"}
+            "sweep", "divergences", "references", "verify_ms_by_tokens"}
 
 
 def test_the_default_bench_is_the_headline_in_the_same_schema(trained, tmp_path, capsys):

@@ -8,9 +8,9 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON = ["gpt", "speculative", "draft_small", "draft_mtp", "draft_eagle", "draft_dflash",
+LESSON = ["gpt", "speculative", "tree", "draft_small", "draft_mtp", "draft_eagle", "draft_dflash",
           "draft_dspark", "draft_lookup", "draft_hybrid"]
-BUDGET = {"gpt": 350, "speculative": 400, **{m: 450 for m in LESSON if m.startswith("draft_")}}
+BUDGET = {"gpt": 350, "speculative": 400, "tree": 350, **{m: 450 for m in LESSON if m.startswith("draft_")}}
 MACHINERY_BUDGET = 600
 
 

@@ -1,0 +1,127 @@
+"""tree.py's promises, in float64 on the tiny target: every tree drafter is token-identical to
+plain decoding, greedy and coupled, including rounds whose accepted path is not the first branch
+and rounds where no branch survives; the cache after a round equals a fresh prefill of what was
+kept; rejection sampling is refused."""
+
+import pytest
+import torch
+
+from conftest import make_dflash, make_dspark, make_lookup
+from speculative import Sampler, generate_plain
+from test_speculative import prompts
+from tree import (BlockTree, Branches, TreeDrafter, accept, depths, generate_tree, tree_mask,
+                  trie)
+
+
+class Scripted(TreeDrafter):
+    """A tree built from plain decoding's own continuation (the answer key): the right token is
+    put in the `right`-th branch of each node, among wrong siblings, `deep` levels deep; `wrong`
+    rounds offer no right token at all."""
+
+    def __init__(self, answer, right=1, width=3, deep=3, wrong=()):
+        self.answer, self.right, self.width = answer, right, width
+        self.deep, self.wrong = deep, wrong
+        self.max_k, self.nodes, self.hidden_layers, self.name = deep, 64, (), "scripted"
+        self.rounds = 0
+
+    def begin(self, tokens, hidden):
+        self.n = tokens.numel()
+
+    def commit(self, n, new, hidden):
+        self.n += new.numel()
+
+    def propose_tree(self, depth, nodes, sampler):
+        self.rounds += 1
+        good = self.answer[self.n:self.n + depth]
+        tokens, parents, node = [], [], 0
+        for t in good:
+            siblings = [(t + 1 + i) % 64 for i in range(self.width)]
+            if self.rounds not in self.wrong:
+                siblings[self.right] = t
+            for s in siblings:
+                tokens.append(s)
+                parents.append(node)
+            node = len(tokens) - self.width + self.right  # go on under the right one
+        return tokens[:nodes], parents[:nodes]
+
+
+def test_the_mask_shows_each_node_its_ancestors_only():
+    parents = [0, 0, 1, 1, 3]  # root -> 1, 2; 1 -> 3, 4; 3 -> 5
+    m = tree_mask(parents, 2, "cpu")
+    assert m.shape == (6, 8) and m[:, :2].all()
+    assert m[5, 2:].tolist() == [True, True, False, True, False, True]
+    assert m[2, 2:].tolist() == [True, False, True, False, False, False]
+    assert depths(parents) == [0, 1, 1, 2, 2, 3]
+    assert trie([[5, 6, 7], [5, 6, 9], [8]]) == ([5, 6, 7, 9, 8], [0, 1, 2, 2, 0])
+
+
+def test_acceptance_follows_the_targets_choice_down_any_branch():
+    tokens, parents = [4, 5, 6, 7], [0, 0, 2, 2]  # root -> 4, 5; 5 -> 6, 7
+    choices = [5, 0, 7, 0, 9]  # the target's token after node 0..4
+    assert accept(choices, tokens, parents) == ([0, 2, 4], [5, 7, 9])
+    assert accept([1, 0, 0, 0, 0], tokens, parents) == ([0], [1])  # no branch survives
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("right", [0, 2])
+def test_a_scripted_tree_is_exact_on_any_branch_and_after_a_miss(target, mode, right):
+    for seed, p in enumerate(prompts(4, target.config.vocab_size)):
+        sampler = lambda: Sampler(mode, 0.8, None, seed)  # noqa: E731
+        ref = generate_plain(target, p, 30, sampler())
+        d = Scripted(p + ref, right=right, wrong={2, 3})
+        out, stats = generate_tree(target, d, p, 30, sampler())
+        assert out == ref
+        assert stats.target_forwards < 20  # the right branches were taken: ~3 tokens a round
+
+
+def tree_drafters(target):
+    dspark, dflash = make_dspark(target), make_dflash(target)
+    return {"dspark-tree": BlockTree(dspark, nodes=12, width=2),
+            "dflash-tree": BlockTree(dflash, nodes=12, width=3),
+            "two-branch": Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4)}
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_every_tree_drafter_is_token_identical(target, mode):
+    for name, d in tree_drafters(target).items():
+        for seed, p in enumerate(prompts(8, target.config.vocab_size, seed=3)):
+            ref = generate_plain(target, p, 40, Sampler(mode, 0.7, None, seed))
+            out, _ = generate_tree(target, d, p, 40, Sampler(mode, 0.7, None, seed))
+            assert out == ref, (name, seed)
+
+
+def test_the_cache_after_tree_rounds_equals_a_fresh_prefill(target):
+    for d in tree_drafters(target).values():
+        cache, prompt = target.new_cache(), [3, 1, 4, 1, 5]
+        out, stats = generate_tree(target, d, prompt, 30, Sampler("greedy"), cache=cache)
+        seq = prompt + out
+        assert cache.length == len(seq) - 1 and stats.tokens == 30
+        fresh = target.new_cache()
+        with torch.no_grad():
+            target(torch.tensor([seq[:-1]]), cache=fresh)
+        n = cache.length
+        assert torch.allclose(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-10, rtol=0)
+        assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-10, rtol=0)
+
+
+def test_a_tree_beats_its_chain_on_the_tiny_target(target):
+    """Not speed (bench.py measures that): a tree's τ is at least its chain's, since the chain's
+    own path is one of its branches more often than not."""
+    from speculative import generate_speculative
+    d = make_dspark(target)
+    chain = tree = 0
+    for p in prompts(8, target.config.vocab_size, seed=5):
+        chain += generate_speculative(target, d, p, 40, d.max_k, Sampler("greedy"))[1].tau
+        tree += generate_tree(target, BlockTree(d, nodes=24, width=2), p, 40,
+                              Sampler("greedy"))[1].tau
+    assert tree > chain
+
+
+def test_the_tree_stops_at_the_context_window_and_refuses_rejection(target):
+    d = BlockTree(make_dspark(target), nodes=40, width=3)
+    p = list(range(1, 60))
+    out, _ = generate_tree(target, d, p, 100, Sampler("greedy"))
+    assert out == generate_plain(target, p, 100, Sampler("greedy"))
+    assert len(out) == target.config.block_size - len(p)
+    with pytest.raises(ValueError, match="rejection"):
+        generate_tree(target, d, p, 10, Sampler("rejection"))
