@@ -25,7 +25,10 @@ from tree import BlockTree, Branches
 MATCH_RULES = (1, 4, 8)  # the hybrid's fixed rules: lookup when m >= each of these
 # the trees' sizes, chosen by measurement on a CPU, where each node widens the verify
 # (docs/experiments.md: Trees: size and shape)
-TREES = {"dspark-tree": dict(nodes=20, width=2), "dflash-tree": dict(nodes=16, width=2)}
+TREES = {  # name -> (its shape greedy, its shape sampling: shallower chains, bushier trees)
+    "dspark-tree": (dict(nodes=20, width=2), dict(nodes=12, width=2, depth=6)),
+    "dflash-tree": (dict(nodes=16, width=2), dict(nodes=8, width=2)),
+}
 TWO_BRANCH = dict(sure=2, nodes=32)  # DSpark's branch where lookup's match is one token or none
 
 
@@ -60,10 +63,11 @@ def trees(drafters, sampling):
     if sampling == "rejection":
         return {}
     out = {}
-    for name, shape in TREES.items():
-        if name[:-len("-tree")] in drafters:
-            chain = copy.copy(drafters[name[:-len("-tree")]][0])
-            out[name] = (BlockTree(chain, **shape), chain.max_k)
+    for name, shapes in TREES.items():
+        if name[:-len("-tree")] in drafters:  # as deep as its chain drafts, unless its shape says
+            chain, k = drafters[name[:-len("-tree")]]
+            shape = {"depth": k, **shapes[sampling != "greedy"]}
+            out[name] = (BlockTree(copy.copy(chain), **shape), shape["depth"])
     if "lookup" in drafters and "dspark" in drafters:
         (lookup, k_lookup), (dspark, k_dspark) = drafters["lookup"], drafters["dspark"]
         two = Branches(copy.copy(lookup), copy.copy(dspark), k_lookup, k_dspark, **TWO_BRANCH)

@@ -137,9 +137,11 @@ def print_report(out, header):
     if out["references"]:
         print(f"\nthe papers' figures beside ours (theirs: GPU and multi-billion-parameter "
               f"targets; ours: {out['device']}, {out['dtype']})")
+        wm = max(len(r["method"]) for r in out["references"]) + 2
+        ww = max(len(r["what"]) for r in out["references"]) + 1
         for r in out["references"]:
-            print(f"  {r['method']:<8}{r['what']:<22} paper {r['paper']:<18} ours {r['ours']:<14} "
-                  f"[{r['source']}]")
+            print(f"  {r['method']:<{wm}}{r['what']:<{ww}} paper {r['paper']:<18} "
+                  f"ours {r['ours']:<14} [{r['source']}]")
     if out["divergences"]:
         print("\ndivergences from plain decoding (first differing token; small margins are float "
               "near-ties):")

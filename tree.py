@@ -189,9 +189,9 @@ class BlockTree(TreeDrafter):
     the one with the highest cumulative log-probability joins next (EAGLE-2), each node offering
     its `width` best. chain=False: best-first from the start (it lost: docs/experiments.md)."""
 
-    def __init__(self, drafter, nodes=16, width=2, chain=True):
+    def __init__(self, drafter, nodes=16, width=2, depth=None, chain=True):
         self.drafter, self.nodes, self.width, self.chain = drafter, nodes, width, chain
-        self.name, self.max_k = f"{drafter.name}-tree", drafter.max_k
+        self.name, self.max_k = f"{drafter.name}-tree", depth or drafter.max_k
         self.default_k = drafter.default_k
         self.hidden_layers = drafter.hidden_layers
         markov = getattr(drafter, "markov", False)
@@ -205,14 +205,13 @@ class BlockTree(TreeDrafter):
     def commit(self, n, new, hidden):
         self.drafter.catch_up(new, hidden)  # the drafter's own bookkeeping of a chain is not run
 
-    def node_scores(self, base, j, prev, sampler, S):
+    def node_scores(self, base, j, prev, sampler, noise):
         """Log-probabilities of every token after a node at depth j whose token is prev: the
-        drafter's own distribution (coupled: perturbed by the position's noise, so its best
-        candidate is the drafter's coupled pick)."""
+        drafter's own distribution (coupled: perturbed by the position's noise, noise[j], so its
+        best candidate is the drafter's coupled pick)."""
         logits = base[j] if self.bias is None else base[j] + self.bias(prev)
-        if sampler.mode == "coupled":
-            logits = sampler.scaled(logits) + sampler.noise([S + j], logits.size(-1),
-                                                            logits.device)[0]
+        if noise is not None:
+            logits = sampler.scaled(logits) + noise[j]
         return torch.log_softmax(logits.float(), -1)
 
     @torch.inference_mode()
@@ -220,13 +219,15 @@ class BlockTree(TreeDrafter):
         d = self.drafter
         base = d.net.head(d.draft_states(depth))  # (depth, V): one pass drafts every depth
         S, root = d.seq.numel(), int(d.seq[-1])
+        noise = (sampler.noise(range(S, S + depth), base.size(-1), base.device)
+                 if sampler.mode == "coupled" else None)  # every depth's row at once
         tokens, parents, score = [], [], [0.0]
         # (off the chain?, -cumulative log-prob, tie-break, parent node, its depth, token): with
         # chain=True the drafter's own chain (each node's best child, from the root) comes first
         heap = []
 
         def offer(node, j, prev, on_chain):
-            top = self.node_scores(base, j, prev, sampler, S).topk(self.width)
+            top = self.node_scores(base, j, prev, sampler, noise).topk(self.width)
             for i, (lp, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
                 off = not (self.chain and on_chain and i == 0)
                 heapq.heappush(heap, (off, -(score[node] + lp), len(heap), node, j, t))

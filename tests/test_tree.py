@@ -77,6 +77,7 @@ def test_a_scripted_tree_is_exact_on_any_branch_and_after_a_miss(target, mode, r
 def tree_drafters(target):
     dspark, dflash = make_dspark(target), make_dflash(target)
     return {"dspark-tree": BlockTree(dspark, nodes=12, width=2),
+            "dspark-tree-shallow": BlockTree(make_dspark(target), nodes=8, width=3, depth=3),
             "dflash-tree": BlockTree(dflash, nodes=12, width=3),
             "two-branch": Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4)}
 
