@@ -7,6 +7,7 @@ accepted drafts in green, the target's corrections in red and its free bonus tok
 then tau and the acceptance by draft position.
 
     python sample.py --prompt "def parse(" --method dflash
+    python sample.py --prompt "def parse(" --method dspark --tree 20   # a token tree (tree.py)
 """
 
 import os
@@ -18,6 +19,7 @@ from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, loa
 from devices import pick_device, synchronize
 from settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
+from tree import BlockTree, generate_tree
 
 
 def show(enc, prompt_ids, trace, color):
@@ -52,6 +54,9 @@ def build_parser():
     p.add_argument("--hybrid-with", default=HYBRID_WITH,
                    help="with --method hybrid: the learned drafter it pairs with prompt lookup "
                    "(default: %(default)s)")
+    p.add_argument("--tree", type=number(int, 0), default=0,
+                   help="with --method dflash or dspark: verify a token tree of this many nodes "
+                   "instead of a chain, k deep (tree.py; default: 0, a chain)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
                    help="how many tokens to generate (default: %(default)s)")
     add_sampling_flags(p)
@@ -65,8 +70,20 @@ def build_parser():
     return p
 
 
+def check_tree(a):
+    """--tree's pairings, before anything loads."""
+    if a.tree and a.method not in ("dflash", "dspark"):
+        raise ValueError(f"--tree grows a block drafter's tree: use it with --method dflash or "
+                         f"dspark, not {a.method}")
+    if a.tree and a.sampling == "rejection":
+        raise ValueError("--tree keeps greedy and coupled sampling exact; rejection sampling over "
+                         "a tree needs a multi-candidate rule (SpecInfer's) that is not built: use "
+                         "--sampling greedy or coupled")
+
+
 def main(argv=None):
     a = parse_args(build_parser(), argv)
+    check_tree(a)
     cpu_speed.enable()
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
@@ -77,15 +94,20 @@ def main(argv=None):
     ids = data.encode(enc, a.prompt)
     trace = []
     a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
-    out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
-                                      trace=trace, sync=lambda: synchronize(device))
+    if a.tree:
+        tree = BlockTree(drafter, nodes=a.tree, depth=a.k)
+        out, stats = generate_tree(target, tree, ids, a.max_new_tokens, sampler, trace=trace)
+    else:
+        out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
+                                          trace=trace, sync=lambda: synchronize(device))
     color = sys.stdout.isatty() and not a.no_color
     print(show(enc, ids, [([], out[0], False)] + trace, color))
     print()
     if len(out) < a.max_new_tokens:
         print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
               f"the target's context window)")
-    print(f"method {a.method}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
+    shape = f", a tree of {a.tree} nodes" if a.tree else ""
+    print(f"method {a.method}{shape}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
           f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
     print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))
     print(f"time: draft {stats.draft_time * 1000:.0f} ms, verify {stats.verify_time * 1000:.0f} ms")

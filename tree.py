@@ -171,8 +171,8 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
         stats.draft_time += t1 - t0
         stats.record(max(d), len(path) - 1)
         out.extend(new_ids)
-        if trace is not None:
-            trace.append((new_ids[:-1], new_ids[-1], len(tokens)))
+        if trace is not None:  # as generate_speculative's: was the target's token a bonus?
+            trace.append((new_ids[:-1], new_ids[-1], path[-1] not in parents if tokens else None))
     stats.tokens = len(out)
     return out, stats
 
@@ -192,6 +192,9 @@ class BlockTree(TreeDrafter):
     def __init__(self, drafter, nodes=16, width=2, depth=None, chain=True):
         self.drafter, self.nodes, self.width, self.chain = drafter, nodes, width, chain
         self.name, self.max_k = f"{drafter.name}-tree", depth or drafter.max_k
+        if not 1 <= self.max_k <= drafter.max_k:
+            raise ValueError(f"a {drafter.name} tree is at most {drafter.max_k} deep (its "
+                             f"drafter's block), not {self.max_k}")
         self.default_k = drafter.default_k
         self.hidden_layers = drafter.hidden_layers
         markov = getattr(drafter, "markov", False)
