@@ -21,16 +21,16 @@ draft several continuations as a tree that shares its prefixes, and check every 
 Rejection sampling over a tree needs its own rule (SpecInfer's multi-candidate rejection
 sampling); it is not built, and the tree loop refuses `rejection` in one error line.
 
-Where a tree comes from (any Drafter of speculative.py wrapped, no drafter file changed):
+Where a tree comes from (the drafters of the files that follow, wrapped; none of them changed):
   BlockTree  a block drafter (draft_dflash.py, draft_dspark.py: read them next) drafts every
              depth at once; the tree is its chain plus each node's runner-ups, grown best-first
              by the drafter's own cumulative log-probability (EAGLE-2's expansion and re-ranking).
              With DSpark's Markov head each branch's next token is conditioned on its own
              previous token: a true tree. DFlash's positions do not see each other, so every
              node at one depth gets the same candidates (Medusa's tree).
-  Branches   two drafters' chains as two branches of one tree (e.g. prompt lookup's copy and
-             DSpark's draft): the target keeps whichever agrees longer. The second is drafted
-             only where the first is not sure.
+  Branches   prompt lookup's copy (draft_lookup.py) and a learned drafter's chain (DSpark's
+             in bench.py) as two branches of one tree: the target keeps whichever agrees longer.
+             The learned one drafts only where the lookup is not sure.
 """
 
 import heapq
