@@ -64,8 +64,9 @@ def trees(drafters, sampling):
         return {}
     out = {}
     for name, shapes in TREES.items():
-        if name[:-len("-tree")] in drafters:  # as deep as its chain drafts, unless its shape says
-            chain, k = drafters[name[:-len("-tree")]]
+        chain_name = name[:-len("-tree")]
+        if chain_name in drafters:  # as deep as its chain drafts, unless its shape says
+            chain, k = drafters[chain_name]
             shape = {"depth": k, **shapes[sampling != "greedy"]}
             out[name] = (BlockTree(copy.copy(chain), **shape), shape["depth"])
     if "lookup" in drafters and "dspark" in drafters:

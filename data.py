@@ -432,12 +432,16 @@ def _wanted(data, vocab_size, tokenizer, given) -> dict:
             "tokenizer": tokenizer, **({"given_ranks": ranks_hash(given[0])} if given else {})}
 
 
+def _changed(meta: dict, want: dict) -> list:
+    """What a build records differently from what this one wants, e.g. ['the data path']."""
+    return [_WHAT[k] for k in want if meta.get(k) != want[k]]
+
+
 def _keep_trained(out: pathlib.Path, want: dict, force: bool):
-    """A rebuild for other data or another tokenizer would leave out/target.pt (trained on this
-    build, and every drafter with it) behind: refused unless force. (A damaged build is rebuilt
-    byte for byte: the target still belongs to it.)"""
+    """A rebuild for other data or another tokenizer would orphan out/target.pt (and every drafter
+    trained on it): refused unless force. A damaged build is rebuilt byte for byte: no change."""
     try:
-        changed = [_WHAT[k] for k, v in want.items() if read_meta(out).get(k) != v]
+        changed = _changed(read_meta(out), want)
     except DataError:
         return
     if changed and not force and (out / "target.pt").exists():
@@ -458,8 +462,8 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
     except DataError as e:
         log(f"data: rebuilding {out}/ because {e}")
         return None
-    changed = [k for k in want if meta.get(k) != want[k]]
-    why = " and ".join(_WHAT[k] for k in changed) + " changed" if changed else _damage(out, meta)
+    changed = _changed(meta, want)
+    why = " and ".join(changed) + " changed" if changed else _damage(out, meta)
     if why is None:
         return meta
     log(f"data: rebuilding {out}/ because {why}")

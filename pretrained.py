@@ -431,10 +431,11 @@ def check_writable(folder, force):
         path_arg("dir")(folder)
     except argparse.ArgumentTypeError as e:
         raise ValueError(f"{e}; pick another folder") from None
-    if os.path.isdir(folder) and os.listdir(folder) and not force:
-        raise ValueError(f"{folder} already holds files ({', '.join(sorted(os.listdir(folder))[:3])}"
-                         f"{', ...' if len(os.listdir(folder)) > 3 else ''}): pick an empty or new "
-                         "folder, or pass --force to replace them")
+    held = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if held and not force:
+        raise ValueError(f"{folder} already holds files ({', '.join(held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''}): pick an empty or new folder, or "
+                         "pass --force to replace them")
 
 
 def build_parser():

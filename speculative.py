@@ -338,6 +338,20 @@ def check_k(drafter, k):
                          f"per round (asked for k={k})")
 
 
+def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
+    """The prompt through the target, the drafter begun -> (confirmed tokens, [first token],
+    tokens allowed, cache). The head on the last row only, as in generate_plain (over every row it
+    may round float32 otherwise); the drafter gets every row's states. One host sync."""
+    x = as_prompt(prompt, target.lm_head.weight.device)
+    n_total = tokens_allowed(target, x.size(1), max_new_tokens)
+    cache = cache or target.new_cache()
+    cache.reset()
+    logits, _, hid = target(x, cache=cache, hidden_layers=drafter.hidden_layers, last_only=True)
+    seq = torch.cat([x[0], sampler.first_token(logits[0], x.size(1))])  # confirmed tokens
+    drafter.begin(seq.view(1, -1), hid)
+    return seq, [seq[-1].item()], n_total, cache
+
+
 @torch.inference_mode()
 def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None,
                          trace=None, sync=None):
@@ -351,23 +365,9 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     between draft and verify, so that Stats' draft/verify split is true on a GPU (one more wait
     a round: None when timing throughput; a CPU runs nothing asynchronously)."""
     check_k(drafter, k)
-    dev = target.lm_head.weight.device
-    x = as_prompt(prompt, dev)
-    P = x.size(1)
-    n_total = tokens_allowed(target, P, max_new_tokens)
+    seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
+    stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
     layers = drafter.hidden_layers
-    cache = cache or target.new_cache()
-    cache.reset()
-    stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k)
-
-    # the LM head on the last row only, as in generate_plain: the same first token even in
-    # float32 (a head over every row may round differently); the drafter gets every row's states
-    logits, _, hid = target(x, cache=cache, hidden_layers=layers, last_only=True)
-    first = sampler.first_token(logits[0], P)
-    seq = torch.cat([x[0], first])  # confirmed tokens
-    drafter.begin(seq.view(1, -1), hid)
-    stats.target_forwards, out = 1, [first.item()]  # host sync (once, after the prefill)
-
     while len(out) < n_total:
         cache_len = cache.length  # == len(seq) - 1: the last confirmed token is not cached yet
         k_round = min(k, n_total - len(out) - 1)  # never past max_new_tokens or the context window

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from speculative import Drafter, Stats, as_prompt, tokens_allowed
+from speculative import Drafter, Stats, prefill
 
 # -----------------------------------------------------------------------------
 # the tree's shape: a parent per node, and what that makes each node see
@@ -138,17 +138,9 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
                          "sampling over a tree needs a multi-candidate rule that is not built: "
                          "use --sampling greedy or coupled")
     dev, layers = target.lm_head.weight.device, drafter.hidden_layers
-    x = as_prompt(prompt, dev)
-    P = x.size(1)
-    n_total = tokens_allowed(target, P, max_new_tokens)
-    cache = cache or target.new_cache()
-    cache.reset()
-    stats = Stats(drafted_at=[0] * drafter.max_k, accepted_at=[0] * drafter.max_k)
-    logits, _, hid = target(x, cache=cache, hidden_layers=layers, last_only=True)
-    first = sampler.first_token(logits[0], P)
-    seq = torch.cat([x[0], first])
-    drafter.begin(seq.view(1, -1), hid)
-    stats.target_forwards, out = 1, [first.item()]
+    seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
+    k = drafter.max_k
+    stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
     while len(out) < n_total:
         start = cache.length  # == len(seq) - 1
         depth = min(drafter.max_k, n_total - len(out) - 1)  # never past the tokens asked for

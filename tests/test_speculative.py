@@ -179,8 +179,13 @@ def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name
     cache = target.new_cache()
     prompt = [3, 1, 4, 1, 5]
     out, _ = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"), cache=cache)
-    seq = prompt + out
-    assert cache.length == len(seq) - 1  # the last token has no K/V yet
+    assert_cache_is_a_fresh_prefill(target, cache, prompt + out)
+
+
+def assert_cache_is_a_fresh_prefill(target, cache, seq):
+    """After a generation of seq: the cache holds the K/V of every token but the last (it has
+    none yet), as one prefill of them computes."""
+    assert cache.length == len(seq) - 1
     fresh = target.new_cache()
     with torch.no_grad():
         target(torch.tensor([seq[:-1]]), cache=fresh)
