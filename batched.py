@@ -176,10 +176,11 @@ def padded(rows, device, width=None):
 
 
 @torch.inference_mode()
-def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
+def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, stats=None):
     """Token-by-token decoding of B prompts at once: one ragged prefill, then one (B, 1) forward
     a step. A row that has all its tokens gets zero tokens (its slot is padding, packed away).
-    No host sync until the end. Returns one token list per row."""
+    No host sync until the end. Returns one token list per row. stats: a BatchStats to count the
+    steps in."""
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
     P = [len(p) for p in prompts]
@@ -187,7 +188,7 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None):
     cache.reset()
     logits = ragged.forward(model, padded(prompts, dev), cache, P, last_only=True)[0]  # (B, 1, V)
     first = sampler.first_token(logits, P)  # (B, 1)
-    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler)
+    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler, stats)
     return [[t] + r for t, r in zip(first[:, 0].tolist(), rest)]
 
 
@@ -217,8 +218,9 @@ def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None):
 class BatchDrafter:
     """What the batched loop needs from a drafter: speculative.Drafter, one more axis.
 
-    on                         False once it will not draft again in this batch (BatchDSpark's
-                               budget rule): the loop decodes the rest plainly, no bookkeeping.
+    plain_batch(B)             asked before each batch of B rows: True decodes it on plain
+                               decoding's own path, start to end (BatchDSpark's budget rule, where
+                               no draft pays); the drafter then sees nothing of it.
     begin(seqs, hidden)        B new sequences: seqs, a list of (n_r,) token tensors; hidden
                                {layer: (B, P, d)}, row r's first n_r - 1 slots valid.
     propose(ks, sampler)       draft up to ks[r] tokens for row r (0: none) -> (drafts (B, K),
@@ -234,9 +236,6 @@ class BatchDrafter:
     default_k = 4
     sampled_k = None
     budget = []
-    # False: the drafter's own rule says no draft will pay for the rest of this batch, and the
-    # loop finishes it by plain decoding (the drafter then stays out of sync until its next begin)
-    on = True
 
     def __init__(self, drafter):
         """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
@@ -244,6 +243,9 @@ class BatchDrafter:
         for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k"):
             setattr(self, name, getattr(drafter, name))
         self.budget = getattr(drafter, "budget", [])
+
+    def plain_batch(self, B):
+        return False  # a drafter without a rule of its own drafts every batch
 
     def begin(self, seqs, hidden):
         raise NotImplementedError
@@ -300,6 +302,12 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
+    stats = BatchStats(B, k)
+    if drafter.plain_batch(B):  # the drafter's rule: no draft pays at this batch size
+        t0 = time.perf_counter()
+        out = generate_plain_batched(target, prompts, max_new_tokens, sampler, cache, stats)
+        stats.verify_time, stats.tokens = time.perf_counter() - t0, sum(len(o) for o in out)
+        return out, stats
     cache = cache or ragged.new_cache(target, B)
     cache.reset()
     x = padded(prompts, dev)
@@ -307,18 +315,9 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     last = sampler.first_token(logits, P)[:, 0]  # (B,) each row's last confirmed token
     drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     out = [[t] for t in last.tolist()]  # host sync (once, after the prefill)
-    stats = BatchStats(B, k)
     while True:
         active = [len(o) < a for o, a in zip(out, allowed)]
         if not any(active):
-            break
-        if not drafter.on:  # the drafter's own rule says no draft will pay in this batch
-            t0 = time.perf_counter()
-            rest = plain_steps(target, cache, last, [len(o) for o in out], allowed, P, sampler,
-                               stats)
-            stats.verify_time += time.perf_counter() - t0
-            for o, r in zip(out, rest):
-                o.extend(r)
             break
         ks = [min(k, a - len(o) - 1) if on else 0 for o, a, on in zip(out, allowed, active)]
         t0 = time.perf_counter()

@@ -210,7 +210,7 @@ class BatchDSpark(BatchDFlash):
         sums (per draft position: survivals seen, survivals predicted); this batch's state."""
         self.adapt, self.batches, self.rounds, self.skipped = {}, {}, 0, 0
         self.calibration = np.zeros((2, self.max_k))
-        self._scored, self.on, self.batch_rounds, self.skipped_in_batch = None, True, 0, 0
+        self._scored, self.batch_rounds, self.skipped_in_batch, self.batch_size = None, 0, 0, None
         self.estimate = None
 
     @torch.inference_mode()
@@ -222,26 +222,34 @@ class BatchDSpark(BatchDFlash):
             t_draft, per_state = self.time_draft(B)
             self.costs[B] = (table, t_draft)
             self.flush_cost[B] = per_state
-        ad = self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY,
-                                       "failed": 0, "width": PROBE_WIDTH})
-        if self.on and self.batch_rounds:  # the batch before this one: did it draft at all?
-            done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
-            ad["failed"] = ad["failed"] + 1 if done else 0
+        if B not in self.adapt:  # a batch size not seen before: plain_batch() could not judge
+            self.adapt[B] = {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY, "failed": 0,
+                             "width": PROBE_WIDTH}
+            self.plain_batch(B)
         # new requests: no estimate of their own yet (the first round probes), and the head's
         # confidences taken at their word again
         self.estimate, self._last, self.idle, self._plan = None, None, 0, None
         self.calibration = np.zeros((2, self.max_k))
+
+    def plain_batch(self, B):
+        """budget, asked before each batch (batched.BatchDrafter): where OFF_AFTER batches in a
+        row at this batch size found that no draft pays (they gave OFF_SHARE of their rounds no
+        draft), the batch is decoded on plain decoding's own path, start to end, and costs
+        nothing; one batch in OFF_EVERY drafts and looks again (only where the widest verify
+        costs OFF_COST times a plain step or more: below that a wrong "off" loses most of what
+        speculation makes, a wrong "on" only the bookkeeping)."""
+        if self.schedule != "budget" or B not in self.adapt:
+            return False  # (a batch size not seen yet drafts: begin() profiles it)
+        if self.batch_rounds:  # the batch before, if it drafted: did it draft at all?
+            done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
+            before = self.adapt[self.batch_size]
+            before["failed"] = before["failed"] + 1 if done else 0
+        self.batch_rounds, self.skipped_in_batch, self.batch_size = 0, 0, B
+        ad = self.adapt[B]
         self.batches[B] = self.batches.get(B, 0) + 1
-        self.batch_rounds, self.skipped_in_batch = 0, 0
-        # where OFF_AFTER batches in a row at this batch size found that no draft pays, a batch is
-        # decoded plainly from its start (no drafter to keep in sync: that costs a few percent a
-        # round, docs/results.md); one batch in OFF_EVERY stays on and looks again
-        # (only where the widest verify costs OFF_COST times a plain step or more: below that a
-        # wrong "off" loses most of what speculation makes, a wrong "on" only the bookkeeping)
-        table = self.costs.get(B, (None,))[0]
-        dear = table is not None and table.seconds[-1] >= OFF_COST * table.seconds[0]
-        self.on = not (self.schedule == "budget" and dear and ad["failed"] >= OFF_AFTER
-                       and self.batches[B] % OFF_EVERY)
+        table = self.costs[B][0]
+        dear = table.seconds[-1] >= OFF_COST * table.seconds[0]
+        return dear and ad["failed"] >= OFF_AFTER and bool(self.batches[B] % OFF_EVERY)
 
     def time_draft(self, B, reps=5):
         """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
