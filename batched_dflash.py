@@ -165,7 +165,7 @@ MAX_WAIT = 256
 # after OFF_AFTER batches in a row at one batch size skipped the draft in OFF_SHARE of their
 # rounds, its batches are decoded plainly from the start (the drafter off), except one in
 # OFF_EVERY, which looks again
-OFF_AFTER, OFF_SHARE, OFF_EVERY, OFF_COST = 2, 0.9, 16, 2.0
+OFF_AFTER, OFF_SHARE, OFF_EVERY, OFF_COST = 1, 0.9, 16, 2.0
 # the budget rule drafts only where its tables promise more than this much over a round without a
 # draft: below it, the tables' own error decides, and the rounds it drafted lost
 # (docs/experiments.md: Batched: the budget rule's margin)
