@@ -222,10 +222,7 @@ class BatchDSpark(BatchDFlash):
             t_draft, per_state = self.time_draft(B)
             self.costs[B] = (table, t_draft)
             self.flush_cost[B] = per_state
-        if B not in self.adapt:  # a batch size not seen before: plain_batch() could not judge
-            self.adapt[B] = {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY, "failed": 0,
-                             "width": PROBE_WIDTH}
-            self.plain_batch(B)
+        self.account(B)
         # new requests: no estimate of their own yet (the first round probes), and the head's
         # confidences taken at their word again
         self.estimate, self._last, self.idle, self._plan = None, None, 0, None
@@ -238,18 +235,26 @@ class BatchDSpark(BatchDFlash):
         nothing; one batch in OFF_EVERY drafts and looks again (only where the widest verify
         costs OFF_COST times a plain step or more: below that a wrong "off" loses most of what
         speculation makes, a wrong "on" only the bookkeeping)."""
-        if self.schedule != "budget" or B not in self.adapt:
-            return False  # (a batch size not seen yet drafts: begin() profiles it)
+        if self.schedule != "budget":
+            return False
         if self.batch_rounds:  # the batch before, if it drafted: did it draft at all?
             done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
             before = self.adapt[self.batch_size]
             before["failed"] = before["failed"] + 1 if done else 0
         self.batch_rounds, self.skipped_in_batch, self.batch_size = 0, 0, B
-        ad = self.adapt[B]
+        ad = self.account(B)
         self.batches[B] = self.batches.get(B, 0) + 1
+        if B not in self.costs:
+            return False  # a batch size not seen yet drafts: begin() profiles it
         table = self.costs[B][0]
         dear = table.seconds[-1] >= OFF_COST * table.seconds[0]
         return dear and ad["failed"] >= OFF_AFTER and bool(self.batches[B] % OFF_EVERY)
+
+    def account(self, B):
+        """What the rounds at batch size B have measured so far (measure, planned), and the
+        batches there that found no draft pays (plain_batch): made at the first batch."""
+        return self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY,
+                                         "failed": 0, "width": PROBE_WIDTH})
 
     def time_draft(self, B, reps=5):
         """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
