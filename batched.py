@@ -206,7 +206,7 @@ def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None):
         logits = ragged.forward(model, x, cache, counts)[0]  # (B, 1, V)
         x = out[:, i:i + 1] = sampler.pick(logits, [p + d + i for p, d in zip(P, done)])
         if stats is not None:
-            stats.record([0] * B, [0] * B, [c > 0 for c in counts], 1, 0.0, 0.0)
+            stats.record_plain(sum(counts))
     rows = out.tolist()  # host sync (the only one)
     return [row[:a - d] for row, a, d in zip(rows, allowed, done)]
 
@@ -366,6 +366,14 @@ class BatchStats(Stats):
                 self.verify_tokens += c + 1
                 self.slots += width
                 self.given[c] += 1
+
+    def record_plain(self, rows):
+        """One plain step of `rows` active rows: what record() counts for it, nothing drafted,
+        in O(1) (a plain batch records one a step: a loop over rows cost it 2-4% at batch 8-32)."""
+        self.batches += 1
+        self.target_forwards, self.rounds = self.target_forwards + rows, self.rounds + rows
+        self.verify_tokens, self.slots = self.verify_tokens + rows, self.slots + rows
+        self.given[0] += rows
 
     @property
     def padding(self):

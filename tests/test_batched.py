@@ -105,6 +105,16 @@ def test_plain_batched_equals_batch_one(target):
     assert len(out[-1]) == 6  # the long prompt's row stopped at the window
 
 
+def test_a_plain_step_is_counted_as_a_round_that_drafted_nothing():
+    """BatchStats.record_plain (one call a plain step, O(1)) counts what record() counts for a
+    round where no row drafted."""
+    each, at_once = batched.BatchStats(4, 6), batched.BatchStats(4, 6)
+    for active in ([1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 1, 0]):
+        each.record([0] * 4, [0] * 4, [a > 0 for a in active], 1, 0.0, 0.0)
+        at_once.record_plain(sum(active))
+    assert vars(each) == vars(at_once) and at_once.rounds == 8
+
+
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k):
