@@ -4,9 +4,11 @@ serving engine's.
 
 At batch 1 a longer verify costs little more than a short one, so drafting long pays. At batch
 32 a verify of 16 tokens a row is a 512-token forward and costs several times a plain batched
-step. The rules here decide, from each row's prefix survivals (draft_dspark.py's confidence
-head) and a cost table profiled on the device in use, how many drafts each row verifies; the
-batched DSpark drafter (batched_drafters.BatchDSpark) applies them round by round.
+step. The rules here decide how many drafts each row verifies; the batched DSpark drafter
+(batched_dflash.BatchDSpark) applies them round by round. The paper's (Algorithm 1) and a
+serving engine's read each row's prefix survivals (draft_dspark.py's confidence head) and a cost
+table profiled on the device in use; the measured rule (Widths), the one the serving sweep
+runs, reads what the loop itself measured: tokens each width kept, seconds each round took.
 """
 
 import time
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 import ragged
+from batched import BatchSampler, plain_steps
 from devices import synchronize
 
 
@@ -56,6 +59,27 @@ class CostTable:
         for m in range(len(seconds) - 2, -1, -1):
             seconds[m] = min(seconds[m], seconds[m + 1])
         return cls(batch_size, seconds)
+
+
+@torch.inference_mode()
+def time_plain(target, batch_size, context, steps=8, reps=3):
+    """Seconds of one step of plain batched decoding itself (batched.plain_steps: the forward,
+    the pick, the loop), every row at `context` tokens, the fastest of `reps` runs of `steps`:
+    the measured rule's prior for a plain step, before any plain batch has run."""
+    dev, B = target.lm_head.weight.device, batch_size
+    cache = ragged.new_cache(target, B)
+    x = torch.zeros(B, context, dtype=torch.long, device=dev)
+    best = float("inf")
+    for _ in range(reps):
+        cache.reset()
+        ragged.forward(target, x, cache)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        plain_steps(target, cache, x[:, -1], [0] * B, [steps] * B, [context] * B,
+                    BatchSampler("greedy", B, device=dev))
+        synchronize(dev)
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best
 
 
 def interpolate(points):
@@ -127,32 +151,114 @@ def best_single_k(survival, base, t_fixed, cost):
     return np.minimum(best_l, L).tolist()
 
 
-def plan_budget(estimate, base, t_draft, t_rest, cost, cap, margin=0.0):
-    """The production variant's budget (DSpark §5.2-5.3), set BEFORE drafting from survivals one
-    round old: the K in 0..cap that maximises (base + the K best estimated survivals) /
-    (t_rest[K > 0] + t_draft(slots) + cost(base + K)), slots = the block slots those K pairs need
-    (every row that gets one drafts the widest such row's width), by a full search (the table is
-    jagged). K = 0 drafts nothing at all. Lossless because K does not depend on this round's
-    tokens. t_rest: the rest of a round, measured apart for rounds without and with a draft.
-    margin: draft only where theta beats the no-draft round's by more than this share (the
-    tables' own error). -> (K, width, which rows draft)."""
-    a, j, r = by_survival(estimate)
-    a, j, r = a[:cap], j[:cap], r[:cap]
-    B = len(as_table(estimate)[1])
-    width = np.maximum.accumulate(j + 1) if len(a) else j
-    rows = np.cumsum(j == 0)  # each row's first pair comes first among its own
-    K = np.arange(1, len(a) + 1)
-    theta = (base + np.cumsum(a)) / (t_rest[1] + t_draft(rows * (width + 1)) + cost(base + K))
-    skip = base / (t_rest[0] + float(cost(base)))
-    if len(a) == 0 or theta.max() <= skip * (1 + margin):
-        return 0, 0, [False] * B
-    best = int(theta.argmax())
-    lengths = lengths_of(j, r, best + 1, B)
-    return best + 1, int(width[best]), [m > 0 for m in lengths]
+# -----------------------------------------------------------------------------
+# the measured rule: one width a round for every row, or plain batches, by what the loop measures
+
+# the widths it chooses among (at most the drafter's max_k): the whole block never beat 8 drafts in
+# a serving sweep on the CPU (docs/experiments.md), and each width it may choose costs exploring
+WIDTHS = (1, 2, 4, 8)
+# every 12th round starts two rounds at one width wider than the best, the next time one narrower,
+# to keep their numbers fresh (a profile can be far off the loop: docs/experiments.md); two,
+# because a round after a change of width pays for the new shapes and is not timed
+EXPLORE_EVERY, EXPLORE_ROUNDS = 12, 2
+DECAY = 0.995  # per round: the survival counts of earlier text fade (a new batch is other text)
+# a batch is decoded plainly only on this much evidence: rows verified (decayed), and the best
+# width timed at this batch size; before that, it drafts
+MIN_ROWS = 64
+# a batch decoded plainly shows nothing of the drafts: the evidence fades by this much, so that
+# after a few such batches the rule is unsure again and drafts a batch to look
+FADE = 0.85
+RATE = 0.3  # running averages of round times: the host's speed can change under a server
+# per round at a batch size: what its rounds committed, against what was expected, with a prior of
+# MADE_PRIOR tokens a row at 1:1 (one hard batch, a prompt the drafter reads badly, moves it little)
+MADE_DECAY, MADE_PRIOR = 0.99, 8
 
 
-def fill_budget(survival, K):
-    """Which K (row, position) pairs fill a budget: the K most likely to survive, fresh
-    confidences, a prefix of each row. -> a length per row."""
-    _, j, r = by_survival(survival)
-    return lengths_of(j, r, K, len(as_table(survival)[1]))
+class Widths:
+    """DSpark's serving rule, decided by what the loop measures (BatchDSpark, schedule="measured").
+    Before each round it picks ONE draft width w for every row; before each batch, whether to
+    draft at all. Each by the most tokens per second:
+        rate(w) = eta(B) * tokens(w) / seconds(B, w),   rate(0) = 1 / seconds(B, 0)
+    tokens(w) = 1 + S_1 + ... + S_w, S_j the chance that a row's first j drafts all survive, is
+    measured from verification itself: every verified round at width w also tells what any
+    narrower width would have kept (min(accepted, w') drafts), so all widths are compared on the
+    same text. eta(B) is what the rounds at batch size B committed over what B rows at tokens(w)
+    would (a batch runs until its slowest row is done). seconds(B, w) is a round's own wall time
+    at that batch size and width (draft, verify, commit, the loop), a running average; a width not
+    yet timed at B is priced by the start-up profile (prior) times what the timed ones measured
+    over theirs. seconds(B, 0) is plain decoding's own step, timed over whole plain batches. The
+    choice reads earlier rounds only, never this round's drafts: the tokens stay exact."""
+
+    def __init__(self, max_k):
+        self.widths = sorted({min(w, max_k) for w in WIDTHS})
+        self.reached = np.zeros(max_k)  # rows verified at width >= j whose first j - 1 survived
+        self.passed = np.zeros(max_k)  # ... of them, rows whose draft j survived too
+        self.seconds = {}  # batch size -> {width: measured seconds a round; 0: a plain step}
+        self.ratio = {}  # batch size -> {width: measured over profiled}
+        # batch size -> (tokens its rounds committed, what B rows at tokens(w) would), decayed:
+        # a batch runs until its slowest row is done, and its last rounds carry fewer rows
+        self.made = {}
+        self.rounds = 0
+
+    def survivals(self):
+        """S_1..S_max_k: a conditional survival per position, with one pseudo-row at the position
+        before's (a position never verified is as likely as the last one seen)."""
+        S, c, s = [], 0.9, 1.0
+        for reached, passed in zip(self.reached.tolist(), self.passed.tolist()):
+            c = (passed + c) / (reached + 1.0)
+            s *= c
+            S.append(s)
+        return S
+
+    def estimate(self, B, w, prior):
+        """Seconds of a round at width w (0: a plain step) at batch size B: measured, or the
+        prior times the measured-over-profiled ratio of the widths timed (at B, else anywhere)."""
+        seconds = self.seconds.get(B, {})
+        if w in seconds:
+            return seconds[w]
+        kind = [r for v, r in self.ratio.get(B, {}).items() if (v > 0) == (w > 0)]
+        kind = kind or [r for d in self.ratio.values() for v, r in d.items() if (v > 0) == (w > 0)]
+        return prior[w] * (sum(kind) / len(kind) if kind else 1.0)
+
+    def choose(self, B, prior, plain=False, cap=None):
+        """The width for this round, at most cap (the loop's k); plain=True (asked before a
+        batch): 0 where a plain step beats every width, on enough evidence. prior: {width:
+        profiled seconds at B, 0 included}."""
+        S = self.survivals()
+        made, expected = self.made.get(B, (0.0, 0.0))
+        made, expected = made + MADE_PRIOR * B, expected + MADE_PRIOR * B
+        widths = sorted({min(w, cap or w) for w in self.widths})
+        rate = {w: made / expected * (1 + sum(S[:w])) / self.estimate(B, w, prior) for w in widths}
+        best = max(rate, key=rate.get)
+        sure = self.reached[0] >= MIN_ROWS and best in self.seconds.get(B, {})
+        if plain and sure and 1 / self.estimate(B, 0, prior) > rate[best]:
+            return 0
+        self.rounds += 1
+        if self.rounds % EXPLORE_EVERY < EXPLORE_EVERY - EXPLORE_ROUNDS:
+            return best
+        i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
+        return widths[min(max(i, 0), len(widths) - 1)]
+
+    def timed(self, B, w, seconds, prior):
+        """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
+        took `seconds`."""
+        at, ratio = self.seconds.setdefault(B, {}), self.ratio.setdefault(B, {})
+        at[w] = seconds if w not in at else at[w] + RATE * (seconds - at[w])
+        ratio[w] = at[w] / prior[w]
+        if w == 0:
+            self.reached *= FADE
+            self.passed *= FADE
+
+    def verified(self, B, w, counts, accepted):
+        """After a verify at width w over B rows: row r (of those still decoding) verified
+        counts[r] drafts and accepted[r] of them survived."""
+        made, expected = self.made.get(B, (0.0, 0.0))
+        self.made[B] = (MADE_DECAY * made + len(accepted) + sum(accepted),
+                        MADE_DECAY * expected + B * (1 + sum(self.survivals()[:w])))
+        K = len(self.reached)
+        j = np.arange(1, K + 1)
+        c, a = np.asarray(counts)[:, None], np.asarray(accepted)[:, None]
+        self.reached *= DECAY
+        self.passed *= DECAY
+        self.reached += ((j <= c) & (a >= j - 1)).sum(0)
+        self.passed += ((j <= c) & (a >= j)).sum(0)

@@ -219,8 +219,9 @@ class BatchDrafter:
     """What the batched loop needs from a drafter: speculative.Drafter, one more axis.
 
     plain_batch(B)             asked before each batch of B rows: True decodes it on plain
-                               decoding's own path, start to end (BatchDSpark's budget rule, where
-                               no draft pays); the drafter then sees nothing of it.
+                               decoding's own path, start to end (BatchDSpark's measured rule,
+                               where no draft pays); the drafter then sees nothing of it but
+                               timed_plain(B, steps, seconds), the plain steps' time.
     begin(seqs, hidden)        B new sequences: seqs, a list of (n_r,) token tensors; hidden
                                {layer: (B, P, d)}, row r's first n_r - 1 slots valid.
     propose(ks, sampler)       draft up to ks[r] tokens for row r (0: none) -> (drafts (B, K),
@@ -246,6 +247,9 @@ class BatchDrafter:
 
     def plain_batch(self, B):
         return False  # a drafter without a rule of its own drafts every batch
+
+    def timed_plain(self, B, steps, seconds):
+        pass
 
     def begin(self, seqs, hidden):
         raise NotImplementedError
@@ -303,18 +307,17 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     allowed = check_prompts(target, prompts, max_new_tokens)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
     stats = BatchStats(B, k)
-    if drafter.plain_batch(B):  # the drafter's rule: no draft pays at this batch size
-        t0 = time.perf_counter()
-        out = generate_plain_batched(target, prompts, max_new_tokens, sampler, cache, stats)
-        stats.verify_time, stats.tokens = time.perf_counter() - t0, sum(len(o) for o in out)
-        return out, stats
+    plain = drafter.plain_batch(B)  # the drafter's rule: no draft pays at this batch size
     cache = cache or ragged.new_cache(target, B)
     cache.reset()
     x = padded(prompts, dev)
-    logits, _, hid = ragged.forward(target, x, cache, P, hidden_layers=layers, last_only=True)
+    logits, _, hid = ragged.forward(target, x, cache, P, hidden_layers=() if plain else layers,
+                                    last_only=True)
     last = sampler.first_token(logits, P)[:, 0]  # (B,) each row's last confirmed token
-    drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     out = [[t] for t in last.tolist()]  # host sync (once, after the prefill)
+    if plain:
+        return plainly(target, drafter, cache, last, out, allowed, P, sampler, stats)
+    drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     while True:
         active = [len(o) < a for o, a in zip(out, allowed)]
         if not any(active):
@@ -343,6 +346,21 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     stats.tokens = sum(len(o) for o in out)
     return out, stats
 
+
+def plainly(target, drafter, cache, last, out, allowed, P, sampler, stats):
+    """A batch after its prefill on plain decoding's own path (plain_steps): every row from its
+    first token to its end, no drafter, no taps, no host sync a step; timed for the drafter's
+    rule (timed_plain). Returns (out, stats) with each row's tokens appended."""
+    done = [len(o) for o in out]
+    t0 = time.perf_counter()
+    rest = plain_steps(target, cache, last, done, allowed, P, sampler, stats)
+    seconds = time.perf_counter() - t0
+    drafter.timed_plain(len(out), max(a - d for a, d in zip(allowed, done)), seconds)
+    stats.verify_time += seconds
+    for o, r in zip(out, rest):
+        o.extend(r)
+    stats.tokens = sum(len(o) for o in out)
+    return out, stats
 
 class BatchStats(Stats):
     """speculative.Stats summed over rows (target_forwards counts (row, round) pairs, so tau is

@@ -6,8 +6,9 @@ draft_dflash.py and draft_dspark.py draft for one request; batched.py runs the l
 requests, each at its own length. BatchDFlash keeps one static K/V cache per draft layer with a
 context length per row and runs every row's block in one forward (the same weights and the same
 bookkeeping as DFlashDrafter, one more axis). BatchDSpark adds the Markov chain for every row at
-once and the scheduler as the DSpark paper defines it, over the whole batch: the rules and the
-cost table they read are batch_rules.py's.
+once and a verify budget over the whole batch: the paper's scheduler, and the measured rule the
+serving sweep runs (one width a round, or whole batches decoded plainly); the rules and what
+they read are batch_rules.py's.
 """
 
 import time
@@ -16,11 +17,10 @@ import numpy as np
 import torch
 
 import ragged
-from batch_rules import (CostTable, admit_batch, best_single_k, fill_budget, interpolate,
-                         plan_budget)
+from batch_rules import CostTable, Widths, admit_batch, best_single_k, interpolate, time_plain
 from batched import BatchDrafter, Confirmed
 from devices import synchronize
-from draft_dspark import SCORE_EVERY, markov_chain
+from draft_dspark import markov_chain
 from draft_dflash import rope
 from gpt import attention
 
@@ -158,41 +158,30 @@ class BatchDFlash(BatchDrafter):
 # -----------------------------------------------------------------------------
 # DSpark: DFlash's block, the Markov chain, and one verify budget for the whole batch
 
-# the batched budget rule (BatchDSpark) probes with this many drafts a row when it has no estimate
-# (and every SCORE_EVERY-th round while it drafts nothing): enough to see whether drafting pays
-PROBE_WIDTH = 2
-MAX_WAIT = 256
-# after OFF_AFTER batches in a row at one batch size skipped the draft in OFF_SHARE of their
-# rounds, its batches are decoded plainly from the start (the drafter off), except one in
-# OFF_EVERY, which looks again
-OFF_AFTER, OFF_SHARE, OFF_EVERY, OFF_COST = 1, 0.9, 16, 2.0
-# the budget rule drafts only where its tables promise more than this much over a round without a
-# draft: below it, the tables' own error decides, and the rounds it drafted lost
-# (docs/experiments.md: Batched: the budget rule's margin)
-PLAN_MARGIN = 0.25
 CALIBRATION_PRIOR = 5.0  # pseudo-rounds at the confidence head's own estimate (recalibrate)
 
 
-BATCH_SCHEDULES = ("auto", "goodput", "budget", "full")
+BATCH_SCHEDULES = ("measured", "auto", "goodput", "full")
 
 
 class BatchDSpark(BatchDFlash):
     """DSparkDrafter over B rows: the batched DFlash block, then the Markov chain for every row at
-    once, then every row's confidences in one product and ONE host read, then one choice of how
-    many drafts each row verifies:
-      auto     DSpark's Algorithm 1 over the whole batch (batch_rules.admit_batch): (row, position)
-               pairs admitted in order of survival until expected throughput stops rising;
-      goodput  one length for every row, the best for the batch (batch_rules.best_single_k), the rule
-               a serving engine without per-request lengths uses;
-      budget   the production variant: the budget is set before drafting from the previous
-               round's survivals (batch_rules.plan_budget), so a round the cost table says will not
-               pay skips the draft itself; fresh confidences then fill it (batch_rules.fill_budget);
-      full     every row verifies all it drafted (a fixed k).
-    The cost table (batch_rules.CostTable) and the draft's cost by width (time_draft) are profiled
-    once per batch size, at the first begin(); what they miss is measured as the rounds run
-    (measure)."""
+    once, then one choice of how many drafts each row verifies:
+      measured  one width a round for every row, the one with the most tokens per second by what
+                the rounds themselves measured (batch_rules.Widths), and whole batches decoded
+                plainly where a plain step beats every width: the production rule;
+      auto      DSpark's Algorithm 1 over the whole batch (batch_rules.admit_batch): (row, position)
+                pairs admitted in order of the confidence head's survivals until expected
+                throughput stops rising;
+      goodput   one length for every row, the best for the batch by the same survivals
+                (batch_rules.best_single_k), the rule a serving engine without per-request
+                lengths uses;
+      full      every row verifies all it drafted (a fixed k).
+    The cost table (batch_rules.CostTable), the draft's cost by width (time_draft) and a plain
+    step's (batch_rules.time_plain) are profiled once per batch size, at the first begin(): the
+    rules' prior."""
 
-    def __init__(self, drafter, schedule="auto"):
+    def __init__(self, drafter, schedule="measured"):
         if schedule not in BATCH_SCHEDULES:
             raise ValueError(f"unknown batch schedule {schedule!r}: use {', '.join(BATCH_SCHEDULES)}")
         super().__init__(drafter)
@@ -200,94 +189,80 @@ class BatchDSpark(BatchDFlash):
         self.markov_table = drafter.markov_table
         self.conf_h, self.conf_code = drafter.conf_h, drafter.conf_code
         self.conf_temp = drafter.spark.conf_temp.to(self.conf_h.dtype)
-        self.costs = {}  # batch size -> (CostTable, t_draft)
-        self.flush_cost = {}  # batch size -> seconds per pending target state a flush takes
+        self.costs = {}  # batch size -> (CostTable, t_draft, seconds of a plain step)
+        self.priors = {}  # batch size -> what they say a round costs at each width (prior)
         self.new_account()
 
     def new_account(self):
-        """What it learns as it runs, from nothing: per batch size the measured corrections to its
-        tables (adapt) and the batches begun; its rounds and skipped rounds; the recalibration
-        sums (per draft position: survivals seen, survivals predicted); this batch's state."""
-        self.adapt, self.batches, self.rounds, self.skipped = {}, {}, 0, 0
+        """What it learns as it runs, from nothing: the measured rule's numbers (Widths), the
+        rounds drafted, the recalibration sums (per draft position: survivals seen, survivals
+        predicted), this batch's state."""
+        self.widths, self.rounds = Widths(self.max_k), 0
         self.calibration = np.zeros((2, self.max_k))
-        self._scored, self.batch_rounds, self.skipped_in_batch, self.batch_size = None, 0, 0, None
-        self.estimate = None
+        self._scored, self._round, self._ks, self.cap = None, None, None, None
 
     @torch.inference_mode()
     def begin(self, seqs, hidden):
         super().begin(seqs, hidden)
         B = len(seqs)
         if self.schedule != "full" and B not in self.costs:
-            table = CostTable.profile(self.net.target, B, self.max_k + 1)
-            t_draft, per_state = self.time_draft(B)
-            self.costs[B] = (table, t_draft)
-            self.flush_cost[B] = per_state
-        self.account(B)
-        # new requests: no estimate of their own yet (the first round probes), and the head's
-        # confidences taken at their word again
-        self.estimate, self._last, self.idle, self._plan = None, None, 0, None
+            target = self.net.target
+            self.costs[B] = (CostTable.profile(target, B, self.max_k + 1), self.time_draft(B),
+                             time_plain(target, B, target.config.block_size // 2))
+        self._round = None
+        # new requests: the head's confidences taken at their word again
         self.calibration = np.zeros((2, self.max_k))
 
-    def plain_batch(self, B):
-        """budget, asked before each batch (batched.BatchDrafter): where OFF_AFTER batches in a
-        row at this batch size found that no draft pays (they gave OFF_SHARE of their rounds no
-        draft), the batch is decoded on plain decoding's own path, start to end, and costs
-        nothing; one batch in OFF_EVERY drafts and looks again (only where the widest verify
-        costs OFF_COST times a plain step or more: below that a wrong "off" loses most of what
-        speculation makes, a wrong "on" only the bookkeeping)."""
-        if self.schedule != "budget":
-            return False
-        if self.batch_rounds:  # the batch before, if it drafted: did it draft at all?
-            done = self.skipped_in_batch >= OFF_SHARE * self.batch_rounds
-            before = self.adapt[self.batch_size]
-            before["failed"] = before["failed"] + 1 if done else 0
-        self.batch_rounds, self.skipped_in_batch, self.batch_size = 0, 0, B
-        ad = self.account(B)
-        self.batches[B] = self.batches.get(B, 0) + 1
-        if B not in self.costs:
-            return False  # a batch size not seen yet drafts: begin() profiles it
-        table = self.costs[B][0]
-        dear = table.seconds[-1] >= OFF_COST * table.seconds[0]
-        return dear and ad["failed"] >= OFF_AFTER and bool(self.batches[B] % OFF_EVERY)
+    def prior(self, B):
+        """{width: profiled seconds of a round at B} (0: a plain step), every width 0..max_k: the
+        measured rule's prior, made once per batch size (the copies bench.py runs share it, as
+        they share the costs)."""
+        if B not in self.priors:
+            table, t_draft, t_plain = self.costs[B]
+            self.priors[B] = {w: float(table(B * (w + 1)) + t_draft(B * (w + 1)))
+                              for w in range(1, self.max_k + 1)}
+            self.priors[B][0] = t_plain
+        return self.priors[B]
 
-    def account(self, B):
-        """What the rounds at batch size B have measured so far (measure, planned), and the
-        batches there that found no draft pays (plain_batch): made at the first batch."""
-        return self.adapt.setdefault(B, {"scale": 1.0, "rest": [0.0, 0.0], "wait": SCORE_EVERY,
-                                         "failed": 0, "width": PROBE_WIDTH})
+    def plain_batch(self, B):
+        """measured, asked before each batch (batched.BatchDrafter): plainly, start to end, where
+        plain decoding's step beats every width's measured round at this batch size (Widths.
+        choose; each plain batch fades its evidence, so now and then a batch drafts to look)."""
+        if self.schedule != "measured" or B not in self.costs:
+            return False  # a batch size not seen yet drafts: begin() profiles it
+        if 0 not in self.widths.seconds.get(B, {}):
+            return True  # plain decoding's own step, timed once at every batch size
+        return self.widths.choose(B, self.prior(B), plain=True, cap=self.cap) == 0
+
+    def timed_plain(self, B, steps, seconds):
+        """batched.py timed plain decoding's own path at batch size B (the measured rule)."""
+        if self.schedule == "measured" and steps and B in self.costs:
+            self.widths.timed(B, 0, seconds / steps, self.prior(B))
 
     def time_draft(self, B, reps=5):
         """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
         t_draft(slots), slots = B * (w + 1) block slots in all, linear in between (the draft's
-        Linears run on real slots only, so its cost follows their total); and the seconds per
-        target state a flush takes (a draft after skipped rounds first projects their context).
-        Each try follows a target forward, as a draft does in the loop: timed back to back, the
-        drafter's weights stay in the cache and a draft looks several times cheaper than it is.
-        Proposing writes only past every row's context, so it runs on the state begin() made."""
+        Linears run on real slots only, so its cost follows their total). Each try follows a
+        target forward, as a draft does in the loop: timed back to back, the drafter's weights
+        stay in the cache and a draft looks several times cheaper than it is. Proposing writes
+        only past every row's context, so it runs on the state begin() made."""
         target, dev = self.net.target, self.k_cache.device
         scratch = ragged.new_cache(target, B)
         x = torch.zeros(B, 1, dtype=torch.long, device=dev)
 
-        def timed(fn):
+        def timed(w):
             best = float("inf")
             for _ in range(reps):
                 scratch.reset()
                 ragged.forward(target, x, scratch)  # the target's weights back in the cache
                 synchronize(dev)
                 t0 = time.perf_counter()
-                fn()
+                self.draft([w] * B, None)
                 synchronize(dev)
                 best = min(best, time.perf_counter() - t0)
             return best
-        points = {B * (w + 1): timed(lambda: self.draft([w] * B, None))
-                  for w in sorted({1, 2, 4, 8, self.max_k}) if w <= self.max_k}
-        n = min(16, self.net.target.config.block_size // 4)
-
-        def flush():
-            self.n_ctx = [max(0, c - n) for c in self.n_ctx]  # re-project the last n states
-            self.flush()
-        per_state = timed(flush) / (n * B)
-        return interpolate(points), per_state
+        return interpolate({B * (w + 1): timed(w) for w in sorted({1, 2, 4, 8, self.max_k})
+                            if w <= self.max_k})
 
     def draft(self, ks, sampler):
         """The block for every row, then the Markov chain left to right, every row at once ->
@@ -342,106 +317,55 @@ class BatchDSpark(BatchDFlash):
 
     @torch.inference_mode()
     def propose(self, ks, sampler):
-        now, B = time.perf_counter(), len(ks)
-        base = sum(k > 0 for k in ks)
-        cost, t_draft = self.costs.get(B, (None, None))
-        self.measure(now, cost, t_draft, B)
-        if self.schedule == "budget" and self.estimate is not None:
-            ks = self.planned(ks, base, cost, t_draft, B)
-            self.batch_rounds += 1
-            if not any(ks):  # the cost table says no draft pays: a plain step, not even drafted
-                self.rounds, self.skipped = self.rounds + 1, self.skipped + 1
-                self.skipped_in_batch += 1
-                self._last = (now, time.perf_counter() - now, 0, base)
-                return self.rows.toks[:, :0], [0] * B, None
-        elif self.schedule == "budget":  # no estimate yet: a probe, cut by Algorithm 1, as wide as
-            # the last plan at this batch size (new requests, but the same cost table)
-            ks = [min(k, max(PROBE_WIDTH, self.adapt[B]["width"])) for k in ks]
+        B = len(ks)
+        if self.schedule == "measured":
+            w = self.measured_width(ks)
+            ks = self._ks = [min(k, w) for k in ks]
         toks, q, h = self.draft(ks, sampler)
-        lengths = list(ks) if self.schedule == "full" else self.choose(h, toks, ks, base, cost,
-                                                                        t_draft, B)
-        L = max(lengths)
         self.rounds += 1
-        self._last = (now, time.perf_counter() - now, sum(k + 1 for k in ks if k),
-                      base + sum(lengths))
+        if self.schedule in ("measured", "full"):
+            lengths = list(ks)
+        else:
+            lengths = self.choose(h, toks, ks, B)
+        L = max(lengths)
         return toks[:, :L], lengths, (q[:, :L] if q is not None else None)
 
-    def choose(self, h, toks, ks, base, cost, t_draft, B):
-        """After drafting: every row's survivals (one host read), then the rule -> lengths."""
+    def measured_width(self, ks):
+        """measured: time the round before, then choose this round's width (batch_rules.Widths)."""
+        now, B = time.perf_counter(), len(ks)
+        prior = self.prior(B)
+        if self._round is not None and self._round[1]:
+            self.widths.timed(B, self._round[2], now - self._round[0], prior)
+        if self._round is None:  # a batch's first round: the loop's k
+            self.cap = max(ks)
+        w = self.widths.choose(B, prior, cap=self.cap)
+        # timed: a round after one at the same width, its last rounds with fewer rows included
+        # (Widths.made counts their fewer tokens): not a batch's first (its prompts' context goes
+        # through the drafter's projection then), nor one that changed width (new shapes)
+        self._round = (now, self._round is not None and self._round[2] == w, w)
+        return w
+
+    def choose(self, h, toks, ks, B):
+        """auto, goodput: after drafting, every row's survivals (one host read), then the rule ->
+        lengths."""
         raw = self.survival(h, toks, ks)
         est = self.recalibrate(raw)
         # the draft is spent already: t_fixed only scales theta
-        t_fixed = self.adapt[B]["scale"] * float(t_draft(sum(k + 1 for k in ks if k)))
-        t_fixed += self.adapt[B]["rest"][1]
-        if self.schedule == "auto" or (self.schedule == "budget" and self.estimate is None):
-            lengths = admit_batch(est, base, t_fixed, cost)
-        elif self.schedule == "goodput":
-            lengths = best_single_k(est, base, t_fixed, cost)
-        else:
-            lengths = fill_budget(est, self.budget_k)
-        # a row that drafted nothing this round keeps its last estimate
-        A, L = est
-        A = np.pad(A, ((0, 0), (0, self.max_k - A.shape[1])))
-        if self.estimate is not None:
-            A = np.where(L[:, None] > 0, A, self.estimate[0])
-            L = np.where(L > 0, L, self.estimate[1])
-        self.estimate = (A, L)
+        cost, t_draft, _ = self.costs[B]
+        t_fixed = float(t_draft(sum(k + 1 for k in ks if k)))
+        base = sum(k > 0 for k in ks)
+        rule = admit_batch if self.schedule == "auto" else best_single_k
+        lengths = rule(est, base, t_fixed, cost)
         self._scored = (raw, lengths)  # observe() compares them with what survives
         return lengths
 
     @torch.inference_mode()
     def commit(self, kept, new, hidden):
+        if self._ks is not None:  # measured: what this round's width showed
+            self.widths.verified(len(kept), self._round[2],
+                                 [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m])
+            self._ks = None
         if self._scored is not None:
             self.observe(self._scored[1], self._scored[0], kept)
             self._scored = None
         super().commit(kept, new, hidden)
-
-    def planned(self, ks, base, cost, t_draft, B):
-        """budget: this round's K from last round's survivals (plan_budget) -> what each row
-        drafts (the plan's width, or 0). A row's estimate is its last scored one. While K stays
-        0, every SCORE_EVERY-th round drafts every row anyway (scored by Algorithm 1), so the
-        estimates stay fresh."""
-        ad = self.adapt[B]
-        pending = sum(s - n for s, n in zip(self.n_states, self.n_ctx))  # a draft flushes these
-        key = (id(self.estimate), base, tuple(ks), pending // (8 * B))
-        if self._plan is None or self._plan[0] != key or self._plan[1][0]:
-            A, L = self.estimate
-            est = (A, np.minimum(L, ks))
-            flush = pending * self.flush_cost.get(B, 0.0)
-            # (a plan of no draft is kept while nothing it depends on moves: a skipped round
-            # changes no estimate, so the same search would give the same answer)
-            self._plan = (key, plan_budget(est, base, lambda n: ad["scale"] * t_draft(n) + flush,
-                                           ad["rest"], cost, sum(ks), PLAN_MARGIN))
-        self.budget_k, width, rows = self._plan[1]
-        if self.budget_k == 0:
-            self.idle += 1
-            if self.idle < ad["wait"]:
-                return [0] * len(ks)
-            # a probe round, scored by Algorithm 1; while probes keep finding that drafting does
-            # not pay, each waits twice as long as the last (a probe costs a draft and the
-            # context of every skipped round)
-            self.estimate, self.idle, ad["wait"] = None, 0, min(2 * ad["wait"], MAX_WAIT)
-            return [min(k, PROBE_WIDTH) for k in ks]
-        self.idle, ad["wait"], ad["width"] = 0, SCORE_EVERY, width
-        # one slot past the plan: the fresh confidences pick which K tokens fill the budget, and
-        # the plan can grow a position a round where it pays
-        return [min(k, width + 1) if on else 0 for k, on in zip(ks, rows)]
-
-    def measure(self, now, cost, t_draft, B, rate=0.3):
-        """What the tables miss, measured as the rounds run (running averages, per batch size:
-        they describe the machine, not the text). scale: a draft in the loop over the profiled
-        t_draft (inside the loop the target's forward evicts the drafter's weights from the
-        cache, and scoring and choosing add to it). rest[0] / rest[1]: the rest of a round
-        without / with a draft, apart from its propose and its verify as the table prices it
-        (commit, the loop; a round without a draft also its planning)."""
-        if cost is None:
-            return
-        ad = self.adapt[B]
-        if self._last is not None:
-            start, spent, slots, n = self._last
-            if slots:
-                ad["scale"] += rate * (spent / float(t_draft(slots)) - ad["scale"])
-                rest = now - start - float(cost(n)) - spent
-            else:
-                rest = now - start - float(cost(n))
-            ad["rest"][int(slots > 0)] += rate * (max(0.0, rest) - ad["rest"][int(slots > 0)])

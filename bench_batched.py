@@ -12,9 +12,9 @@ decoding of the same batch, and to batch-1 plain decoding (float32 rounds a near
 at another matmul shape: the target's logit margin is printed at each such divergence).
 
 Methods: "ar" (batched plain decoding), each drafter at its own k, and DSpark under each rule:
-"dspark" (the production budget rule, set before drafting), "dspark-cut" (the paper's Algorithm 1
-on a drafted block), "dspark-goodput" (one k per batch, the serving engines' rule),
-"dspark-full" (its whole block), "dspark-kN" (a fixed k of N).
+"dspark" (the measured rule: one width a round, or a plain batch, by measured tokens per second),
+"dspark-cut" (the paper's Algorithm 1 on a drafted block), "dspark-goodput" (one k per batch, the
+serving engines' rule), "dspark-full" (its whole block), "dspark-kN" (a fixed k of N).
 
     python bench.py --batch-size 1,2,4,8,16,32     # the sweep, then OUT_DIR/serving.json/.png
 """
@@ -60,7 +60,7 @@ def methods(drafters):
         full = d.max_k
         # its default rule is the one that pays in this sweep (docs/results.md: Many requests at
         # once); the other rules share its profiles: one cost table per batch size for all
-        out["dspark"] = (batched(d, schedule="budget"), full)
+        out["dspark"] = (batched(d, schedule="measured"), full)
         out.update({v: (vd, full) for v, vd in batch_variants(out["dspark"][0]).items()})
         for kk in FIXED_K:
             if kk < full:
@@ -176,7 +176,8 @@ def sweep(target, prompts, drafters, args, device):
             divergences += [dict(d, batch_size=B) for d in found]
         progress.line(f"batch {B}: " + ", ".join(f"{n} {results[B][n]['speedup']:.2f}x"
                                                  for n in table))
-    costs = getattr(table.get("dspark", (None,))[0], "costs", {})
+    spark = table.get("dspark", (None,))[0]
+    costs = getattr(spark, "costs", {})
     return {"batch_sizes": list(args.batch_size), "results": results,
             "divergences": divergences, "batch_one_match": match,
             "k": {n: k for n, (_, k) in table.items()},
@@ -185,7 +186,11 @@ def sweep(target, prompts, drafters, args, device):
             "cost_tables": {B: {"verify_ms": [1000 * x for x in c.seconds],
                                 "draft_ms": {str(n): 1000 * float(d(n)) for n in
                                              (B * 2, B * 3, B * 5, B * 9, B * 16)}}
-                            for B, (c, d) in costs.items()}}
+                            for B, (c, d, _) in costs.items()},
+            # what its measured rule timed: ms a round at each width it ran (0: a plain step)
+            "measured_ms": {B: {str(w): 1000 * s for w, s in sorted(at.items())}
+                            for B, at in getattr(getattr(spark, "widths", None), "seconds",
+                                                 {}).items()}}
 
 
 def report(serving):
@@ -218,6 +223,9 @@ def report(serving):
         lines.append(f"cost table, batch {B}: verify of 1/2/4/8/16 tokens a row "
                      + "/".join(f"{v[m - 1]:.1f}" for m in (1, 2, 4, 8, 16) if m <= len(v))
                      + f" ms ({v[min(15, len(v) - 1)] / v[0]:.1f}x a plain step at the widest)")
+    for B, at in serving.get("measured_ms", {}).items():
+        lines.append(f"dspark's measured rule, batch {B}: ms a round at width "
+                     + ", ".join(f"{w}: {ms:.1f}" for w, ms in at.items()) + " (0: a plain step)")
     if serving["divergences"]:
         lines.append("\ndivergences from batch-1 plain decoding (float32 near-ties):")
         for d in serving["divergences"][:20]:

@@ -11,8 +11,7 @@ import torch
 
 import batched
 import ragged
-from batch_rules import (CostTable, admit_batch, best_single_k, fill_budget, interpolate,
-                         plan_budget)
+from batch_rules import CostTable, Widths, admit_batch, best_single_k, interpolate
 from batched import BatchSampler, generate_batched, generate_plain_batched
 from batched_drafters import PerRow
 from batched_drafters import batched as batched_twin
@@ -37,10 +36,11 @@ def ragged_prompts(n, vocab, seed=0, window=None):
 
 def fixed_costs(drafter, B):
     """A deterministic cost table for BatchDSpark (the real one is profiled): a verify of N tokens
-    over B rows costs 1 + N/B units, a draft half a unit per row."""
+    over B rows costs 1 + N/B units, a draft half a unit per row, a plain step two."""
     drafter.costs[B] = (CostTable(B, [1.0 + m for m in range(1, drafter.max_k + 2)]),
-                        interpolate({B: 0.5, B * (drafter.max_k + 1): 0.5 + 0.1 * drafter.max_k}))
-    drafter.flush_cost[B] = 0.0
+                        interpolate({B: 0.5, B * (drafter.max_k + 1): 0.5 + 0.1 * drafter.max_k}),
+                        2.0)
+    drafter.widths.timed(B, 0, 2.0, {0: 2.0})  # a plain step timed already: the rule drafts
     return drafter
 
 
@@ -51,9 +51,9 @@ def batched_drafter(name, target, B):
         pytest.skip("the hybrid drafts one request at a time (batched_drafters.batched says so)")
     one = DRAFTER_FACTORIES[name](target)
     # DSpark's batched twin under the rule that pays in the serving sweep (bench_batched.py)
-    options = {"schedule": "budget"} if isinstance(one, DSparkDrafter) else {}
+    options = {"schedule": "measured"} if isinstance(one, DSparkDrafter) else {}
     d = batched_twin(one, **options)
-    return fixed_costs(d, B) if hasattr(d, "flush_cost") else d
+    return fixed_costs(d, B) if hasattr(d, "costs") else d
 
 
 # -----------------------------------------------------------------------------
@@ -202,20 +202,40 @@ def test_algorithm_1_admits_by_survival_and_stops_at_the_first_drop():
     assert admit_batch(survival, 2, 0.0, CostTable(2, [1.0, 3.0, 9.0, 27.0])) == [0, 0]
 
 
-def test_goodput_gives_every_row_one_length_and_budget_plans_before_drafting():
+def test_goodput_gives_every_row_one_length():
     cost = CostTable(2, [1.0, 1.2, 1.6, 2.4])
     survival = [[0.9, 0.8, 0.1], [0.5, 0.05]]
     assert best_single_k(survival, 2, 0.5, cost) in ([1, 1], [2, 2], [3, 2])
     assert len(set(best_single_k(survival, 2, 0.5, cost))) == 1
-    K, width, rows = plan_budget(survival, 2, lambda n: 0.1 + 0 * n, [0.2, 0.2], cost, 5)
-    assert K == 3 and width == 2 and rows == [True, True]
-    # when a draft costs more than any survival buys, the plan is not to draft at all
-    assert plan_budget(survival, 2, lambda n: 5.0 + 0 * n, [0.0, 0.0], cost, 5)[0] == 0
-    assert fill_budget(survival, 3) == [2, 1]
-    assert fill_budget(survival, 0) == [0, 0]
 
 
-@pytest.mark.parametrize("schedule", ["auto", "goodput", "budget", "full"])
+def test_the_measured_rule_compares_every_width_on_the_same_rounds():
+    """One verify at width 8 tells what every narrower width would have kept; the choice is the
+    width with the most tokens per second, or, before a batch and on enough evidence, none where a
+    plain step beats them all."""
+    w = Widths(8)
+    assert w.widths == [1, 2, 4, 8]
+    for _ in range(50):  # rows keep 3 drafts of 8, every round
+        w.verified(2, 8, [8, 8], [3, 3])
+    S = w.survivals()
+    assert min(S[:3]) > 0.9 and max(S[3:]) < 0.1  # what width 8 showed about every width
+    flat = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.05}
+    assert w.choose(1, flat) == 4  # 4 keeps all 3 drafts and their bonus token, as 8 does
+    steep = {0: 1.0, 1: 1.5, 2: 1.9, 4: 3.9, 8: 7.9}
+    assert w.choose(1, steep) == 2  # 1 + S1 + S2 = 3 tokens for 1.9: the most a second
+    cheap_step = {**steep, 0: 0.5}  # two tokens a second plainly: no draft pays
+    assert w.choose(1, cheap_step, plain=True) == 2  # ... but width 2 was never timed at batch 1
+    w.timed(1, 2, 1.9, steep)
+    assert w.choose(1, cheap_step, plain=True) == 0
+    # measured seconds replace the prior; an untimed width is priced by the timed ones
+    w = Widths(8)
+    w.timed(1, 2, 3.8, steep)  # twice what the profile said
+    assert w.estimate(1, 2, steep) == 3.8 and w.estimate(1, 4, steep) == 7.8
+    assert w.estimate(2, 4, steep) == 7.8  # another batch size: the ratio measured anywhere
+    assert w.estimate(1, 0, steep) == 1.0  # a plain step is priced by plain steps only
+
+
+@pytest.mark.parametrize("schedule", ["measured", "auto", "goodput", "full"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_batch_rule_is_exact(target, schedule, mode):
     from batched_dflash import BatchDSpark
@@ -228,29 +248,25 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
         assert sum(stats.given[1:6]) <= 4 * 3  # only near the end does a row get fewer than 6
 
 
-def test_the_budget_rule_skips_drafting_when_verifying_is_dear(target):
-    """With a verify that costs ten times per token what a row's step does, no draft pays: the
-    budget rule skips the draft itself (every row verifies its last token alone) and probes now
-    and then; the tokens stay exact."""
+def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
+    """Where a plain step costs next to nothing against any width's round, the measured rule
+    times plain decoding's own step on one batch, drafts one for evidence, then decodes whole
+    batches on plain decoding's own path (the drafter sees none of their rounds), and as their
+    evidence fades, drafts a batch again to look; the tokens stay exact throughout."""
     from batched_dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
-    d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "budget")
-    d.costs[4] = (CostTable(4, [1.0 + 10.0 * m for m in range(d.max_k + 1)]),
-                  interpolate({4: 0.5, 4 * (d.max_k + 1): 2.0}))
-    d.flush_cost[4] = 0.0
+    d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "measured")
+    d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)
     ref = [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
-    out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
-    assert out == ref
-    assert d.skipped > 0 and stats.given[0] > stats.rounds // 2
-    # once its probes have failed long enough, the rule decodes whole batches on plain
-    # decoding's own path (the drafter sees none of their rounds), still exact
-    offs = 0
-    for _ in range(6):
-        rounds = d.rounds
+    drafted = []
+    for _ in range(10):
+        before = d.rounds
         out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
         assert out == ref
-        offs += d.rounds == rounds
-    assert offs >= 2
+        drafted.append(d.rounds > before)
+        assert drafted[-1] or stats.given[0] == stats.rounds  # plain steps only
+    assert not drafted[0] and drafted[1] and drafted.count(False) >= 5, drafted
+    assert drafted[2:].count(True) >= 1, drafted  # a look
 
 
 # -----------------------------------------------------------------------------
