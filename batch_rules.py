@@ -19,6 +19,7 @@ import torch
 import ragged
 from batched import BatchSampler, plain_steps
 from devices import synchronize
+from profiling import timed
 
 
 class CostTable:
@@ -73,12 +74,10 @@ def time_plain(target, batch_size, context, steps=8, reps=3):
     for _ in range(reps):
         cache.reset()
         ragged.forward(target, x, cache)
-        synchronize(dev)
-        t0 = time.perf_counter()
-        plain_steps(target, cache, x[:, -1], [0] * B, [steps] * B, [context] * B,
-                    BatchSampler("greedy", B, device=dev))
-        synchronize(dev)
-        best = min(best, (time.perf_counter() - t0) / steps)
+        seconds, _ = timed(lambda: plain_steps(
+            target, cache, x[:, -1], [0] * B, [steps] * B, [context] * B,
+            BatchSampler("greedy", B, device=dev)), dev)
+        best = min(best, seconds / steps)
     return best
 
 
