@@ -161,32 +161,35 @@ WIDTHS = (1, 2, 4, 8)
 # because a round after a change of width pays for the new shapes and is not timed
 EXPLORE_EVERY, EXPLORE_ROUNDS = 12, 2
 DECAY = 0.995  # per round: the survival counts of earlier text fade (a new batch is other text)
-# a batch is decoded plainly only on this much evidence: rows verified (decayed), and the best
-# width timed at this batch size; before that, it drafts
+# a batch is decoded plainly only on this much evidence: rows verified (decayed), a batch drafted
+# at its batch size, and the best width timed there; before that, it drafts
 MIN_ROWS = 64
-# a batch decoded plainly shows nothing of the drafts: the evidence fades by this much, so that
-# after a few such batches the rule is unsure again and drafts a batch to look
-FADE = 0.85
+# per batch size, the last KEEP batches drafted there judge drafting. Prior for their spread: one
+# pseudo-batch at SPREAD / sqrt(B), as if a batch's eta were the mean of B prompts' with SPREAD
+# each (roughly what a CPU sweep measured at batch 2 to 32: docs/experiments.md)
+KEEP, SPREAD = 16, 0.4
 RATE = 0.3  # running averages of round times: the host's speed can change under a server
-# per round at a batch size: what its rounds committed, against what was expected, with a prior of
-# MADE_PRIOR tokens a row at 1:1 (one hard batch, a prompt the drafter reads badly, moves it little)
-MADE_DECAY, MADE_PRIOR = 0.99, 8
 
 
 class Widths:
     """DSpark's serving rule, decided by what the loop measures (BatchDSpark, schedule="measured").
-    Before each round it picks ONE draft width w for every row; before each batch, whether to
-    draft at all. Each by the most tokens per second:
-        rate(w) = eta(B) * tokens(w) / seconds(B, w),   rate(0) = 1 / seconds(B, 0)
+    Before each round it picks ONE draft width w for every row: the most tokens per second,
+        rate(w) = tokens(w) / seconds(B, w).
     tokens(w) = 1 + S_1 + ... + S_w, S_j the chance that a row's first j drafts all survive, is
     measured from verification itself: every verified round at width w also tells what any
     narrower width would have kept (min(accepted, w') drafts), so all widths are compared on the
-    same text. eta(B) is what the rounds at batch size B committed over what B rows at tokens(w)
-    would (a batch runs until its slowest row is done). seconds(B, w) is a round's own wall time
-    at that batch size and width (draft, verify, commit, the loop), a running average; a width not
-    yet timed at B is priced by the start-up profile (prior) times what the timed ones measured
-    over theirs. seconds(B, 0) is plain decoding's own step, timed over whole plain batches. The
-    choice reads earlier rounds only, never this round's drafts: the tokens stay exact."""
+    same text. seconds(B, w) is a round's own wall time at that batch size and width (draft,
+    verify, commit, the loop), a running average; a width not yet timed at B is priced by the
+    start-up profile (prior) times what the timed ones measured over theirs. The choice reads
+    earlier rounds only, never this round's drafts: the tokens stay exact.
+    Before each batch it decides whether to draft at all: plainly where a plain step's rate,
+    1 / seconds(B, 0) (timed over whole plain batches), beats eta * rate(best) even when eta is
+    given the benefit of the doubt. eta is what the batches drafted at B committed over what B
+    rows at tokens(w) would have (a batch runs until its slowest row is done, so a hard prompt
+    drags its whole batch); its doubt is the spread of those batches over the root of their
+    number, growing as plain batches go by without a look (an upper confidence bound, as UCB1's):
+    a hard batch or two cannot turn drafting off at small B, where one prompt moves a batch a
+    lot, and where drafting loses, looks grow rare."""
 
     def __init__(self, max_k):
         self.widths = sorted({min(w, max_k) for w in WIDTHS})
@@ -194,9 +197,9 @@ class Widths:
         self.passed = np.zeros(max_k)  # ... of them, rows whose draft j survived too
         self.seconds = {}  # batch size -> {width: measured seconds a round; 0: a plain step}
         self.ratio = {}  # batch size -> {width: measured over profiled}
-        # batch size -> (tokens its rounds committed, what B rows at tokens(w) would), decayed:
-        # a batch runs until its slowest row is done, and its last rounds carry fewer rows
-        self.made = {}
+        # batch size -> [tokens its rounds committed, what B rows at tokens(w) would]: the batch
+        # running there, then its last KEEP drafted batches, and how many batches it decided
+        self.batch, self.drafted, self.decided = {}, {}, {}
         self.rounds = 0
 
     def survivals(self):
@@ -219,24 +222,42 @@ class Widths:
         kind = kind or [r for d in self.ratio.values() for v, r in d.items() if (v > 0) == (w > 0)]
         return prior[w] * (sum(kind) / len(kind) if kind else 1.0)
 
-    def choose(self, B, prior, plain=False, cap=None):
-        """The width for this round, at most cap (the loop's k); plain=True (asked before a
-        batch): 0 where a plain step beats every width, on enough evidence. prior: {width:
-        profiled seconds at B, 0 included}."""
+    def rates(self, B, prior, cap=None):
+        """{width: tokens a row per second}, the widths up to cap (the loop's k)."""
         S = self.survivals()
-        made, expected = self.made.get(B, (0.0, 0.0))
-        made, expected = made + MADE_PRIOR * B, expected + MADE_PRIOR * B
-        widths = sorted({min(w, cap or w) for w in self.widths})
-        rate = {w: made / expected * (1 + sum(S[:w])) / self.estimate(B, w, prior) for w in widths}
-        best = max(rate, key=rate.get)
-        sure = self.reached[0] >= MIN_ROWS and best in self.seconds.get(B, {})
-        if plain and sure and 1 / self.estimate(B, 0, prior) > rate[best]:
-            return 0
+        return {w: (1 + sum(S[:w])) / self.estimate(B, w, prior)
+                for w in sorted({min(w, cap or w) for w in self.widths})}
+
+    def choose(self, B, prior, cap=None):
+        """The width for this round: the best rate, or now and then a neighbour (exploring)."""
+        rate = self.rates(B, prior, cap)
+        widths, best = list(rate), max(rate, key=rate.get)
         self.rounds += 1
         if self.rounds % EXPLORE_EVERY < EXPLORE_EVERY - EXPLORE_ROUNDS:
             return best
         i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
         return widths[min(max(i, 0), len(widths) - 1)]
+
+    def plain(self, B, prior, cap=None):
+        """Asked before each batch of B rows: decode it plainly? (The batch before at B is done.)"""
+        self.end_batch(B)
+        self.decided[B] = self.decided.get(B, 0) + 1
+        done = self.drafted.get(B, [])
+        rate = self.rates(B, prior, cap)
+        best = max(rate, key=rate.get)
+        if not done or self.reached[0] < MIN_ROWS or best not in self.seconds.get(B, {}):
+            return False
+        etas = np.array([m / e for m, e in done])
+        eta = sum(m for m, _ in done) / sum(e for _, e in done)
+        spread = np.sqrt((SPREAD ** 2 / B + ((etas - etas.mean()) ** 2).sum()) / len(done))
+        doubt = spread * np.sqrt(2 * np.log(self.decided[B]) / len(done))
+        return 1 / self.estimate(B, 0, prior) > (eta + doubt) * rate[best]
+
+    def end_batch(self, B):
+        """The batch running at B (if it drafted) joins the record of drafted batches."""
+        made = self.batch.pop(B, None)
+        if made is not None and made[1] > 0:
+            self.drafted[B] = (self.drafted.get(B, []) + [tuple(made)])[-KEEP:]
 
     def timed(self, B, w, seconds, prior):
         """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
@@ -244,16 +265,13 @@ class Widths:
         at, ratio = self.seconds.setdefault(B, {}), self.ratio.setdefault(B, {})
         at[w] = seconds if w not in at else at[w] + RATE * (seconds - at[w])
         ratio[w] = at[w] / prior[w]
-        if w == 0:
-            self.reached *= FADE
-            self.passed *= FADE
 
     def verified(self, B, w, counts, accepted):
         """After a verify at width w over B rows: row r (of those still decoding) verified
         counts[r] drafts and accepted[r] of them survived."""
-        made, expected = self.made.get(B, (0.0, 0.0))
-        self.made[B] = (MADE_DECAY * made + len(accepted) + sum(accepted),
-                        MADE_DECAY * expected + B * (1 + sum(self.survivals()[:w])))
+        made = self.batch.setdefault(B, [0.0, 0.0])
+        made[0] += len(accepted) + sum(accepted)
+        made[1] += B * (1 + sum(self.survivals()[:w]))
         K = len(self.reached)
         j = np.arange(1, K + 1)
         c, a = np.asarray(counts)[:, None], np.asarray(accepted)[:, None]

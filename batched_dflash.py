@@ -226,13 +226,13 @@ class BatchDSpark(BatchDFlash):
 
     def plain_batch(self, B):
         """measured, asked before each batch (batched.BatchDrafter): plainly, start to end, where
-        plain decoding's step beats every width's measured round at this batch size (Widths.
-        choose; each plain batch fades its evidence, so now and then a batch drafts to look)."""
+        plain decoding's step beats every width's measured round at this batch size, with the
+        benefit of the doubt to drafting (Widths.plain); and once at each batch size, to time
+        plain decoding's own step."""
         if self.schedule != "measured" or B not in self.costs:
             return False  # a batch size not seen yet drafts: begin() profiles it
-        if 0 not in self.widths.seconds.get(B, {}):
-            return True  # plain decoding's own step, timed once at every batch size
-        return self.widths.choose(B, self.prior(B), plain=True, cap=self.cap) == 0
+        plain = self.widths.plain(B, self.prior(B), cap=self.cap)
+        return plain or 0 not in self.widths.seconds.get(B, {})
 
     def timed_plain(self, B, steps, seconds):
         """batched.py timed plain decoding's own path at batch size B (the measured rule)."""
@@ -340,7 +340,7 @@ class BatchDSpark(BatchDFlash):
             self.cap = max(ks)
         w = self.widths.choose(B, prior, cap=self.cap)
         # timed: a round after one at the same width, its last rounds with fewer rows included
-        # (Widths.made counts their fewer tokens): not a batch's first (its prompts' context goes
+        # (Widths.verified counts their fewer tokens): not a batch's first (its prompts' context goes
         # through the drafter's projection then), nor one that changed width (new shapes)
         self._round = (now, self._round is not None and self._round[2] == w, w)
         return w

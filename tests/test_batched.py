@@ -211,8 +211,7 @@ def test_goodput_gives_every_row_one_length():
 
 def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     """One verify at width 8 tells what every narrower width would have kept; the choice is the
-    width with the most tokens per second, or, before a batch and on enough evidence, none where a
-    plain step beats them all."""
+    width with the most tokens per second."""
     w = Widths(8)
     assert w.widths == [1, 2, 4, 8]
     for _ in range(50):  # rows keep 3 drafts of 8, every round
@@ -223,16 +222,34 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     assert w.choose(1, flat) == 4  # 4 keeps all 3 drafts and their bonus token, as 8 does
     steep = {0: 1.0, 1: 1.5, 2: 1.9, 4: 3.9, 8: 7.9}
     assert w.choose(1, steep) == 2  # 1 + S1 + S2 = 3 tokens for 1.9: the most a second
-    cheap_step = {**steep, 0: 0.5}  # two tokens a second plainly: no draft pays
-    assert w.choose(1, cheap_step, plain=True) == 2  # ... but width 2 was never timed at batch 1
-    w.timed(1, 2, 1.9, steep)
-    assert w.choose(1, cheap_step, plain=True) == 0
     # measured seconds replace the prior; an untimed width is priced by the timed ones
     w = Widths(8)
     w.timed(1, 2, 3.8, steep)  # twice what the profile said
     assert w.estimate(1, 2, steep) == 3.8 and w.estimate(1, 4, steep) == 7.8
     assert w.estimate(2, 4, steep) == 7.8  # another batch size: the ratio measured anywhere
     assert w.estimate(1, 0, steep) == 1.0  # a plain step is priced by plain steps only
+
+
+def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
+    """Before a batch: plain where a plain step beats drafting's rate even with the benefit of the
+    doubt. One hard batch (it committed half of what its rows would have) turns drafting off at
+    batch 32, where a batch averages many prompts, not at batch 2, where one prompt moves it; and
+    as plain batches go by without a look, the doubt grows until the rule drafts one again."""
+    w = Widths(8)
+    for _ in range(50):  # every row keeps all 8 drafts: tokens(8) is about 9
+        w.verified(2, 8, [8, 8], [8, 8])
+    flat = {x: 1.0 for x in (0, 1, 2, 4, 8)}
+    assert not w.plain(2, flat)  # no batch drafted at batch 2 yet
+    for B in (2, 32):
+        w.timed(B, 8, 1.0, flat)  # a round at width 8: about 9 tokens a row a second
+        w.timed(B, 0, 1 / 6, flat)  # a plain step: 6 tokens a row a second
+        w.drafted[B] = [(450.0, 900.0)]  # one hard batch, eta 0.5: 4.5 tokens a second
+    assert not w.plain(2, flat)
+    assert w.plain(32, flat) and w.plain(32, flat)
+    looks = [not w.plain(32, flat) for _ in range(30)]
+    assert not any(looks[:8]) and any(looks), looks
+    w.drafted[32] += [(855.0, 900.0)] * 3  # the looks show drafting pays after all
+    assert not w.plain(32, flat)
 
 
 @pytest.mark.parametrize("schedule", ["measured", "auto", "goodput", "full"])
@@ -250,23 +267,23 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
 
 def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     """Where a plain step costs next to nothing against any width's round, the measured rule
-    times plain decoding's own step on one batch, drafts one for evidence, then decodes whole
-    batches on plain decoding's own path (the drafter sees none of their rounds), and as their
-    evidence fades, drafts a batch again to look; the tokens stay exact throughout."""
+    times plain decoding's own step on one batch, drafts for evidence, then decodes whole batches
+    on plain decoding's own path (the drafter sees none of their rounds); the tokens stay exact
+    throughout."""
     from batched_dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
     d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "measured")
     d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)
     ref = [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
     drafted = []
-    for _ in range(10):
+    for _ in range(6):
         before = d.rounds
         out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
         assert out == ref
         drafted.append(d.rounds > before)
         assert drafted[-1] or stats.given[0] == stats.rounds  # plain steps only
-    assert not drafted[0] and drafted[1] and drafted.count(False) >= 5, drafted
-    assert drafted[2:].count(True) >= 1, drafted  # a look
+    # a second drafted batch may come while the best width is not yet timed at this batch size
+    assert not drafted[0] and drafted[1] and not any(drafted[3:]), drafted
 
 
 # -----------------------------------------------------------------------------
