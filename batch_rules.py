@@ -161,11 +161,8 @@ WIDTHS = (1, 2, 4, 8)
 # because a round after a change of width pays for the new shapes and is not timed
 EXPLORE_EVERY, EXPLORE_ROUNDS = 12, 2
 DECAY = 0.995  # per round: the survival counts of earlier text fade (a new batch is other text)
-# a batch is decoded plainly only on this much evidence: rows verified (decayed), a batch drafted
-# at its batch size, and the best width timed there; before that, it drafts
-MIN_ROWS = 64
 # per batch size, the last KEEP batches drafted there judge drafting. Prior for their spread: one
-# pseudo-batch at SPREAD / sqrt(B), as if a batch's eta were the mean of B prompts' with SPREAD
+# pseudo-batch at SPREAD / sqrt(B), as if a batch's rate were the mean of B prompts' with SPREAD
 # each (roughly what a CPU sweep measured at batch 2 to 32: docs/experiments.md)
 KEEP, SPREAD = 16, 0.4
 RATE = 0.3  # running averages of round times: the host's speed can change under a server
@@ -182,14 +179,14 @@ class Widths:
     verify, commit, the loop), a running average; a width not yet timed at B is priced by the
     start-up profile (prior) times what the timed ones measured over theirs. The choice reads
     earlier rounds only, never this round's drafts: the tokens stay exact.
-    Before each batch it decides whether to draft at all: plainly where a plain step's rate,
-    1 / seconds(B, 0) (timed over whole plain batches), beats eta * rate(best) even when eta is
-    given the benefit of the doubt. eta is what the batches drafted at B committed over what B
-    rows at tokens(w) would have (a batch runs until its slowest row is done, so a hard prompt
-    drags its whole batch); its doubt is the spread of those batches over the root of their
-    number, growing as plain batches go by without a look (an upper confidence bound, as UCB1's):
-    a hard batch or two cannot turn drafting off at small B, where one prompt moves a batch a
-    lot, and where drafting loses, looks grow rare."""
+    Before each batch it decides whether to draft at all, by no model: each batch drafted at B
+    is timed whole (the drafter's reading of the prompts, every round, the slowest row's tail)
+    and its tokens a row a second divided by plain decoding's, whose step is timed over whole
+    plain batches. The batch is decoded plainly where those ratios stay below 1 even with the
+    benefit of the doubt: their mean plus their spread over the root of their number, growing
+    slowly as plain batches go by without a look (an upper confidence bound, as UCB1's). At small
+    B one prompt moves a batch a lot, so one hard batch cannot turn drafting off; where drafting
+    clearly loses, looks grow rare."""
 
     def __init__(self, max_k):
         self.widths = sorted({min(w, max_k) for w in WIDTHS})
@@ -197,8 +194,9 @@ class Widths:
         self.passed = np.zeros(max_k)  # ... of them, rows whose draft j survived too
         self.seconds = {}  # batch size -> {width: measured seconds a round; 0: a plain step}
         self.ratio = {}  # batch size -> {width: measured over profiled}
-        # batch size -> [tokens its rounds committed, what B rows at tokens(w) would]: the batch
-        # running there, then its last KEEP drafted batches, and how many batches it decided
+        # batch size -> the batch drafting there: [tokens committed, its start, its last commit]
+        # (clock seconds); its last KEEP drafted batches' rates over plain decoding's; how many
+        # batches it decided
         self.batch, self.drafted, self.decided = {}, {}, {}
         self.rounds = 0
 
@@ -238,26 +236,26 @@ class Widths:
         i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
         return widths[min(max(i, 0), len(widths) - 1)]
 
-    def plain(self, B, prior, cap=None):
+    def plain(self, B, prior):
         """Asked before each batch of B rows: decode it plainly? (The batch before at B is done.)"""
-        self.end_batch(B)
+        self.end_batch(B, self.estimate(B, 0, prior))
         self.decided[B] = self.decided.get(B, 0) + 1
-        done = self.drafted.get(B, [])
-        rate = self.rates(B, prior, cap)
-        best = max(rate, key=rate.get)
-        if not done or self.reached[0] < MIN_ROWS or best not in self.seconds.get(B, {}):
+        r = np.array(self.drafted.get(B, []))
+        if not len(r):
             return False
-        etas = np.array([m / e for m, e in done])
-        eta = sum(m for m, _ in done) / sum(e for _, e in done)
-        spread = np.sqrt((SPREAD ** 2 / B + ((etas - etas.mean()) ** 2).sum()) / len(done))
-        doubt = spread * np.sqrt(2 * np.log(self.decided[B]) / len(done))
-        return 1 / self.estimate(B, 0, prior) > (eta + doubt) * rate[best]
+        spread = np.sqrt((SPREAD ** 2 / B + ((r - r.mean()) ** 2).sum()) / len(r))
+        return r.mean() + spread * np.sqrt(np.log(self.decided[B]) / len(r)) < 1
 
-    def end_batch(self, B):
-        """The batch running at B (if it drafted) joins the record of drafted batches."""
-        made = self.batch.pop(B, None)
-        if made is not None and made[1] > 0:
-            self.drafted[B] = (self.drafted.get(B, []) + [tuple(made)])[-KEEP:]
+    def started(self, B, now):
+        """A batch of B rows starts drafting at clock `now`."""
+        self.batch[B] = [0.0, now, now]
+
+    def end_batch(self, B, step):
+        """The batch drafted at B, if any, joins the record: its tokens a row a second over a plain
+        step's (`step` seconds a step)."""
+        made, start, end = self.batch.pop(B, (0.0, 0.0, 0.0))
+        if end > start:
+            self.drafted[B] = (self.drafted.get(B, []) + [made / (B * (end - start)) * step])[-KEEP:]
 
     def timed(self, B, w, seconds, prior):
         """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
@@ -266,12 +264,12 @@ class Widths:
         at[w] = seconds if w not in at else at[w] + RATE * (seconds - at[w])
         ratio[w] = at[w] / prior[w]
 
-    def verified(self, B, w, counts, accepted):
-        """After a verify at width w over B rows: row r (of those still decoding) verified
-        counts[r] drafts and accepted[r] of them survived."""
-        made = self.batch.setdefault(B, [0.0, 0.0])
+    def verified(self, B, w, counts, accepted, now):
+        """After a verify at width w over B rows, its commit done at clock `now`: row r (of those
+        still decoding) verified counts[r] drafts and accepted[r] of them survived."""
+        made = self.batch.setdefault(B, [0.0, now, now])
         made[0] += len(accepted) + sum(accepted)
-        made[1] += B * (1 + sum(self.survivals()[:w]))
+        made[2] = now
         K = len(self.reached)
         j = np.arange(1, K + 1)
         c, a = np.asarray(counts)[:, None], np.asarray(accepted)[:, None]

@@ -203,12 +203,15 @@ class BatchDSpark(BatchDFlash):
 
     @torch.inference_mode()
     def begin(self, seqs, hidden):
+        t0 = time.perf_counter()
         super().begin(seqs, hidden)
-        B = len(seqs)
+        B, t1 = len(seqs), time.perf_counter()
         if self.schedule != "full" and B not in self.costs:
             target = self.net.target
             self.costs[B] = (CostTable.profile(target, B, self.max_k + 1), self.time_draft(B),
                              time_plain(target, B, target.config.block_size // 2))
+        # the batch's clock (measured): its prompts through the drafter count, the profile not
+        self.widths.started(B, time.perf_counter() - (t1 - t0))
         self._round = None
         # new requests: the head's confidences taken at their word again
         self.calibration = np.zeros((2, self.max_k))
@@ -226,12 +229,12 @@ class BatchDSpark(BatchDFlash):
 
     def plain_batch(self, B):
         """measured, asked before each batch (batched.BatchDrafter): plainly, start to end, where
-        plain decoding's step beats every width's measured round at this batch size, with the
-        benefit of the doubt to drafting (Widths.plain); and once at each batch size, to time
-        plain decoding's own step."""
+        the batches drafted at this batch size made fewer tokens a second than plain decoding,
+        with the benefit of the doubt to drafting (Widths.plain); and once at each batch size, to
+        time plain decoding's own step."""
         if self.schedule != "measured" or B not in self.costs:
             return False  # a batch size not seen yet drafts: begin() profiles it
-        plain = self.widths.plain(B, self.prior(B), cap=self.cap)
+        plain = self.widths.plain(B, self.prior(B))
         return plain or 0 not in self.widths.seconds.get(B, {})
 
     def timed_plain(self, B, steps, seconds):
@@ -361,11 +364,12 @@ class BatchDSpark(BatchDFlash):
 
     @torch.inference_mode()
     def commit(self, kept, new, hidden):
-        if self._ks is not None:  # measured: what this round's width showed
-            self.widths.verified(len(kept), self._round[2],
-                                 [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m])
-            self._ks = None
         if self._scored is not None:
             self.observe(self._scored[1], self._scored[0], kept)
             self._scored = None
         super().commit(kept, new, hidden)
+        if self._ks is not None:  # measured: what this round's width showed, and when it ended
+            self.widths.verified(len(kept), self._round[2],
+                                 [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m],
+                                 time.perf_counter())
+            self._ks = None

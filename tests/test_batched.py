@@ -215,7 +215,7 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     w = Widths(8)
     assert w.widths == [1, 2, 4, 8]
     for _ in range(50):  # rows keep 3 drafts of 8, every round
-        w.verified(2, 8, [8, 8], [3, 3])
+        w.verified(2, 8, [8, 8], [3, 3], 0.0)
     S = w.survivals()
     assert min(S[:3]) > 0.9 and max(S[3:]) < 0.1  # what width 8 showed about every width
     flat = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.05}
@@ -231,24 +231,26 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
 
 
 def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
-    """Before a batch: plain where a plain step beats drafting's rate even with the benefit of the
-    doubt. One hard batch (it committed half of what its rows would have) turns drafting off at
-    batch 32, where a batch averages many prompts, not at batch 2, where one prompt moves it; and
-    as plain batches go by without a look, the doubt grows until the rule drafts one again."""
+    """Before a batch: plain where the batches drafted at this batch size made fewer tokens a
+    second than plain decoding, even with the benefit of the doubt. One batch timed whole at 0.8
+    of plain decoding's rate turns drafting off at batch 32, where a batch averages many prompts,
+    not at batch 2, where one prompt moves it; as plain batches go by without a look the doubt
+    grows until the rule drafts one again, and what that look shows decides."""
     w = Widths(8)
-    for _ in range(50):  # every row keeps all 8 drafts: tokens(8) is about 9
-        w.verified(2, 8, [8, 8], [8, 8])
     flat = {x: 1.0 for x in (0, 1, 2, 4, 8)}
-    assert not w.plain(2, flat)  # no batch drafted at batch 2 yet
     for B in (2, 32):
-        w.timed(B, 8, 1.0, flat)  # a round at width 8: about 9 tokens a row a second
-        w.timed(B, 0, 1 / 6, flat)  # a plain step: 6 tokens a row a second
-        w.drafted[B] = [(450.0, 900.0)]  # one hard batch, eta 0.5: 4.5 tokens a second
-    assert not w.plain(2, flat)
-    assert w.plain(32, flat) and w.plain(32, flat)
+        assert not w.plain(B, flat)  # no batch drafted at this batch size yet
+        w.timed(B, 0, 0.1, flat)  # a plain step: 10 tokens a row a second
+        w.started(B, 100.0)
+        w.verified(B, 8, [8] * B, [0] * B, 100.5)  # a token a row, ...
+        w.verified(B, 8, [8] * B, [6] * B, 101.0)  # ... then 7: 8 a row in 1 s
+    assert not w.plain(2, flat)  # at batch 2 one batch proves too little ...
+    assert w.drafted[2] == [pytest.approx(0.8)]
+    assert w.plain(32, flat) and w.plain(32, flat)  # ... at batch 32 it is enough
+    w.drafted[32] = [0.9]  # closer to plain decoding: the doubt reaches it sooner
     looks = [not w.plain(32, flat) for _ in range(30)]
-    assert not any(looks[:8]) and any(looks), looks
-    w.drafted[32] += [(855.0, 900.0)] * 3  # the looks show drafting pays after all
+    assert not any(looks[:3]) and any(looks), looks
+    w.drafted[32] += [1.1] * 3  # the looks show drafting pays after all
     assert not w.plain(32, flat)
 
 
