@@ -169,7 +169,8 @@ class BatchDSpark(BatchDFlash):
     once, then one choice of how many drafts each row verifies:
       measured  one width a round for every row, the one with the most tokens per second by what
                 the rounds themselves measured (batch_rules.Widths), and whole batches decoded
-                plainly where a plain step beats every width: the production rule;
+                plainly where the batches it drafted, timed whole, made fewer tokens a second
+                than plain decoding: the production rule;
       auto      DSpark's Algorithm 1 over the whole batch (batch_rules.admit_batch): (row, position)
                 pairs admitted in order of the confidence head's survivals until expected
                 throughput stops rising;
@@ -342,9 +343,9 @@ class BatchDSpark(BatchDFlash):
         if self._round is None:  # a batch's first round: the loop's k
             self.cap = max(ks)
         w = self.widths.choose(B, prior, cap=self.cap)
-        # timed: a round after one at the same width, its last rounds with fewer rows included
-        # (Widths.verified counts their fewer tokens): not a batch's first (its prompts' context goes
-        # through the drafter's projection then), nor one that changed width (new shapes)
+        # timed: a round after one at the same width, its last rounds with fewer rows included:
+        # not a batch's first (its prompts' context goes through the drafter's projection then),
+        # nor one that changed width (new shapes)
         self._round = (now, self._round is not None and self._round[2] == w, w)
         return w
 
