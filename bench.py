@@ -26,7 +26,7 @@ hybrid's oracle and the sweep over k. Both write the same JSON schema.
     python bench.py --prompts humaneval              # the papers' code benchmark (prompt_sets.py)
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
     python bench.py --json '' --plot ''              # print the tables only, write no file
-    python plot.py out/bench.json                    # redraw the figure from a saved run
+    python -m benchmark.plot out/bench.json                    # redraw the figure from a saved run
 
 JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
@@ -68,19 +68,19 @@ import time
 
 import torch
 
-import ablations
-import bench_batched
-import cpu_speed
-import data
-import papers
-import plot
-import prompt_sets
-from bench_batched import margin_at
-from bench_report import Progress, check_outputs, commit, machine, print_report, write
-from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
-from devices import pick_device, synchronize
-from profiling import add_stats, profile_verify, timed
-from settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
+from benchmark import ablations
+from benchmark import serving_sweep
+from runtime import cpu_speed
+from training import data
+from benchmark import papers
+from benchmark import plot
+from benchmark import prompt_sets
+from benchmark.serving_sweep import margin_at
+from benchmark.report import Progress, check_outputs, commit, machine, print_report, write
+from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
+from runtime.devices import pick_device, synchronize
+from runtime.profiling import add_stats, profile_verify, timed
+from runtime.settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
                       parse_args, path_arg)
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
 from tree import TreeDrafter, generate_tree
@@ -192,11 +192,11 @@ def add_run_flags(g):
                    "(default: 64, or a quarter of a smaller context)")
     g.add_argument("--max-new-tokens", type=number(int, 1), default=None,
                    help="tokens generated per prompt (default: 128; with --batch-size "
-                   f"{bench_batched.NEW_TOKENS})")
+                   f"{serving_sweep.NEW_TOKENS})")
     g.add_argument("--batch-size", type=number_list(int, 1), default=None,
                    help="the serving sweep instead: comma list of batch sizes, each method "
                    "batched against batched plain decoding, e.g. 1,2,4,8,16,32; at most "
-                   "--n-prompts (bench_batched.py; default: none, one request at a time)")
+                   "--n-prompts (serving_sweep.py; default: none, one request at a time)")
 
 
 def add_measurement_flags(g):
@@ -457,7 +457,7 @@ def main(argv=None):
     args = sized(parse_args(build_parser(), argv))  # warns about sampling flags the mode ignores
     cpu_speed.enable()
     if args.batch_size is not None:
-        args.max_new_tokens = args.max_new_tokens or bench_batched.NEW_TOKENS
+        args.max_new_tokens = args.max_new_tokens or serving_sweep.NEW_TOKENS
         return main_batched(args)
     args.max_new_tokens = args.max_new_tokens or MAX_NEW_TOKENS
     device, target, prompts, drafters = load(args)
@@ -526,7 +526,7 @@ def plan(per_prompt, drafters, prompts, args):
 
 
 def main_batched(args):
-    """--batch-size: the serving sweep (bench_batched.py), its tables, OUT_DIR/serving.json and
+    """--batch-size: the serving sweep (serving_sweep.py), its tables, OUT_DIR/serving.json and
     OUT_DIR/serving.png."""
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
@@ -537,13 +537,13 @@ def main_batched(args):
     print(f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
           f"{len(prompts)} prompts (cut to different lengths) x {args.max_new_tokens} new tokens |"
           f" sampling {args.sampling} | batch sizes {args.batch_size} | {args.repeats} repeats")
-    serving = bench_batched.sweep(target, prompts, drafters, args, device)
+    serving = serving_sweep.sweep(target, prompts, drafters, args, device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}
     print()
-    print(bench_batched.report(serving))
+    print(serving_sweep.report(serving))
     write(out, args, "serving")
     return out
 

@@ -17,12 +17,13 @@ context is injected as extra keys/values in front of the block ("KV injection").
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
 Three departures from the paper, all because we train for minutes, not GPU-days (see
-DFlash.__init__, alibi_bias, and the recipe in stages.py): one mask embedding per block
-offset instead of one shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block
-first: block 8, then widened to 16, which keeps the first slot as good as block 8's.
+DFlash.__init__, alibi_bias, and widen): one mask embedding per block offset instead of one
+shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block first: block 8, then
+widened to 16, which keeps the first slot as good as block 8's.
 
 The file reads in order: the config, the draft layers, the network, the Drafter (how it drafts),
-then how it learns: anchors, the training mask and the loss (stages.py runs it in train.py).
+then how it learns: anchors, the training mask, the loss, and the narrow-then-full recipe
+(training/stages_dflash.py runs it in train.py's loop).
 
 Bookkeeping at inference: the context is the target's states of every confirmed token BEFORE
 the anchor t*, which enters the block as a token at its absolute position. Each draft layer
@@ -291,7 +292,14 @@ class DFlashDrafter(Drafter):
     """propose(k): anchor + k masks at positions S-1 .. S-1+k -> k drafts in one forward. Any
     k <= block-1 works (a smaller block is just fewer masks); more than trained is an error.
     Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context; a round
-    writes its block's K/V after them, where the next commit overwrites them."""
+    writes its block's K/V after them, where the next commit overwrites them.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = DFlashDrafter(DFlash(cfg, target))
+    """
     name = "dflash"
 
     def __init__(self, net):
@@ -447,3 +455,34 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
     loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
     w = position_weights(loss.size(-1), gamma, loss.device)
     return (loss * w).sum(-1).mean() / w.sum()
+
+
+# -----------------------------------------------------------------------------
+# how it learns (3): a narrow block first, then the full block
+#
+# The first slots of a block decide whether a round goes on at all. Trained at block 16 from the
+# start, the first slot stayed worse than a block-8 network's (docs/experiments.md: DFlash: narrow
+# block first). So training runs in two phases: block 8 with twice the anchors a step, then the
+# full block 16 starting from that network, widened, which learns its later slots. Every weight
+# has the same shape at any block but the mask embeddings, one per block offset; widening keeps
+# the trained ones and gives the new offsets their initial values:
+#
+#     net = DFlash(replace(cfg, block=8), target)        # phase 1: dflash_loss at block 8
+#     ...train...
+#     wide = DFlash(cfg, target)                          # phase 2: block 16, from phase 1
+#     widen(wide, net.state_dict())
+#
+# DSpark starts from this same training, part-way through (draft_dspark.py: how it learns).
+
+
+def widen(net, state_dict):
+    """Load into the DFlash network `net` the weights of one trained at its block or a narrower
+    one: offsets 1..b-1 of the mask embeddings take the narrower network's, the later ones keep
+    their init."""
+    sd = dict(state_dict)
+    m, own = sd["mask_emb"], net.mask_emb.detach()
+    if m.size(0) > own.size(0):
+        raise ValueError(f"a block-{m.size(0) + 1} DFlash does not fit a block-"
+                         f"{own.size(0) + 1} one")
+    sd["mask_emb"] = torch.cat([m.to(own), own[m.size(0):]])
+    net.load_state_dict(sd)

@@ -25,12 +25,19 @@ for the expensive part and adds two cheap pieces on top:
    next to a round; docs/experiments.md: DSpark: scheduler at batch 1), it verifies whole
    blocks unscored and scores one round in SCORE_EVERY to keep watching.
 
-The paper lets the anchor slot predict too (anchor + B-1 masks -> B drafts); here the backbone
-is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from the trained DFlash
-network and what it adds is measured against it on equal footing: its training (stages.py)
-starts from DFlash's own training dspark_iters steps before its end (where DFlash is
-still at its narrow block, the network is widened first), so the two take the same number of
-optimizer steps.
+How it learns (dspark_loss, calibrate). The paper lets the anchor slot predict too; here the
+backbone is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from DFlash's own
+training and what it adds is measured against it on equal footing. DSpark's stage branches off
+DFlash's training dspark_iters steps before its end (DFlash saves its state there), widens the
+network if DFlash was still at its narrow block, and trains its own steps from it, so the two
+drafters take the same number of optimizer steps:
+
+    spark = DSpark(cfg, DSparkConfig(), target)
+    widen(spark.backbone, dflash_state_at_the_branch)   # draft_dflash.widen; Markov head at 0
+    ...train dspark_loss in train.py's loop...
+    calibrate(spark, held_out_batches)                  # the confidences' temperatures
+
+(training/stages_dflash.py runs it, with a copy tuned on sampled text for sampling.)
 
     python train.py --only dspark && python sample.py --method dspark
 """
@@ -251,11 +258,6 @@ def admitted(rule, survival):
     return rule.l
 
 
-def schedule_length(survival, t_draft, t_verify):
-    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
-    return admitted(Throughput(t_draft, t_verify), survival)
-
-
 # -----------------------------------------------------------------------------
 # the Drafter
 
@@ -297,11 +299,21 @@ class DSparkDrafter(DFlashDrafter):
     schedule: 'auto' (the throughput scheduler), 'threshold' (verify while a_j >= threshold) or
     'full' (always all k); markov=False drops the Markov bias. Both are for ablations.
     t_draft, t_verify: what the scheduler weighs, seconds of the rest of a round and of an
-    m-token verify (t_verify[m]); profiling.profile_dspark measures them on the device in use
-    (the tests set them). measured: whether the rounds keep measuring t_draft (measure_round).
+    m-token verify (t_verify[m]); runtime/profiling.py measures them on the device in use. None:
+    no device measured, and every verify length costs the same (a large target on a GPU, where a
+    verify is bound by reading the weights), so the rule verifies every draft. measured: whether
+    the rounds keep measuring t_draft (measure_round).
     greedy_chain: a faster drop-in for markov_chain when drafting greedily (cpu_speed.py sets one
     on a CPU), or None; sync: waits for the device before scoring is timed (None: a CPU).
-    mean_verify_len: the drafts sent to verification, per round."""
+    mean_verify_len: the drafts sent to verification, per round.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> from draft_dflash import DFlashConfig
+        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = DSparkDrafter(DSpark(cfg, DSparkConfig(rank=8), target))
+    """
     name = "dspark"
 
     def __init__(self, spark, schedule="auto", threshold=0.5, markov=True, t_draft=0.0,
@@ -313,12 +325,12 @@ class DSparkDrafter(DFlashDrafter):
         if schedule not in ("auto", "threshold", "full"):
             raise ValueError(f"unknown schedule {schedule!r}: use auto, threshold or full")
         self.spark, self.schedule, self.threshold, self.markov = spark, schedule, threshold, markov
-        # set to a list to record (a_1..a_l, n survived) per round (calibration checks)
-        self.log = None
         self.reset_account()
         # t_draft: what a round costs besides its verify forward. The profile's guess first;
         # then, when measured, the rounds move it (inside the loop a draft runs slower than
         # alone, where the target and the drafter evict each other from the cache)
+        if t_verify is None:
+            t_verify = [0.0] + [1.0] * (self.max_k + 1)
         self.t_draft, self.t_verify, self.measured, self._last = t_draft, t_verify, False, None
         # the confidence head as a table (DSpark.confidence_table). Like the stacked ctx_kv, a copy
         # taken here: a drafter is built after training
@@ -388,7 +400,7 @@ class DSparkDrafter(DFlashDrafter):
         k, auto = h.size(0), self.schedule == "auto"
         closed = auto and self.closed()
         watching = closed and (self.rounds + 1) % SCORE_EVERY == 0  # this is round rounds + 1
-        if self.log is None and (self.schedule == "full" or (closed and not watching)):
+        if self.schedule == "full" or (closed and not watching):
             return k
         if self.sync is not None:
             self.sync()  # on a GPU: the draft's queued work is not scoring's cost
@@ -407,12 +419,11 @@ class DSparkDrafter(DFlashDrafter):
         if auto:
             self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
                        time.perf_counter() - t0)
-        if watching and self.log is None:
+        if watching:
             # a watch round cuts nothing: it only asks whether cuts pay yet. Cutting there gave up
             # drafts for a saving its own account put below what scoring cost
             # (docs/experiments.md: DSpark: scheduler at batch 1)
             length = k
-        self._survival = survival[:length]
         return length
 
     def closed(self):
@@ -432,14 +443,7 @@ class DSparkDrafter(DFlashDrafter):
             self.saved += 0.1 * (saved - self.saved)
             self.t_score += 0.1 * (spent - self.t_score)
 
-    @torch.inference_mode()
-    def commit(self, n, new, hidden):
-        if self.log is not None:
-            self.log.append((self._survival, n))
-        super().commit(n, new, hidden)
-
     def catch_up(self, new, hidden):
-        # the rounds since its last were another drafter's: its next round starts the clock anew,
-        # and the calibration log gets no entry for drafts it did not make
+        # the rounds since its last were another drafter's: its next round starts the clock anew
         self._last = None
         DFlashDrafter.commit(self, new.numel() - 1, new, hidden)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss, unroll_anchors
+from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss
 
 # -----------------------------------------------------------------------------
 # config and network
@@ -87,7 +87,13 @@ class Eagle(nn.Module):
 
 
 class EagleDrafter(MTPDrafter):
-    """MTPDrafter over the fused features: the same cache, recursion and commit."""
+    """MTPDrafter over the fused features: the same cache, recursion and commit.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> drafter = EagleDrafter(Eagle(EagleConfig.for_target(target.config)), target)
+    """
     name = "eagle"
     # the best of a bench sweep over k (docs/experiments.md: EAGLE-3: k), greedy and coupled
     default_k = 6
@@ -102,19 +108,18 @@ class EagleDrafter(MTPDrafter):
 
 
 # -----------------------------------------------------------------------------
-# how it learns: train.py runs train_eagle(trainer) as its "eagle" stage. The loss is MTP's
-# (distillation + the text's tokens, draft_mtp.step_loss) over the unrolled steps, each weighted
-# beta^(j-1); with --eagle-unroll 1 it is plain teacher forcing, the ablation.
+# how it learns: MTP's loss (distillation + the text's tokens, draft_mtp.step_loss) over the
+# unrolled steps, each weighted beta^(j-1); with one step it is plain teacher forcing, the ablation
+# (training/stages.py runs it in train.py's loop)
 
-def eagle_loss(net, target, w, t_logits, hid, steps, n_anchors, beta, distill, gen=None,
-               per_row=None):
-    """w (B, T+1) windows; t_logits, hid the target's logits and states on them. Inputs are
-    w[:, :-1] (the target's states at positions 0..T-1, fused), tokens w. per_row: how the
-    anchors are drawn for the rows (Trainer.per_row; None: for these B rows)."""
+
+def eagle_loss(net, target, w, t_logits, hid, anchors, steps=3, beta=0.6, distill=1.0):
+    """w (B, T+1) windows of the target's text; t_logits (B, T+1, V) and hid {layer: (B, T+1, d)}
+    the target's logits and states on them. Step 1 reads the fused states at positions 0..T-1 of
+    every window; steps 2..`steps` unroll at anchors (B, A) (draft_mtp.unroll_anchors draws
+    them)."""
     taps = net.config.taps
     # under autocast the fusion comes out in bfloat16; the norms after it want the states' dtype
     h = net.features({t: hid[t][:, :-1] for t in taps}).to(hid[taps[0]].dtype)  # (B, T, d)
-    anchors = (per_row or (lambda draw, n: draw(n)))(
-        lambda B: unroll_anchors(B, w.size(1) - 1, steps, n_anchors, gen, w.device), w.size(0))
     return recursion_loss(net.mods[0], target, h, w, t_logits[:, :-1], distill, steps, beta,
                           anchors)

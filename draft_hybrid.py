@@ -181,29 +181,38 @@ def best_round(survival, fixed, cost, rate, least=0):
 
 class HybridDrafter(Drafter):
     """Prompt lookup and a learned drafter behind one interface. rule:
-      'auto'    the rule above over `choices` (both, or ('lookup',): the lookup alone with the
-                rule's length: how much of the gain the length brings)
-      'match'   a fixed rule: the lookup at its own k when m >= min_match, else the learned one
-      'oracle'  the better of both drafts each round, judged against `reference` (the output
-                plain decoding gives: bench's ceiling; its time means nothing, both draft)
-      'script'  `script`: 'lookup' / 'learned' for one round each, over and over (the tests)
+      'auto'    the rule above, over `choices` (both drafters; bench's ablation weighs the lookup
+                alone, to show how much of the gain the rule's length brings)
+      'match'   a fixed rule, the literature's: the lookup at its own k when m >= min_match, else
+                the learned drafter
     costs: (t_verify, the learned drafter's round) as profiling.profile_hybrid measures them on
-    the device in use; then the rounds fit them as they run. None: no cost fit; give t_verify
-    and start_cost, then reset_record(), before an 'auto' round (the tests do)."""
+    the device in use; then the rounds fit them as they run. None: no device measured, so every
+    round costs the same and the rule weighs expected tokens alone (t_verify and start_cost may be
+    set by hand, then reset_record(), as the tests do).
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
+        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = HybridDrafter(DFlashDrafter(DFlash(cfg, target)), target)
+    """
     name = "hybrid"
     default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
+    choices = ("lookup", "learned")  # what the rule weighs
 
     def __init__(self, learned, target, rule="auto", min_match=1, costs=None):
-        if rule not in ("auto", "match", "oracle", "script"):
-            raise ValueError(f"unknown hybrid rule {rule!r}: use auto, match, oracle or script")
+        if rule not in ("auto", "match"):
+            raise ValueError(f"unknown hybrid rule {rule!r}: use auto or match")
         self.lookup = LookupDrafter(target.config.vocab_size)
         self.learned, self.target = learned, target
         self.hidden_layers = learned.hidden_layers
-        self.rule, self.min_match, self.choices = rule, min_match, ("lookup", "learned")
-        self.script, self.turn, self.reference = [], 0, None
+        self.rule, self.min_match = rule, min_match
         self.depth = learned.max_k or max(learned.default_k, LOOKUP_MAX)
-        self.t_verify, self.start_cost = None, {"lookup": 0.0, "learned": 0.0}
-        self.measure = costs is not None  # fit the costs to the rounds (off: the tests' own)
+        # no costs: a verify of any length costs 1, drafting nothing (no device measured)
+        self.t_verify = [0.0] + [1.0] * (LOOKUP_MAX + 1)
+        self.start_cost = {"lookup": 0.0, "learned": 0.0}
+        self.measure = costs is not None  # fit the costs to the rounds as they run
         if costs is not None:
             # where its round cost starts before rounds measure it
             self.t_verify, self.start_cost["learned"] = costs
@@ -222,7 +231,7 @@ class HybridDrafter(Drafter):
         The lookup's record starts at even odds; the learned drafter's optimistic, so that it is
         tried before the record is trusted (its record grows only on rounds it drafts)."""
         self.record = {"lookup": Record(LOOKUP_MAX + 1, 0.5), "learned": Record(self.depth, 0.9)}
-        self.cost = Costs(self.t_verify, self.start_cost) if self.t_verify is not None else None
+        self.cost = Costs(self.t_verify, self.start_cost)
         self.rounds = {"lookup": 0, "learned": 0}
         self.since = [0] * (len(EDGES) + 1)  # per bucket: rounds since the learned one drafted
 
@@ -247,12 +256,9 @@ class HybridDrafter(Drafter):
         m = self.lookup.match_length(j, MATCH_CAP) if j is not None else 0
         copied = self.lookup.copy(j, min(k, LOOKUP_MAX)) if j is not None else []
         k_learned = min(k, k_for(self.learned, sampler.mode), self.depth)
-        self.now = {"bucket": bucket(m), "copied": copied, "learned_draft": None}
+        self.now = {"bucket": bucket(m), "copied": copied}
         who, n = self.choose(m, copied, k_learned, sampler)
-        if who == "lookup":
-            draft = self.lookup.as_draft(copied[:n], sampler)
-        else:
-            draft = self.now["learned_draft"] or self.draft_learned(n, sampler)
+        draft = self.make_draft(who, n, copied, sampler)
         self.now["who"] = who
         self.rounds[who] += 1
         self.last = {"start": now, "who": who, "drafted": draft[0].numel(),
@@ -261,12 +267,6 @@ class HybridDrafter(Drafter):
 
     def choose(self, m, copied, k_learned, sampler):
         """(who drafts, how many) under this drafter's rule."""
-        if self.rule == "script":
-            who = self.script[self.turn % len(self.script)]
-            self.turn += 1
-            return who, (len(copied) if who == "lookup" else k_learned)
-        if self.rule == "oracle":
-            return self.oracle(copied, k_learned, sampler)
         if self.rule == "match":
             if copied and m >= self.min_match:
                 return "lookup", min(len(copied), self.lookup.default_k)
@@ -281,16 +281,11 @@ class HybridDrafter(Drafter):
         who = max(options, key=lambda w: options[w][0])
         return who, options[who][1]
 
-    def oracle(self, copied, k_learned, sampler):
-        """Both draft at their longest; the one whose draft agrees longer with the reference wins
-        (the lookup on a tie: it is the cheaper)."""
-        draft = self.draft_learned(k_learned, sampler)
-        self.now["learned_draft"] = draft
-        S = len(self.lookup.seq)
-        ahead = self.reference[S:]
-        if outcome(copied, ahead)[0] >= outcome(draft[0].tolist(), ahead)[0]:
-            return "lookup", len(copied)
-        return "learned", draft[0].numel()
+    def make_draft(self, who, n, copied, sampler):
+        """The round's draft: n tokens of the lookup's copy, or of the learned drafter's."""
+        if who == "lookup":
+            return self.lookup.as_draft(copied[:n], sampler)
+        return self.draft_learned(n, sampler)
 
     def draft_learned(self, k, sampler):
         """The learned drafter's draft, after it has caught up on the rounds it missed."""
@@ -323,20 +318,9 @@ class HybridDrafter(Drafter):
         if now["who"] == "learned":
             self.record["learned"].observe(b, n, min(last["drafted"], n + 1))
             self.learned.commit(n, new, hidden)
-        elif now["learned_draft"] is not None:  # it drafted too, and lost (the oracle)
-            self.lost(now["learned_draft"][0].tolist(), new, ids, hidden)
         else:
             self.miss(new, hidden)
         self.lookup.extend(ids)
-
-    def lost(self, draft, new, ids, hidden):
-        """The learned drafter drafted `draft` but the lookup's was verified: it commits the
-        prefix of its own drafts the round confirmed (its caches may hold them), and misses
-        the rest."""
-        kept = min(outcome(draft, ids)[0], len(ids) - 1)
-        self.learned.commit(kept, new[:kept + 1], {t: h[:, :kept + 1] for t, h in hidden.items()})
-        if kept + 1 < len(ids):
-            self.miss(new[kept + 1:], {t: h[:, kept + 1:] for t, h in hidden.items()})
 
     @property
     def lookup_share(self):

@@ -33,6 +33,13 @@ from speculative import Drafter
 
 
 class LookupDrafter(Drafter):
+    """Drafts by copying what followed the text's last n-gram where it occurred before.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> drafter = LookupDrafter(target.config.vocab_size)
+    """
     name = "lookup"
     # its drafts cost nothing to make, so a long one pays whenever the text repeats; 10 is among
     # the best of a greedy sweep, and transformers' documented example (docs/experiments.md:
@@ -113,7 +120,3 @@ class LookupDrafter(Drafter):
         self.seq.extend(ids)
         self._index(start)
 
-
-def load_lookup(ckpt, target, device, dtype):
-    """No checkpoint: prompt lookup works for any target as it is."""
-    return LookupDrafter(target.config.vocab_size)

@@ -308,7 +308,13 @@ class MTPDrafter(Drafter):
       - commit: every cache is cut back to its exact entries (module k: indices < S-k, with
         S the length before the commit), and the target's states of the n+1 positions that
         just became 'all but the last' go into H[0], to be eaten by the next propose.
-    H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it."""
+    H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> drafter = MTPDrafter(MTP(MTPConfig.for_target(target.config, n_modules=2)), target)
+    """
     name = "mtp"
     # trained on the target's own text, the head's acceptance decays slowly by position, so deep
     # drafts pay; under sampling the later drafts rarely survive (each the best of a sweep,

@@ -10,15 +10,16 @@ anyone tries: a second, much smaller GPT (gpt.py's own class, 1 layer x 128 on t
 with its own KV cache, drafting k tokens one forward at a time. Its cost grows linearly with
 k, which is what the later drafters (draft_mtp.py, draft_dflash.py) attack.
 
-How it learns: by distillation. It trains on text the target wrote itself (train.py's
-distillation set) against the target's own distributions, KL + total variation. The total
-variation term, shared by every drafter's loss, lives here where it first appears
-(total_variation: why).
+How it learns (small_loss): by distillation. It trains on text the target wrote itself
+(training/distill.py) against the target's own distributions, KL + total variation, in
+train.py's loop. The total variation term, shared by every drafter's loss, lives here where it
+first appears (total_variation: why).
 
     python train.py --only small && python sample.py --method small
 """
 
 import torch
+import torch.nn.functional as F
 
 from speculative import Drafter
 
@@ -32,7 +33,16 @@ class DraftModel(Drafter):
     Cache bookkeeping: after drafting k tokens the cache holds the confirmed tokens plus
     d1..d_{k-1} (d_k was predicted, never fed). On commit with n < k it is cut back to the
     confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
-    with the target's token, at the start of the next propose."""
+    with the target's token, at the start of the next propose.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> from gpt import GPT, GPTConfig
+        >>> small = GPT(GPTConfig(block_size=target.config.block_size, n_layer=1, n_head=2,
+        ...                       n_embd=16, vocab_size=target.config.vocab_size))
+        >>> drafter = DraftModel(small)
+    """
     name = "small"
     # k: the best of a bench sweep on the CPU preset (docs/experiments.md: Small model: k)
     default_k = 5
@@ -70,7 +80,24 @@ class DraftModel(Drafter):
 
 
 # -----------------------------------------------------------------------------
-# the distillation term every drafter's loss shares
+# how it learns: distillation, and the term every drafter's loss shares
+
+
+def small_loss(model, w, t_logits, distill=1.0):
+    """w (B, T) windows of the target's own text: inputs w[:, :-1], labels w[:, 1:]; t_logits
+    (B, T, V) the target's logits on w (causal, so [:, :-1] are its distributions for the labels).
+    -> (1 - distill)·CE(labels) + distill·(KL(target || drafter) + TV): a drafter is judged by
+    agreeing with the target, so the target's whole distribution is the label, not only the
+    token its text happened to take."""
+    logits, ce, _ = model(w[:, :-1], w[:, 1:])
+    if distill == 0:
+        return ce
+    teacher = F.log_softmax(t_logits[:, :-1], -1)
+    logq = F.log_softmax(logits, -1)
+    kl = F.kl_div(logq, teacher, log_target=True, reduction="batchmean") / logits.size(1)
+    kl = kl + total_variation(logq, teacher.exp()).mean()
+    return distill * kl + (1 - distill) * ce
+
 
 
 def total_variation(logq, p):

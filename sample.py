@@ -13,11 +13,11 @@ then tau and the acceptance by draft position.
 import os
 import sys
 
-import cpu_speed
-import data
-from checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
-from devices import pick_device, synchronize
-from settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
+from runtime import cpu_speed
+from training import data
+from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
+from runtime.devices import pick_device, synchronize
+from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
 from tree import BlockTree, generate_tree
 

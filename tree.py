@@ -179,7 +179,15 @@ class BlockTree(TreeDrafter):
     node's own token. First the drafter's own chain (each node's best candidate, from the root),
     so the tree keeps at least what the chain would; then best-first: of every candidate so far
     the one with the highest cumulative log-probability joins next (EAGLE-2), each node offering
-    its `width` best. chain=False: best-first from the start (it lost: docs/experiments.md)."""
+    its `width` best. chain=False: best-first from the start (it lost: docs/experiments.md).
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
+        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = BlockTree(DFlashDrafter(DFlash(cfg, target)), nodes=12)
+    """
 
     def __init__(self, drafter, nodes=16, width=2, depth=None, chain=True):
         self.drafter, self.nodes, self.width, self.chain = drafter, nodes, width, chain
@@ -241,7 +249,16 @@ class Branches(TreeDrafter):
     """Two chains as two branches of one tree: prompt lookup's (`first`, draft_lookup.py) always,
     free; the learned drafter's (`second`) where the lookup is not sure, its match shorter than
     `sure` tokens. A round where the lookup is sure costs what its own round costs: the learned
-    drafter does not even catch up on it until it drafts again."""
+    drafter does not even catch up on it until it drafts again.
+
+    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
+    against plain decoding):
+
+        >>> from draft_lookup import LookupDrafter
+        >>> from draft_mtp import MTP, MTPConfig, MTPDrafter
+        >>> mtp = MTPDrafter(MTP(MTPConfig.for_target(target.config)), target)
+        >>> drafter = Branches(LookupDrafter(target.config.vocab_size), mtp, 6, 3)
+    """
 
     def __init__(self, first, second, k_first, k_second, sure=8, nodes=32):
         self.first, self.second, self.sure, self.nodes = first, second, sure, nodes

@@ -10,12 +10,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cpu_speed  # noqa: E402
-import data  # noqa: E402
+from runtime import cpu_speed  # noqa: E402
+from training import data  # noqa: E402
 import train  # noqa: E402
-from cpu_speed import speed_up  # noqa: E402
+from runtime.cpu_speed import speed_up  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from draft_small import DraftModel  # noqa: E402
+from draft_hybrid import HybridDrafter  # noqa: E402
 
 VOCAB = 64
 
@@ -130,14 +131,16 @@ def fit_eagle(target, unroll=3, steps=30):
     if key not in _EAGLE_FITTED:
         with torch.inference_mode(False), torch.enable_grad():
             from draft_eagle import Eagle, EagleConfig, eagle_loss
+            from draft_mtp import unroll_anchors
             torch.manual_seed(5)
             net = Eagle(EagleConfig.for_target(target.config)).double()
             x = target_text(target, 5, 44)
             with torch.no_grad():
                 logits, _, hid = target(x, hidden_layers=sorted(set(net.config.taps)))
+            anchors = unroll_anchors(16, x.size(1) - 1, unroll, 8, torch.Generator().manual_seed(0),
+                                     x.device)
             _EAGLE_FITTED[key] = adam_fit(net, lambda: eagle_loss(
-                net, target, x, logits, hid, unroll, 8, 0.8, 1.0, torch.Generator().manual_seed(0)),
-                steps, target)
+                net, target, x, logits, hid, anchors, unroll, 0.8, 1.0), steps, target)
     return _EAGLE_FITTED[key]
 
 
@@ -209,15 +212,29 @@ def make_hybrid(target, learned=None, script=None):
     """Prompt lookup and a learned drafter (DFlash unless given) under the hybrid's rule, with a
     fixed cost model instead of the profile and the timed rounds (a verify of m tokens costs
     1 + 0.05 m, a learned draft 0.5, a lookup 0.01), so its choices are deterministic. script:
-    a cycle of choices instead of the rule, so that rounds switch drafters for certain."""
+    a cycle of choices instead of the rule (ScriptedHybrid), so that rounds switch drafters for
+    certain."""
     from draft_hybrid import HybridDrafter, LOOKUP_MAX
-    d = HybridDrafter(learned or make_dflash(target), target,
-                      rule="script" if script else "auto")
-    d.script = script or []
+    learned = learned or make_dflash(target)
+    d = ScriptedHybrid(learned, target, script) if script else HybridDrafter(learned, target)
     d.t_verify = [0.0] + [1.0 + 0.05 * m for m in range(1, LOOKUP_MAX + 2)]
     d.start_cost = {"lookup": 0.01, "learned": 0.5}
     d.reset_record()
     return d
+
+
+class ScriptedHybrid(HybridDrafter):
+    """The hybrid with a fixed cycle of choices ('lookup' / 'learned', one round each) instead
+    of its rule."""
+
+    def __init__(self, learned, target, script):
+        super().__init__(learned, target)
+        self.script, self.turn = script, 0
+
+    def choose(self, m, copied, k_learned, sampler):
+        who = self.script[self.turn % len(self.script)]
+        self.turn += 1
+        return who, (len(copied) if who == "lookup" else k_learned)
 
 
 def make_hybrid_switch(target):

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-import batched
-import ragged
-from batch_rules import CostTable, Widths, admit_batch, best_single_k, interpolate
-from batched import BatchSampler, generate_batched, generate_plain_batched
-from batched_drafters import PerRow
-from batched_drafters import batched as batched_twin
+from serving import batched
+from serving import ragged
+from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpolate
+from serving.batched import BatchSampler, generate_batched, generate_plain_batched
+from serving.drafters import PerRow
+from serving.drafters import batched as batched_twin
 from conftest import DRAFTER_FACTORIES, fit_mtp, tiny_gpt
 from draft_dspark import DSparkDrafter
-from ragged import RaggedCache
+from serving.ragged import RaggedCache
 from speculative import Sampler, generate_plain
 
 
@@ -257,7 +257,7 @@ def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
 @pytest.mark.parametrize("schedule", ["measured", "auto", "goodput", "full"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_batch_rule_is_exact(target, schedule, mode):
-    from batched_dflash import BatchDSpark
+    from serving.dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.block_size)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
     d = fixed_costs(BatchDSpark(DRAFTER_FACTORIES["dspark"](target), schedule), 4)
@@ -272,7 +272,7 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     times plain decoding's own step on one batch, drafts one for evidence, then decodes whole
     batches on plain decoding's own path (the drafter sees none of their rounds); the tokens stay
     exact throughout."""
-    from batched_dflash import BatchDSpark
+    from serving.dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
     d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "measured")
     d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)

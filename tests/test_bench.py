@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 import bench
-import data
-import plot
-import prompt_sets
-from checkpoint import DRAFTERS
+from training import data
+from benchmark import plot
+from benchmark import prompt_sets
+from runtime.checkpoint import DRAFTERS
 from speculative import Stats
 
 
@@ -110,7 +110,7 @@ def test_humaneval_without_the_package_is_one_line_before_anything_loads(tmp_pat
 
 def test_bench_with_coupled_sampling_matches_plain_sampling(trained, tmp_path):
     """Also bench.py's default output: the JSON beside the checkpoints, where plot.py (and the
-    README's `python plot.py out/bench.json`) finds it. On a copy: the shared run stays as
+    README's `python -m benchmark.plot out/bench.json`) finds it. On a copy: the shared run stays as
     train.py left it."""
     out_dir = tmp_path / "out"
     shutil.copytree(trained, out_dir)

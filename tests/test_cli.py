@@ -13,13 +13,13 @@ import sys
 import pytest
 
 import bench
-import data
+from training import data
 import sample
-import train
+from training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
-           "sample.py": sample.build_parser, "data.py": data.build_parser}
+PARSERS = {"train.py": trainer.build_parser, "bench.py": bench.build_parser,
+           "sample.py": sample.build_parser, "training/data.py": data.build_parser}
 
 
 def numeric_flags(name):
@@ -42,7 +42,7 @@ def refused(name, flag, value, capsys):
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_every_numeric_flag_refuses_garbage_negatives_and_nan(name, capsys):
     flags = numeric_flags(name)
-    assert len(flags) >= {"train.py": 35, "bench.py": 9, "sample.py": 4, "data.py": 1}[name]
+    assert len(flags) >= {"train.py": 35, "bench.py": 9, "sample.py": 4, "training/data.py": 1}[name]
     for flag, _ in flags:
         for bad in ("abc", "-5", "nan", "inf", "1e999", "2,x" if flag == "--sweep" else "1.5.2"):
             refused(name, flag, bad, capsys)
@@ -56,7 +56,7 @@ def test_counts_refuse_zero_and_the_message_names_the_range(capsys):
     assert "<= 1" in refused("train.py", "--gen-sampled", "1.5", capsys)
     # int() message before
     assert "'x' is not an integer" in refused("bench.py", "--sweep", "1,x", capsys)
-    assert "257" in refused("data.py", "--vocab-size", "10", capsys)
+    assert "257" in refused("training/data.py", "--vocab-size", "10", capsys)
     refused("train.py", "--mtp-mode", "both", capsys)  # a choice, not a number
 
 
@@ -92,13 +92,13 @@ def test_a_method_list_names_each_known_method_once():
         assert err.getvalue().startswith("error: argument --methods") and why in err.getvalue()
 
 
-@pytest.mark.parametrize("argv", [["train.py", "--target-iters", "-1"],
-                                  ["bench.py", "--sweep", "1,x"],
-                                  ["sample.py", "--max-new-tokens", "0"],
-                                  ["data.py", "--vocab-size", "abc"]])
-def test_the_real_command_line_ends_in_one_error_line(argv, tmp_path):
-    p = subprocess.run([sys.executable, *argv, "--out-dir", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert (p.returncode == 2 and p.stderr.startswith(f"error: argument {argv[1]}")
+@pytest.mark.parametrize("command,flag,value", [(["train.py"], "--target-iters", "-1"),
+                                                (["bench.py"], "--sweep", "1,x"),
+                                                (["sample.py"], "--max-new-tokens", "0"),
+                                                (["-m", "training.data"], "--vocab-size", "abc")])
+def test_the_real_command_line_ends_in_one_error_line(command, flag, value, tmp_path):
+    p = subprocess.run([sys.executable, *command, flag, value, "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (p.returncode == 2 and p.stderr.startswith(f"error: argument {flag}")
             and p.stderr.count("\n") == 1)
     assert not os.listdir(tmp_path)  # refused before anything was written

@@ -12,9 +12,9 @@ import tiktoken
 import tiktoken.load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
-import prompt_sets  # noqa: E402
-from data import EOT, DataError  # noqa: E402
+from training import data  # noqa: E402
+from benchmark import prompt_sets  # noqa: E402
+from training.data import EOT, DataError  # noqa: E402
 
 SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n",
          "foo foo foo  bar\tbaz 12345\r\n",

@@ -3,21 +3,23 @@ on the union of their batches (float64, 1e-10); torchrun with 2 processes trains
 preset, its checkpoints load, a failing rank ends the run with one error line, and the rerun
 resumes to the very weights of an uninterrupted run."""
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpoint
-import ddp
+from runtime import checkpoint
+from training import ddp
 import train
-from checkpoint import load_target
+from runtime.checkpoint import load_target
 from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
@@ -65,29 +67,52 @@ def model_and_batch():
     return model, x, torch.roll(x, -1, 1)
 
 
-def one_step(world, accum):
-    """One optimizer step of train.py's loop pieces (ddp.wrap/accumulate, the AdamW and clip of
-    train.py) on the batch model_and_batch() gives -> the new parameters."""
+class OneStep:
+    """What train.fit asks of its Trainer, for one step on model_and_batch()'s batch: the rows
+    of this process's micro-step, no autocast, and a clock that keeps the step's logged loss."""
+
+    def __init__(self, world, accum, out_dir):
+        self.world, self.rows, self.losses = world, None, []
+        self.args = types.SimpleNamespace(warmup=0, grad_accum=accum, batch_size=8,
+                                          out_dir=out_dir, ckpt_interval=float("inf"),
+                                          eval_interval=1, log_interval=1)
+        self.clock = self
+
+    def set_rows(self, rows):
+        self.rows = rows
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def tick(self, name, done, steps, loss, *rest):
+        self.losses.append(loss)
+
+    def finish(self, *phases):
+        pass
+
+    def evaluate(self, name, step, module, eval_fn):
+        return eval_fn()
+
+
+def one_step(world, accum, out_dir):
+    """One optimizer step of train.py's own loop (train.fit: the shards, DDP, the AdamW and the
+    clip) on the batch model_and_batch() gives -> (its logged loss, the new parameters)."""
     model, x, y = model_and_batch()
-    rows = {"now": None}
+    tr = OneStep(world, accum, out_dir)
 
     def loss_fn(step):
-        r = rows["now"] if rows["now"] is not None else slice(None)
+        r = tr.rows if tr.rows is not None else slice(None)
         return model(x[r], y[r])[1]
-    params, opt = train.make_optimizer(model, 1e-2)
-    run = ddp.wrap(world, model, loss_fn)
-    loss = ddp.accumulate(world, run, 0, accum, lambda: torch.autocast("cpu", enabled=False),
-                          lambda r: rows.__setitem__("now", r), len(x))
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    return loss, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train.fit(tr, "step", model, loss_fn, lambda: 0.0, steps=1, lr=1e-2, fingerprint={},
+              tokens_per_step=1)
+    return tr.losses[0], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def ddp_worker(rank, size, init, accum, out):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        loss, sd = one_step(ddp.World(rank, size), accum)
+        loss, sd = one_step(ddp.World(rank, size), accum, os.path.dirname(out))
         if rank == 0:
             torch.save({"loss": loss, "state": sd}, out)
     finally:
@@ -100,7 +125,7 @@ def test_a_ddp_step_over_two_ranks_is_one_step_on_the_union(accum, tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(ddp_worker, args=(2, init, accum, str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=True)
-    loss, want = one_step(ddp.World(), 1)  # one process, the whole batch at once
+    loss, want = one_step(ddp.World(), 1, str(tmp_path))  # one process, the whole batch at once
     assert abs(got["loss"] - loss) < 1e-10
     before = model_and_batch()[0].state_dict()
     for k in want:
@@ -125,12 +150,13 @@ FAIL_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {root!r})
 import train
-real = train.stop_if_diverged
+from training import trainer
+real = trainer.stop_if_diverged
 def fail(name, step, *rest):  # rank 1 dies in the middle of the eagle stage
     if name == "eagle" and step == 5 and os.environ["RANK"] == "1":
         raise RuntimeError("injected failure")
     return real(name, step, *rest)
-train.stop_if_diverged = fail
+trainer.stop_if_diverged = fail
 train.cli(sys.argv[1:])
 """
 

@@ -21,10 +21,10 @@ import sys
 import pytest
 import torch
 
-import settings
-from checkpoint import load_target
+from runtime import settings
+from runtime.checkpoint import load_target
 from conftest import DRAFTER_FACTORIES, tiny_args, tiny_gpt
-from devices import check_dtype, pick_device, synchronize
+from runtime.devices import check_dtype, pick_device, synchronize
 from draft_small import DraftModel
 from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,
                          sampling_dtype)

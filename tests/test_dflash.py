@@ -10,10 +10,10 @@ import torch
 
 import gpt
 from conftest import make_dflash, tiny_gpt
-from cpu_speed import cpu_sdpa
+from runtime.cpu_speed import cpu_sdpa
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors,
                           training_mask, training_states)
-from distill import target_continuations
+from training.distill import target_continuations
 from speculative import Sampler, generate_plain, generate_speculative
 
 

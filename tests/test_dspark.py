@@ -10,12 +10,18 @@ from dataclasses import fields
 import pytest
 import torch
 
-import train
-from ablations import variants
+from training import trainer
+from benchmark.ablations import variants
 from conftest import fit_block_drafter, make_dflash, make_dspark
-from cpu_speed import host_greedy_chain
-from draft_dspark import SCORE_EVERY, calibrate, ece, expected_saving, markov_chain, schedule_length
+from runtime.cpu_speed import host_greedy_chain
+from draft_dspark import (SCORE_EVERY, Throughput, admitted, calibrate, ece, expected_saving,
+                          markov_chain)
 from speculative import Sampler, generate_plain, generate_speculative
+
+
+def schedule_length(survival, t_draft, t_verify):
+    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
+    return admitted(Throughput(t_draft, t_verify), survival)
 
 
 def throughput(a, t_draft, t_verify, l):
@@ -238,8 +244,8 @@ def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, pre
     DFlashConfig field that is a choice, not a size fitted to the tiny target, must match
     stages_dflash.network_config's, the one DFlash's and DSpark's training build (shift 0 above
     all: the tests once ran DSpark at shift 1 only)."""
-    import stages_dflash
-    args = train.resolve_args(["--preset", preset, "--device", "cpu"])
+    from training import stages_dflash
+    args = trainer.resolve_args(["--preset", preset, "--device", "cpu"])
     shipped = stages_dflash.network_config(args, target.config)
     sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
     for d in (make_dspark(target), make_dflash(target)):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import train
-from batched_drafters import fresh as fresh_copy
-from checkpoint import load_drafter, load_target
+from serving.drafters import fresh as fresh_copy
+from runtime.checkpoint import load_drafter, load_target
 from conftest import fit_eagle, fit_mtp, tiny_args
 from draft_eagle import EagleDrafter, default_taps
 from draft_mtp import MTPDrafter, head, mtp_loss, unrolled
 from speculative import Sampler
-from stages import eagle_taps
+from training.stages import eagle_taps
 
 
 class Forced(Sampler):

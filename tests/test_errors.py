@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import bench
-import checkpoint
-import data
-import prompt_sets
-from checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
-from devices import pick_device
+from runtime import checkpoint
+from training import data
+from benchmark import prompt_sets
+from runtime.checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
+from runtime.devices import pick_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,20 +29,20 @@ import pytest
 import torch
 
 import bench
-import data
-import plot
-import pretrained
+from training import data
+from benchmark import plot
+from training import pretrained
 import sample
-import stages
-import train
-import vs_transformers
+from training import stages
+from training import trainer
+from benchmark import vs_transformers
 from conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
-           "sample.py": sample.build_parser, "data.py": data.build_parser,
-           "pretrained.py": pretrained.build_parser,
-           "vs_transformers.py": vs_transformers.build_parser}
+PARSERS = {"train.py": trainer.build_parser, "bench.py": bench.build_parser,
+           "sample.py": sample.build_parser, "training/data.py": data.build_parser,
+           "training/pretrained.py": pretrained.build_parser,
+           "benchmark/vs_transformers.py": vs_transformers.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
 CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "eagle.pt", "dflash.pt", "dspark.pt"]
 
@@ -127,18 +127,18 @@ def out(trained, tmp_path):
 def fast(script, out, corpus):
     """The cheapest full run of each command on the tiny out/ (every train.py stage is current;
     one thread: the tiny models gain nothing from more, and a busy machine loses a lot)."""
-    if script == "pretrained.py":  # a random GPT-2 folder, timed beside the tiny target
+    if script == "training/pretrained.py":  # a random GPT-2 folder, timed beside the tiny target
         gpt2 = out.parent / "gpt2"
         if not gpt2.exists():
             pretrained.write_folder(pretrained.random_gpt2("tiny", 321),
                                     pretrained.synthetic_merges(64), gpt2)
         return [gpt2, "--cost", "--sizes", "1", "--repeats", "1", "--context", "4", "--toy",
                 out / "target.pt", "--threads", "1"]
-    if script == "vs_transformers.py":
+    if script == "benchmark/vs_transformers.py":
         return ["--out-dir", out, "--prompts", os.path.join(ROOT, "prompts", "outside.jsonl"),
                 "--max-new-tokens", "3", "--repeats", "1", "--threads", "1"]
     return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1"),
-            "data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
+            "training/data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
             "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1",
                          "--max-new-tokens", "3", "--repeats", "1", "--sweep", "",
                          "--sweep-prompts", "1", "--threads", "1",
@@ -169,9 +169,9 @@ def test_damaged_data_file_readers_refuse_and_data_py_rebuilds(out, corpus, name
     damage(out / name, how)
     damaged = snapshot(out)
     for script in ("bench.py", "sample.py"):
-        refused(run(script, *fast(script, out, corpus)), name, "python data.py")
+        refused(run(script, *fast(script, out, corpus)), name, "python -m training.data")
         assert snapshot(out) == damaged  # a refusal changes nothing
-    res = run("data.py", *fast("data.py", out, corpus))
+    res = run("training/data.py", *fast("training/data.py", out, corpus))
     if how == "folder":  # never deleted: it may be the user's
         refused(res, name, "is a folder")
         assert snapshot(out) == damaged
@@ -201,8 +201,8 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
     damage(out / name, how)
-    args = train.resolve_args(fast("train.py", out, corpus))
-    assert not stages.is_current(train.Trainer(args), name[:-3])
+    args = trainer.resolve_args(fast("train.py", out, corpus))
+    assert not stages.is_current(trainer.Trainer(args), name[:-3])
     assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
 
 
@@ -252,15 +252,15 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /pro
     ("train.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--out-dir", "under_a_file", "cannot be made"),
     pytest.param("train.py", "--out-dir", "unwritable", "cannot be written", marks=needs_proc),
-    pytest.param("data.py", "--out-dir", "unwritable", "cannot be written", marks=needs_proc),
+    pytest.param("training/data.py", "--out-dir", "unwritable", "cannot be written", marks=needs_proc),
     pytest.param("bench.py", "--json", "unwritable", "cannot be written", marks=needs_proc),
     pytest.param("bench.py", "--plot", "unwritable", "not a .png", marks=needs_proc),
-    ("data.py", "--out-dir", "file", "is a file, not a folder"),
+    ("training/data.py", "--out-dir", "file", "is a file, not a folder"),
     ("train.py", "--data", "missing", "does not exist"),
-    ("data.py", "--data", "device", "neither a file nor a folder"),
-    ("data.py", "--data", "empty", "is empty"),
+    ("training/data.py", "--data", "device", "neither a file nor a folder"),
+    ("training/data.py", "--data", "empty", "is empty"),
     ("train.py", "--data", "folder", "is empty"),   # a folder is fine, but this one holds no text
-    ("data.py", "--data", "binary", "binary"),
+    ("training/data.py", "--data", "binary", "binary"),
     ("train.py", "--init-from", "file", "is not a folder"),
     ("train.py", "--init-from", "folder", "it has no config.json"),
 ])
@@ -319,12 +319,12 @@ def test_plot_py_checks_where_it_draws_before_it_reads(out, tmp_path, things):
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"methods": {}}))
     (tmp_path / "d.png").mkdir()
-    refused(run("plot.py", results, tmp_path / "d.png"), "is a folder")
-    refused(run("plot.py", results, tmp_path / "r.txt"), "not a .png")
+    refused(run("benchmark/plot.py", results, tmp_path / "d.png"), "is a folder")
+    refused(run("benchmark/plot.py", results, tmp_path / "r.txt"), "not a .png")
     if os.path.isdir("/proc/self"):
-        refused(run("plot.py", results, UNWRITABLE + ".png"), "cannot be written")
+        refused(run("benchmark/plot.py", results, UNWRITABLE + ".png"), "cannot be written")
     (tmp_path / "r.png").mkdir()
-    refused(run("plot.py", results), "is a folder", "name an image")
+    refused(run("benchmark/plot.py", results), "is a folder", "name an image")
 
 
 def test_sample_py_shows_a_tree_and_refuses_its_bad_pairings(out, corpus):
@@ -346,18 +346,18 @@ def test_pretrained_py_random_keeps_a_folder_that_holds_files(tmp_path):
     real.mkdir()
     (real / "model.safetensors").write_bytes(b"a user's real weights")
     before = snapshot(real)
-    refused(run("pretrained.py", real, "--random", "tiny"), "already holds files", "--force")
+    refused(run("training/pretrained.py", real, "--random", "tiny"), "already holds files", "--force")
     assert snapshot(real) == before
     (tmp_path / "f").write_text("x")
-    refused(run("pretrained.py", tmp_path / "f", "--random", "tiny"), "is a file")
-    refused(run("pretrained.py", tmp_path / "nope"), "no such folder")
-    assert "GPT-2 2 layers" in succeeded(run("pretrained.py", real, "--random", "tiny", "--force"))
+    refused(run("training/pretrained.py", tmp_path / "f", "--random", "tiny"), "is a file")
+    refused(run("training/pretrained.py", tmp_path / "nope"), "no such folder")
+    assert "GPT-2 2 layers" in succeeded(run("training/pretrained.py", real, "--random", "tiny", "--force"))
     assert snapshot(real) != before
 
 
 @pytest.fixture
 def gpt2_folder(tmp_path):
-    succeeded(run("pretrained.py", tmp_path / "gpt2", "--random", "tiny"))
+    succeeded(run("training/pretrained.py", tmp_path / "gpt2", "--random", "tiny"))
     return tmp_path / "gpt2"
 
 
@@ -382,8 +382,8 @@ def test_train_py_keeps_a_trained_target_unless_forced(out, corpus, tmp_path, gp
     before = snapshot(out)
     refused(run("train.py", *argv), "target.pt", needle, "--force")
     if change == "corpus":  # the build itself, through data.py
-        data_argv = with_flag(fast("data.py", out, corpus), "--data", tmp_path / "other.txt")
-        refused(run("data.py", *data_argv), "target.pt", needle, "--force")
+        data_argv = with_flag(fast("training/data.py", out, corpus), "--data", tmp_path / "other.txt")
+        refused(run("training/data.py", *data_argv), "target.pt", needle, "--force")
     assert snapshot(out) == before
 
 
@@ -395,13 +395,15 @@ JUNK = ["", " ", "-1", "0", "nan", "inf", "-inf", "1e999", "abc", "0x10", "+3", 
 # In-range values stay small (test_cli.py parses the huge ones): a huge count would make a run
 # that succeeds slow. These would (re)train every stage from scratch, so they get no good value:
 COSTLY = {
-    ("train.py", "--vocab-size"), ("data.py", "--vocab-size"),  # a new tokenizer
+    ("train.py", "--vocab-size"), ("training/data.py", "--vocab-size"),  # a new tokenizer
     ("train.py", "--out-dir", "missing"), ("train.py", "--out-dir", "folder"),  # an empty out/
-    ("train.py", "--data", "file"), ("data.py", "--data", "file"),  # a text file is another corpus
+    ("train.py", "--data", "file"),  # a text file is another corpus
+    ("training/data.py", "--data", "file"),
 }
 # runs that succeed cost time
-GOOD_RUNS = {"train.py": 12, "data.py": 12, "bench.py": 3, "sample.py": 5, "pretrained.py": 4,
-             "vs_transformers.py": 2 if importlib.util.find_spec("transformers") else 0}
+GOOD_RUNS = {"train.py": 12, "training/data.py": 12, "bench.py": 3, "sample.py": 5,
+             "training/pretrained.py": 4,
+             "benchmark/vs_transformers.py": 2 if importlib.util.find_spec("transformers") else 0}
 
 
 def sweep_flags(script):
@@ -435,7 +437,7 @@ def test_random_sweep_of_every_numeric_and_path_flag(out, corpus, things, tmp_pa
     (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
     goods = {"--out-dir": out, "--data": corpus, "--prompts": tmp_path / "p.jsonl",
              "--json": tmp_path / "r.json", "--markdown": tmp_path / "r.md"}
-    rng = random.Random(f"issue 14 {script}")
+    rng = random.Random(f"sweep {os.path.basename(script)}")
     before, good_left, runs = snapshot(out), GOOD_RUNS[script], 0
     for flag, kind in sweep_flags(script):
         for _ in range(3):

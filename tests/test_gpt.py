@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import gpt
-from checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint, state_hash
+from runtime.checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint, state_hash
 from conftest import tiny_gpt
-from cpu_speed import PackedLinear, cpu_sdpa, pack_weight, speed_up
+from runtime.cpu_speed import PackedLinear, cpu_sdpa, pack_weight, speed_up
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ hybrid too: conftest.DRAFTER_FACTORIES has it under the rule and under a fixed s
 import pytest
 import torch
 
-from ablations import oracle_stats
+from benchmark.ablations import oracle_stats
 from conftest import DRAFTER_FACTORIES, make_hybrid
 from draft_hybrid import Costs, Record, best_round, bucket, outcome, EDGES, LOOKUP_MAX
-from profiling import profile_hybrid
+from runtime.profiling import profile_hybrid
 from speculative import Sampler, generate_plain, generate_speculative
 
 LEARNED = ["small", "mtp", "eagle", "dflash", "dspark"]

@@ -89,7 +89,7 @@ def test_transformers_gpt2_holds_the_same_model():
     """vs_transformers.py compares decoding speed on 'the same weights': its GPT2LMHeadModel must
     compute the target's logits, or the comparison is between two different models."""
     pytest.importorskip("transformers")
-    from vs_transformers import hf_generate, to_transformers
+    from benchmark.vs_transformers import hf_generate, to_transformers
     target = tiny_gpt(0, scale=1.0)
     hf = to_transformers(target.float()).double()
     g = torch.Generator().manual_seed(0)
@@ -103,7 +103,7 @@ def test_transformers_gpt2_holds_the_same_model():
 
 def test_head_to_head_without_transformers_is_one_error_line(monkeypatch, trained):
     import builtins
-    import vs_transformers
+    from benchmark import vs_transformers
     real_import = builtins.__import__
 
     def no_transformers(name, *a, **kw):

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import stages
-from checkpoint import CheckpointError, load_drafter, load_target
+import train
+from training import stages, trainer
+from runtime.checkpoint import CheckpointError, load_drafter, load_target
 from conftest import fit_mtp, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, head, mtp_loss
 from draft_small import total_variation
@@ -192,15 +193,16 @@ def test_loss_is_ce_on_the_token_after_next(target):
 
 
 def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_path):
-    import train
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "joint", "--only", "target"))
     target, target_ckpt = load_target(str(tmp_path / "target.pt"))
     joint = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
     assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
-    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "joint")))
+    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
+                                                         "joint")))
     assert stages.is_current(ctx, "mtp")  # so the mtp stage is skipped
-    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc")))
+    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
+                                                         "posthoc")))
     assert not stages.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)

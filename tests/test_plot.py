@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import bench_report
-import plot
+from benchmark import report
+from benchmark import plot
 
 
 def results():
@@ -131,7 +131,7 @@ def test_without_matplotlib_bench_says_how_to_get_the_figure(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     args = argparse.Namespace(json=str(tmp_path / "b.json"), markdown=None, plot=None,
                               out_dir=str(tmp_path))
-    bench_report.write(results(), args)  # the last step of a run: must not raise
+    report.write(results(), args)  # the last step of a run: must not raise
     assert capsys.readouterr().out == f"results: {tmp_path / 'b.json'}\n{plot.MISSING}\n"
     assert "pip install matplotlib" in plot.MISSING
     assert (tmp_path / "b.json").exists() and not (tmp_path / "bench.png").exists()
@@ -142,21 +142,21 @@ def test_without_matplotlib_bench_says_how_to_get_the_figure(tmp_path, monkeypat
 
 def test_bench_writes_its_json_beside_the_checkpoints_and_plot_py_redraws_it(tmp_path):
     """bench.py's defaults: OUT_DIR/bench.json and OUT_DIR/bench.png, so that the README's
-    `python plot.py out/bench.json` finds the run; '' skips either file."""
+    `python -m benchmark.plot out/bench.json` finds the run; '' skips either file."""
     args = argparse.Namespace(json=None, markdown=None, plot="", out_dir=str(tmp_path))
-    bench_report.write(results(), args)
+    report.write(results(), args)
     assert json.loads((tmp_path / "bench.json").read_text()) == results()
     plot.main([str(tmp_path / "bench.json")])
     assert is_png(tmp_path / "bench.png")
     skip = tmp_path / "skip"
     skip.mkdir()
-    bench_report.write(results(), argparse.Namespace(json="", markdown=None, plot="", out_dir=str(skip)))
+    report.write(results(), argparse.Namespace(json="", markdown=None, plot="", out_dir=str(skip)))
     assert not list(skip.iterdir())
 
 
 def test_run_metadata():
-    assert bench_report.machine("cpu")
-    c = bench_report.commit()
+    assert report.machine("cpu")
+    c = report.commit()
     assert c is None or (isinstance(c, str) and c)
 
 

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import bench
-import data
-import pretrained
+from training import data
+from training import pretrained
 import train
-from checkpoint import load_target
+from training import trainer
+from runtime.checkpoint import load_target
 from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
@@ -275,13 +276,13 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
 
 
 def test_the_script_writes_checks_and_times_a_folder(tmp_path):
-    p = subprocess.run([sys.executable, "pretrained.py", str(tmp_path / "g"), "--random", "tiny",
+    p = subprocess.run([sys.executable, "-m", "training.pretrained", str(tmp_path / "g"), "--random", "tiny",
                         "--cost", "--repeats", "2", "--context", "32", "--toy",
                         str(tmp_path / "none.pt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "GPT-2 2 layers x 32 wide" in p.stdout and "T=16:" in p.stdout
-    p = subprocess.run([sys.executable, "pretrained.py", str(tmp_path / "missing")], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "training.pretrained", str(tmp_path / "missing")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.strip().startswith("error: ")
 
@@ -291,7 +292,7 @@ def test_the_gpt2_preset_resolves_against_gpt2_smalls_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "activation_function": "gelu_new", "vocab_size": 50257,
         **shape}))
-    args = train.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
+    args = trainer.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
                                "--device", "cpu"])
     assert (args.n_layer, args.n_head, args.n_embd) == (12, 12, 768)
     assert args.batch_size == 16 and args.dflash_heads == 12 and args.small_embd == 384
@@ -309,7 +310,7 @@ def test_a_run_that_forgot_init_from_keeps_the_pretrained_build(pipeline, corpus
 
 def test_a_feature_cache_too_big_for_memory_is_computed_per_step(pipeline, folder, corpus,
                                                                   tmp_path, monkeypatch, capsys):
-    import distill
+    from training import distill
     out = tmp_path / "out"
     shutil.copytree(pipeline, out)
     monkeypatch.setattr(distill, "CACHE_LIMIT", 1000)

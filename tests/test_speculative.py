@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DRAFTER_FACTORIES, tiny_gpt
-from profiling import add_stats
+from runtime.profiling import add_stats
 from speculative import (NOISE_CHUNK, Drafter, Sampler, Stats, generate_plain, generate_speculative,
                          k_for, keyed_gumbel)
 

@@ -13,13 +13,14 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import data
-import devices
-import settings
-import stages
+from runtime import checkpoint
+from training import data
+from runtime import devices
+from runtime import settings
+from training import stages
 import train
-from checkpoint import load_checkpoint, load_target
+from training import trainer
+from runtime.checkpoint import load_checkpoint, load_target
 from conftest import tiny_args
 
 
@@ -89,7 +90,7 @@ def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path
                         lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0), *args, **kw)
 
     monkeypatch.setattr(train.Trainer, "fit", poisoned_fit)
-    with pytest.raises(train.TrainingError, match="became nan at step 12.*step 12.*kept in"):
+    with pytest.raises(trainer.TrainingError, match="became nan at step 12.*step 12.*kept in"):
         train.main(tiny_args(corpus, tmp_path, "--only", "target", "--ckpt-interval", "0"))
     assert not (tmp_path / "target.pt").exists()
     kept = load_checkpoint(str(tmp_path / "target.resume.pt"), "resume")
@@ -152,9 +153,9 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
 
 def test_bf16_autocast_is_measured_and_can_be_forced_off(corpus, tmp_path):
     assert devices.fast_bf16("cpu") in (True, False) and devices.fast_bf16("mps") is False
-    args = train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
+    args = trainer.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
     assert args.use_bf16 is False
-    assert train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
+    assert trainer.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
 
 
 def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, corpus, tmp_path):
@@ -249,7 +250,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
         assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
-    ctx = train.Trainer(train.resolve_args(tiny_args(corpus, trained)))
+    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, trained)))
     pool, batch = ctx.distill.text(), ctx.distill.batches("gen", sampled_only=True)
     first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
     for step in range(5):
@@ -349,12 +350,12 @@ def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, 
 
 
 def test_no_drafter_file_imports_train_py():
-    """Each drafter's training (its stage in stages.py or stages_dflash.py) gets what it needs
-    from the Trainer object it is handed."""
+    """Each drafter's training (its stage in training/stages.py or training/stages_dflash.py)
+    gets what it needs from the Trainer object it is handed."""
     import ast
     import glob
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [p for pattern in ("draft_*.py", "stages*.py")
+    paths = [p for pattern in ("draft_*.py", "training/stages*.py")
              for p in glob.glob(os.path.join(root, pattern))]
     assert {"stages.py", "stages_dflash.py"} <= {os.path.basename(p) for p in paths}
     for path in paths:

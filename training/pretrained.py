@@ -22,9 +22,9 @@ The writer (write_folder) is here too: the tests write tiny GPT-2 folders with i
 `--random` writes a GPT-2-small-shaped folder of random weights, whose forward cost `--cost`
 measures against the toy target's (docs/results.md: a real-sized target).
 
-    python pretrained.py DIR                      # check a folder: what it holds, does it load
-    python pretrained.py DIR --random small       # write a random GPT-2-small-shaped folder
-    python pretrained.py DIR --cost               # its forward cost at 1/8/16 tokens vs the toy
+    python -m training.pretrained DIR                      # check a folder: what it holds, does it load
+    python -m training.pretrained DIR --random small       # write a random GPT-2-small-shaped folder
+    python -m training.pretrained DIR --cost               # its forward cost at 1/8/16 tokens vs the toy
                                                   # (out/target.pt): docs/results.md
 """
 
@@ -38,14 +38,14 @@ import time
 import tiktoken.load
 import torch
 
-import cpu_speed
-from checkpoint import CheckpointError, load_drafter, load_target
-from data import EOT
+from runtime import cpu_speed
+from runtime.checkpoint import CheckpointError, load_drafter, load_target
+from training.data import EOT
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
-from profiling import profile_propose
-from settings import DFLASH, DSPARK, ArgumentParser, number, number_list, path_arg
+from runtime.profiling import profile_propose
+from runtime.settings import DFLASH, DSPARK, ArgumentParser, number, number_list, path_arg
 
 # -----------------------------------------------------------------------------
 # config.json
@@ -439,7 +439,8 @@ def check_writable(folder, force):
 
 
 def build_parser():
-    p = ArgumentParser(description="Check, write or time a Hugging Face GPT-2 folder.")
+    p = ArgumentParser(prog="python -m training.pretrained",
+                       description="Check, write or time a Hugging Face GPT-2 folder.")
     p.add_argument("folder", help="the GPT-2 folder (config.json, weights, vocab.json, "
                    "merges.txt)")
     p.add_argument("--random", choices=sorted(SHAPES), default=None,

@@ -15,10 +15,10 @@ buffers (every generation starts with begin(), so they can), each with counts of
 
 import copy
 
-from batched_dflash import BATCH_SCHEDULES
+from serving.dflash import BATCH_SCHEDULES
 from draft_dspark import DSparkDrafter
-from draft_hybrid import HybridDrafter
-from profiling import add_stats
+from draft_hybrid import HybridDrafter, outcome
+from runtime.profiling import add_stats
 from speculative import Stats, generate_speculative
 from tree import BlockTree, Branches
 
@@ -84,13 +84,49 @@ def batch_variants(batch_dspark):
     return copies(batch_dspark, rows, type(batch_dspark).new_account)
 
 
+class OracleHybrid(HybridDrafter):
+    """The hybrid's ceiling: each round both draft at their longest, and the draft that agrees
+    longer with `reference` (the output plain decoding gives) is verified (the lookup's on a tie:
+    it is the cheaper). Its time means nothing: both draft."""
+    reference = None
+
+    def choose(self, m, copied, k_learned, sampler):
+        draft = self.draft_learned(k_learned, sampler)
+        self.now["learned_draft"] = draft
+        ahead = self.reference[len(self.lookup.seq):]
+        if outcome(copied, ahead)[0] >= outcome(draft[0].tolist(), ahead)[0]:
+            return "lookup", len(copied)
+        return "learned", draft[0].numel()
+
+    def make_draft(self, who, n, copied, sampler):
+        if who == "learned":
+            return self.now["learned_draft"]
+        return super().make_draft(who, n, copied, sampler)
+
+    def miss(self, new, hidden):
+        """The lookup's draft was verified, and the learned drafter drafted too: it commits the
+        prefix of its own draft the round confirmed (its caches may hold it), and misses the
+        rest."""
+        draft = self.now.pop("learned_draft", None)
+        if draft is None:
+            return super().miss(new, hidden)
+        ids = new.tolist()
+        kept = min(outcome(draft[0].tolist(), ids)[0], len(ids) - 1)
+        self.learned.commit(kept, new[:kept + 1], {t: h[:, :kept + 1] for t, h in hidden.items()})
+        if kept + 1 < len(ids):
+            super().miss(new[kept + 1:], {t: h[:, kept + 1:] for t, h in hidden.items()})
+
+
 def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
-    """The ceiling of any choice between the two drafts: the hybrid under its 'oracle' rule over
-    `prompts`, judged against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
-    oracle = copies(hybrid, {"oracle": dict(rule="oracle")}, HybridDrafter.reset_record)["oracle"]
+    """The ceiling of any choice between the two drafts: OracleHybrid over `prompts`, judged
+    against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
+    oracle = copy.copy(hybrid)
+    oracle.__class__ = OracleHybrid  # the same drafters and buffers, the oracle's choice
+    oracle.measure = False  # its rounds fit no costs
+    oracle.reset_record()
     total = Stats()
     for prompt, ref in zip(prompts, refs):
         oracle.reference = list(prompt) + list(ref)
         add_stats(total, generate_speculative(target, oracle, prompt, max_new_tokens, k,
-                                       make_sampler())[1])
+                                              make_sampler())[1])
     return {"tau": total.tau, "lookup_share": oracle.lookup_share}

@@ -13,9 +13,9 @@ import os
 
 import torch
 
-import cpu_speed
-import profiling
-from devices import check_dtype, synchronize
+from runtime import cpu_speed
+from runtime import profiling
+from runtime.devices import check_dtype, synchronize
 from gpt import GPT, GPTConfig
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter

@@ -16,8 +16,8 @@ Every share is a fraction from 0 to 1, as bench.py's tables print them. matplotl
 it is imported only when drawing (with the Agg backend, so no display is needed), and without
 it save() prints how to get it instead of failing the run.
 
-    python plot.py out/bench.json                    # redraw a saved run to out/bench.png
-    python plot.py out/bench.json fig.svg            # or anywhere else
+    python -m benchmark.plot out/bench.json                    # redraw a saved run to out/bench.png
+    python -m benchmark.plot out/bench.json fig.svg            # or anywhere else
 """
 
 import argparse
@@ -25,7 +25,7 @@ import itertools
 import json
 import os
 
-from settings import ArgumentParser, path_arg
+from runtime.settings import ArgumentParser, path_arg
 
 MISSING = "no figure drawn: matplotlib is not installed (pip install matplotlib)"
 
@@ -296,7 +296,7 @@ def image_path(text):
 
 
 def main(argv=None):
-    p = ArgumentParser(description="Draw bench.py's figure from the JSON it wrote "
+    p = ArgumentParser(prog="python -m benchmark.plot", description="Draw bench.py's figure from the JSON it wrote "
                                    "(OUT_DIR/bench.json, or bench.py --json).")
     p.add_argument("json", help="a results file written by bench.py")
     p.add_argument("image", nargs="?", default=None, type=image_path,

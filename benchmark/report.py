@@ -13,8 +13,8 @@ import time
 
 import torch
 
-import plot
-from settings import path_arg
+from benchmark import plot
+from runtime.settings import path_arg
 
 
 def machine(device):
@@ -153,7 +153,7 @@ def print_report(out, header):
 
 def outputs(args, stem="bench"):
     """{flag: file} that write() writes, '' or None for none: by default the JSON and the figure
-    beside the checkpoints (OUT_DIR/bench.json and OUT_DIR/bench.png, so that `python plot.py
+    beside the checkpoints (OUT_DIR/bench.json and OUT_DIR/bench.png, so that `python -m benchmark.plot
     out/bench.json` redraws the figure; the serving sweep's stem is "serving"), and the
     one-request bench's markdown table when asked for."""
     return {"--json": os.path.join(args.out_dir, f"{stem}.json") if args.json is None else args.json,

@@ -149,22 +149,12 @@ def wrap(world, module, loss_fn):
     return nn.parallel.DistributedDataParallel(LossOf(module, loss_fn))
 
 
-def accumulate(world, run, step, accum, autocast, set_rows, batch_size):
-    """Forward and backward of step's global batch in accum micro-steps per rank -> its mean
-    loss over the whole batch (the same number on every rank). The gradients of the parameters
-    are then the whole batch's (summed over micro-steps, averaged over ranks by DDP)."""
-    total = 0.0
-    for micro in range(accum):
-        set_rows(shard(world, accum, batch_size, micro))
-        sync = world.size == 1 or micro == accum - 1  # DDP's all-reduce: on the last one only
-        with (nullcontext() if sync else run.no_sync()), autocast():
-            loss = run(step)
-        if accum > 1:
-            loss = loss / accum
-        total += loss.item()  # host sync: once per micro-step, for the NaN check and the log
-        loss.backward()
-    set_rows(None)
-    return mean(world, total)
+def sync_if_last(forward, micro, accum):
+    """The context of micro-step `micro` of `accum`: under DDP, no gradient all-reduce but on the
+    last one (the gradients of the others add up locally first); nothing in one process."""
+    if micro == accum - 1 or not isinstance(forward, nn.parallel.DistributedDataParallel):
+        return nullcontext()
+    return forward.no_sync()
 
 
 def mean(world, value):

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-import ragged
-from batch_rules import CostTable, Widths, admit_batch, best_single_k, interpolate, time_plain
-from batched import BatchDrafter, Confirmed
-from devices import synchronize
+from serving import ragged
+from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpolate, time_plain
+from serving.batched import BatchDrafter, Confirmed
+from runtime.devices import synchronize
 from draft_dspark import markov_chain
 from draft_dflash import rope
 from gpt import attention

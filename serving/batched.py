@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import ragged
+from serving import ragged
 from speculative import Sampler, Stats, check_k, tokens_allowed
 
 # -----------------------------------------------------------------------------

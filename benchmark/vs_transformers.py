@@ -11,8 +11,8 @@ the same prompts, in one process, on the same threads and dtype (float32).
 It needs transformers, which nanospec itself does not (`pip install transformers`); nothing
 is downloaded, the model comes from out/target.pt.
 
-    python vs_transformers.py                           # the outside-corpus prompts
-    python vs_transformers.py --prompts my.jsonl --repeats 5
+    python -m benchmark.vs_transformers                           # the outside-corpus prompts
+    python -m benchmark.vs_transformers --prompts my.jsonl --repeats 5
 """
 
 import os
@@ -21,11 +21,11 @@ import time
 
 import torch
 
-import data
-from prompt_sets import read_jsonl
-from checkpoint import CheckpointError, load_target
+from training import data
+from benchmark.prompt_sets import read_jsonl
+from runtime.checkpoint import CheckpointError, load_target
 from draft_lookup import LookupDrafter
-from settings import ArgumentParser, number, path_arg
+from runtime.settings import ArgumentParser, number, path_arg
 from speculative import Sampler, generate_plain, generate_speculative
 
 # -----------------------------------------------------------------------------
@@ -71,7 +71,8 @@ def hf_generate(hf, prompt, n, lookup=None, ngram=2):
 
 
 def build_parser():
-    p = ArgumentParser(description="nanospec's prompt lookup against transformers' prompt lookup, "
+    p = ArgumentParser(prog="python -m benchmark.vs_transformers",
+                       description="nanospec's prompt lookup against transformers' prompt lookup, "
                                    "same weights.")
     p.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
                    help="where train.py put target.pt and the tokenizer (default: %(default)s)")

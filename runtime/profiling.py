@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from devices import synchronize
+from runtime.devices import synchronize
 from draft_hybrid import LOOKUP_MAX
 from speculative import Sampler
 

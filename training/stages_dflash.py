@@ -11,33 +11,15 @@ import time
 import torch
 
 import draft_dflash
-from checkpoint import cpu_state_dict, load_checkpoint, save_checkpoint
-from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors
+from runtime.checkpoint import cpu_state_dict, load_checkpoint, save_checkpoint
+from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
 from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
 
-def load_narrower(net, state_dict):
-    """Load into the DFlash network `net` one trained at its block or a narrower one (the narrow
-    phase). Every weight has the same shape at any block but the mask embeddings, one per block
-    offset: offsets 1..b-1 take the narrower network's, the later ones keep their init."""
-    sd = dict(state_dict)
-    m, own = sd["mask_emb"], net.mask_emb.detach()
-    if m.size(0) > own.size(0):
-        raise ValueError(f"a block-{m.size(0) + 1} DFlash does not fit a block-"
-                         f"{own.size(0) + 1} one")
-    sd["mask_emb"] = torch.cat([m.to(own), own[m.size(0):]])
-    net.load_state_dict(sd)
-
-
 # -----------------------------------------------------------------------------
-# DFlash: train.py runs train_dflash(trainer) as its "dflash" stage.
-#
-# The recipe: a narrow block first, then the full block. The first slots of a block decide
-# whether a round goes on at all, and a narrow block (8) teaches them with twice the anchors a
-# step; the full block (16) then starts from that network (load_narrower) and learns its
-# later slots. Trained at block 16 from the start, the first slot stayed worse
-# (docs/experiments.md: DFlash: narrow block first). On the way, the stage saves its state at
-# the step where DSpark branches off (out/dflash.branch.pt): DSpark's stage starts there, so the
-# two drafters train the same number of steps.
+# DFlash: train.py runs train_dflash(trainer) as its "dflash" stage: the narrow block, then the
+# full block (the recipe: draft_dflash.py, widen). On the way, the stage saves its state at the
+# step where DSpark branches off (out/dflash.branch.pt): DSpark's stage starts there, so the two
+# drafters train the same number of steps.
 
 
 
@@ -151,7 +133,7 @@ def train_phase(tr, fingerprint, batches, i, phase, before, done):
     torch.manual_seed(a.seed + 3)
     net = DFlash(cfg, target).to(tr.device)
     if before is not None:
-        load_narrower(net, cpu_state_dict(before))
+        widen(net, cpu_state_dict(before))
     n_params = sum(p.numel() for p in net.parameters())
     print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
 
@@ -208,7 +190,7 @@ def train_dspark(tr):
     init_budget = None
     if a.dspark_init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         state, init_budget = start_from_dflash(tr, backbone_cfg)
-        load_narrower(spark.backbone, state)  # a branch from the narrow phase: widened
+        widen(spark.backbone, state)  # a branch from the narrow phase: widened
     batches = tr.distill.batches(a.dflash_text)
 
     def loss_of(x, t_logits, hid, step):

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-import ragged
-from batched import BatchSampler, plain_steps
-from devices import synchronize
-from profiling import timed
+from serving import ragged
+from serving.batched import BatchSampler, plain_steps
+from runtime.devices import synchronize
+from runtime.profiling import timed
 
 
 class CostTable:

@@ -24,12 +24,12 @@ import statistics
 
 import torch
 
-from ablations import batch_variants
-from bench_report import Progress
-from batched import BatchSampler, generate_batched, generate_plain_batched
-from batched_drafters import batched
-from profiling import timed
-from ragged import new_cache
+from benchmark.ablations import batch_variants
+from benchmark.report import Progress
+from serving.batched import BatchSampler, generate_batched, generate_plain_batched
+from serving.drafters import batched
+from runtime.profiling import timed
+from serving.ragged import new_cache
 from speculative import Sampler, generate_plain
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat

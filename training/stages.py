@@ -14,19 +14,18 @@ import hashlib
 import os
 
 import torch
-import torch.nn.functional as F
 
-import cpu_speed
-import ddp
-import pretrained
-from checkpoint import (CheckpointError, cpu_state_dict, cpu_tree, load_checkpoint,
+from runtime import cpu_speed
+from training import ddp
+from training import pretrained
+from runtime.checkpoint import (CheckpointError, cpu_state_dict, cpu_tree, load_checkpoint,
                         save_checkpoint, state_hash)
 from draft_eagle import Eagle, EagleConfig, default_taps, eagle_loss
 from draft_mtp import MTP, MTPConfig, mtp_loss, unroll_anchors
-from draft_small import total_variation
+from draft_small import small_loss
 from gpt import GPT, GPTConfig
-from settings import DFLASH, DISTILL, DSPARK, EAGLE, MTP as MTP_SETTINGS, SHARED, SMALL, TARGET
-from stages_dflash import dflash_phases, dspark_phases, train_dflash, train_dspark
+from runtime.settings import DFLASH, DISTILL, DSPARK, EAGLE, MTP as MTP_SETTINGS, SHARED, SMALL, TARGET
+from training.stages_dflash import dflash_phases, dspark_phases, train_dflash, train_dspark
 
 # -----------------------------------------------------------------------------
 # the small GPT: train.py runs train_small(trainer) as its "small" stage
@@ -51,23 +50,12 @@ def train_small(tr):
     model = GPT(cfg).to(tr.device)
     print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
 
-    def loss_of(w, p_logits, hid=None):
-        """w (B, T): inputs w[:, :-1], labels w[:, 1:]; p_logits: the target's on w (causal, so
-        [:, :-1] are its distributions for the labels)."""
-        logits, ce, _ = model(w[:, :-1], w[:, 1:])
-        if a.small_distill == 0:
-            return ce
-        teacher = F.log_softmax(p_logits[:, :-1], -1)
-        logq = F.log_softmax(logits, -1)
-        kl = F.kl_div(logq, teacher, log_target=True, reduction="batchmean") / logits.size(1)
-        kl = kl + total_variation(logq, teacher.exp()).mean()
-        return a.small_distill * kl + (1 - a.small_distill) * ce
-
     fingerprint = {"stage": "small", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.small_iters, "lr": a.small_lr, "distill": a.small_distill,
                    "seed": a.seed, "text": tr.distill.key(a.small_text)}
     batches = tr.distill.batches(a.small_text)
-    val, _ = tr.fit("small", model, lambda s: loss_of(*batches(s)),
+    val, _ = tr.fit("small", model,
+                    lambda s: small_loss(model, *batches(s)[:2], a.small_distill),
                     lambda: tr.val_loss(lambda x, y: model(x, y)[1]),
                     steps=a.small_iters, lr=a.small_lr, fingerprint=fingerprint,
                     tokens_per_step=a.batch_size * a.block_size)
@@ -192,9 +180,12 @@ def train_eagle(tr):
     batches = tr.distill.batches("gen")
 
     def loss_of(w, t_logits, hid, step):
+        """Its draft steps unroll at anchors drawn by the step (the validation's: step -1)."""
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 3_333_333)
-        return eagle_loss(net, target, w, t_logits, hid, a.eagle_unroll, a.eagle_anchors,
-                          a.eagle_beta, a.eagle_distill, g, tr.per_row)
+        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, a.eagle_unroll,
+                                                      a.eagle_anchors, g, w.device), w.size(0))
+        return eagle_loss(net, target, w, t_logits, hid, anchors, a.eagle_unroll, a.eagle_beta,
+                          a.eagle_distill)
 
     fingerprint = {"stage": "eagle", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
                    "iters": a.eagle_iters, "lr": a.eagle_lr, "gen": tr.distill.key("gen"),

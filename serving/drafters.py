@@ -16,9 +16,9 @@ import copy
 
 import torch
 
-import ragged
-from batched import BatchDrafter, Confirmed
-from batched_dflash import BatchDFlash, BatchDSpark
+from serving import ragged
+from serving.batched import BatchDrafter, Confirmed
+from serving.dflash import BatchDFlash, BatchDSpark
 from draft_dflash import DFlashDrafter
 from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter

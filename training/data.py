@@ -14,7 +14,7 @@ tokenizer kind:
 
 Every reader checks the files against data_meta.json: prepare_data (train.py, data.py)
 rebuilds a damaged build with a one-line notice; load_build (bench.py, sample.py) refuses
-it with an error naming the file and the command that remakes it. CLI: `python data.py --help`.
+it with an error naming the file and the command that remakes it. CLI: `python -m training.data --help`.
 """
 import base64
 import hashlib
@@ -32,7 +32,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
+from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
 
 EOT = "<|endoftext|>"
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
@@ -393,13 +393,13 @@ def remake(out: pathlib.Path, meta: dict | None = None) -> str:
                 f"{shlex.quote(meta.get('tokenizer_source', 'DIR'))} --out-dir "
                 f"{shlex.quote(str(out))}`, passing the --data it was built with")
     if not meta or "source" not in meta:
-        return (f"rebuild it with `python data.py --out-dir {shlex.quote(str(out))}` "
+        return (f"rebuild it with `python -m training.data --out-dir {shlex.quote(str(out))}` "
                 "(or `python train.py`), passing the --data and --vocab-size it was built with")
     data = ["--data", meta["source"]] if meta["source"] != "stdlib" else []
     flags = ["--out-dir", str(out)] + data
     flags += (["--tokenizer", "gpt2"] if meta["tokenizer"] == "gpt2"
               else ["--vocab-size", str(meta["requested_vocab_size"])])
-    return (f"rebuild it with `python data.py {shlex.join(flags)}` "
+    return (f"rebuild it with `python -m training.data {shlex.join(flags)}` "
             "(train.py with the same flags rebuilds it too)")
 
 
@@ -570,7 +570,7 @@ class Batches:
 # -----------------------------------------------------------------------------
 
 def build_parser():
-    ap = ArgumentParser(description="Prepare the tokenizer and token streams for nanospec.")
+    ap = ArgumentParser(prog="python -m training.data", description="Prepare the tokenizer and token streams for nanospec.")
     ap.add_argument("--data", type=path_arg("data"), default=None,
                     help="text file or folder to train on (default: the Python stdlib)")
     ap.add_argument("--vocab-size", type=number(int, 257, 65536), default=DEFAULT_VOCAB,
