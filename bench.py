@@ -23,7 +23,7 @@ hybrid's oracle and the sweep over k. Both write the same JSON schema.
                                              # the tables, out/bench.json, out/bench.png
     python bench.py --full                   # everything (docs/results.md: how long each takes)
     python bench.py --methods ar,small --k 4 --json out/small.json --plot out/small.png
-    python bench.py --prompts humaneval              # the papers' code benchmark (prompt_sets.py)
+    python bench.py --prompts humaneval              # the papers' code benchmark (benchmark/prompt_sets.py)
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
     python bench.py --json '' --plot ''              # print the tables only, write no file
     python -m benchmark.plot out/bench.json                    # redraw the figure from a saved run
@@ -246,8 +246,8 @@ def load(args, stem="bench"):
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     check_outputs(args, stem)
     enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
-    prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.block_size)
-    fit_new_tokens(args, prompts, target.config.block_size)
+    prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.sequence_len)
+    fit_new_tokens(args, prompts, target.config.sequence_len)
     return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
 
 
@@ -497,7 +497,7 @@ def tree_costs(target, drafters):
     a tree's price, beside its rows ({} without tree rows)."""
     if not any(isinstance(d, TreeDrafter) for d, _ in drafters.values()):
         return {}
-    m_max = min(max(TREE_WIDTHS), target.config.block_size // 2)
+    m_max = min(max(TREE_WIDTHS), target.config.sequence_len // 2)
     t = profile_verify(target, m_max, reps=5)
     return {m: round(1000 * t[m], 3) for m in TREE_WIDTHS if m <= m_max}
 

@@ -6,7 +6,7 @@ Paper: Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative Decoding
 arXiv 2602.06036.
 
 draft_small.py's small drafter pays one forward per drafted token, so drafting k tokens costs
-k forwards. draft_mtp.py's MTP head reads the target's last hidden state but is still chained:
+k forwards. draft_mtp.py's MTP module reads the target's last hidden state but is still chained:
 one forward of its block per drafted token, each fed the token drafted before it. DFlash drafts
 a whole block in one forward and reads several target layers: the anchor (the last confirmed
 token) plus B-1 learned mask embeddings go through a few bidirectional layers, and every mask
@@ -55,7 +55,7 @@ from speculative import Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (settings.py: 2 on CPU,
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (runtime/settings.py: 2 on CPU,
     #                          3 on CUDA, to fit their budgets)
     # target layers read as context (network_config picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
@@ -63,7 +63,7 @@ class DFlashConfig:
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
-    alibi: bool = True       # plus a per-head distance penalty on the scores (see alibi_bias())
+    alibi: bool = True       # plus a distance penalty per attention head (see alibi_bias())
     bias: bool = True        # like the target's Linears and LayerNorms
     dropout: float = 0.0     # gpt.MLP wants it; 0 for runs this short
 
@@ -117,9 +117,10 @@ def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
     at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init attention is
     uniform over the whole context, the few states that matter (the last before the anchor) are
     drowned, and learning starts slowly (docs/experiments.md: DFlash: ALiBi). The bias gives some
-    heads a recency prior from step 0; heads with small slopes stay global.
+    attention heads a recency prior from step 0; heads with small slopes stay global.
     Memory: in training this is (batch, nh, Tq, Tk), the largest tensor of a DFlash step, so the
-    distances are made in one float tensor (no int64 copies) and only the result is per head."""
+    distances are made in one float tensor (no int64 copies) and only the result is per
+    attention head."""
     wide = torch.promote_types(dtype, torch.float32)  # positions and distances exact (< 2^24)
     dist = (q_pos.to(wide)[..., :, None] - k_pos.to(wide)[..., None, :]).abs_()  # (..., Tq, Tk)
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=q_pos.device, dtype=wide) / n_head)
@@ -218,7 +219,7 @@ class DFlash(nn.Module):
         key = (str(device), dtype)
         if key not in self._tables:
             cfg = self.config
-            N = self.target.config.block_size + cfg.block
+            N = self.target.config.sequence_len + cfg.block
             cos, sin = rope_table(N, cfg.n_embd // cfg.n_head, cfg.rope_base, device)
             pos = torch.arange(N, device=device)
             # (1, nh, N, N): 4-d, as SDPA's fused CPU kernel wants it (for a 3-d mask it falls
@@ -279,8 +280,8 @@ class DFlash(nn.Module):
             x = layer(x, cs, kv, start, mask)
         return x
 
-    def head(self, h):
-        """The target's own ln_f and LM head."""
+    def logits(self, h):
+        """The target's own ln_f and LM head on h."""
         return self.target.lm_head(self.target.transformer.ln_f(h))
 
 
@@ -327,7 +328,7 @@ class DFlashDrafter(Drafter):
         """Its own static K/V caches, (n_layer, 1, nh, Tmax, hs): Tmax = the target's context
         window plus one block."""
         cfg, p = self.net.config, self.net.fc.weight
-        shape = (cfg.n_layer, 1, cfg.n_head, self.net.target.config.block_size + cfg.block,
+        shape = (cfg.n_layer, 1, cfg.n_head, self.net.target.config.sequence_len + cfg.block,
                  cfg.n_embd // cfg.n_head)
         self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
@@ -377,7 +378,7 @@ class DFlashDrafter(Drafter):
         self.check_block(k)
         h = self.draft_states(k)  # (k, d)
         S = self.seq.numel()
-        return sampler.draft(self.net.head(h), list(range(S, S + k)))
+        return sampler.draft(self.net.logits(h), list(range(S, S + k)))
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):
@@ -434,7 +435,7 @@ def training_states(net, x, hidden, anchors, block=None):
 
 
 def position_weights(P, gamma, device=None):
-    """w_k = exp(-(k-1)/gamma): early positions matter most, a miss there ends the round."""
+    """w_j = exp(-(j-1)/gamma): early positions matter most, a miss there ends the round."""
     return torch.exp(-torch.arange(P, device=device, dtype=torch.float32) / gamma)
 
 
@@ -448,9 +449,10 @@ def soft_labels(t_logits, tpos):
 def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
     """Position-weighted cross-entropy against the target's own distributions (soft labels),
     plus their total variation distance (draft_small.total_variation: why). The paper's loss is
-    the cross-entropy alone; adding TV drafted better (docs/experiments.md: DFlash: loss (CE + TV))."""
+    the cross-entropy alone; adding TV drafted better (docs/experiments.md: DFlash: loss
+    (CE + TV))."""
     h, tpos = training_states(net, x, hidden, anchors)
-    logp = F.log_softmax(net.head(h).float(), dim=-1)  # (B, A, P, V)
+    logp = F.log_softmax(net.logits(h).float(), dim=-1)  # (B, A, P, V)
     p_t = soft_labels(t_logits, tpos)
     loss = -(p_t * logp).sum(-1) + total_variation(logp, p_t)  # (B, A, P)
     w = position_weights(loss.size(-1), gamma, loss.device)

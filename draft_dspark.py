@@ -8,13 +8,13 @@ draft_dflash.py drafts every block slot independently: slot 5 never learns what 
 so two plausible continuations can get mixed ("the the"). DSpark keeps the parallel backbone
 for the expensive part and adds two cheap pieces on top:
 
-1. A Markov head. The backbone (DFlash's network, unchanged) gives base logits U_k for every
-   slot in one pass. Then, left to right, draft k is sampled from softmax(U_k + W1[x_{k-1}] W2):
+1. A Markov head. The backbone (DFlash's network, unchanged) gives base logits U_j for every
+   slot in one pass. Then, left to right, draft j is sampled from softmax(U_j + W1[x_{j-1}] W2):
    a rank-r bias that depends on the token just drafted. Drafting works the bias out for every
    previous token once, a (V x V) table (where it fits in memory), so the sequential part costs
    a row lookup and an add per token, small next to the backbone. Every q is an exact softmax,
    so rejection sampling stays lossless.
-2. A confidence head c_k = sigmoid(w . [h_k; W1[x_{k-1}]]): the chance draft k survives given
+2. A confidence head c_j = sigmoid(w . [h_j; W1[x_{j-1}]]): the chance draft j survives given
    that its prefix did. Prefix survival a_j = prod_{i<=j} c_i (the code calls the list of them
    `survival`). A scheduler, with the target's verify latency profiled once at load, verifies
    only the prefix that maximises expected tokens per second,
@@ -91,7 +91,7 @@ class DSpark(nn.Module):
         self.register_buffer("conf_temp", torch.ones(n_positions))
 
     def markov(self, prev):
-        """B(x_{k-1}, .) = W1[x_{k-1}] W2: prev (...) token ids -> (..., V)."""
+        """B(x_{j-1}, .) = W1[x_{j-1}] W2: prev (...) token ids -> (..., V)."""
         return self.w1(prev) @ self.w2
 
     @torch.no_grad()
@@ -101,7 +101,7 @@ class DSpark(nn.Module):
         return self.w1.weight @ self.w2
 
     def confidence_logit(self, h, prev):
-        """w . [h_k; W1[x_{k-1}]] (before the sigmoid): h (..., d), prev (...) -> (...)."""
+        """w . [h_j; W1[x_{j-1}]] (before the sigmoid): h (..., d), prev (...) -> (...)."""
         return self.conf(torch.cat([h, self.w1(prev)], dim=-1)).squeeze(-1)
 
     @torch.no_grad()
@@ -128,8 +128,9 @@ def dspark_terms(spark, x, hidden, t_logits, anchors, block=None):
     draft_dflash.training_states."""
     h, tpos = training_states(spark.backbone, x, hidden, anchors, block)  # (B, A, P, d), (B, A, P)
     b = torch.arange(x.size(0), device=x.device)[:, None, None]
-    prev = x[b, tpos - 1]  # x_{k-1}: the anchor for the first slot, then the text's own tokens
-    logp = F.log_softmax((spark.backbone.head(h) + spark.markov(prev)).float(), dim=-1)  # (B, A, P, V)
+    prev = x[b, tpos - 1]  # x_{j-1}: the anchor for the first slot, then the text's own tokens
+    logits = spark.backbone.logits(h) + spark.markov(prev)
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, A, P, V)
     p_t = soft_labels(t_logits, tpos)
     tv = total_variation(logp, p_t)
     ce = -(p_t * logp).sum(-1)
@@ -151,9 +152,9 @@ def dspark_loss(spark, x, hidden, t_logits, anchors, gamma, block=None):
 @torch.no_grad()
 def calibrate(spark, batches):
     """Per-position temperature scaling of the confidence logits (Guo et al. 2017): for each
-    slot k pick T_k minimising the log loss of sigmoid(z / T_k) against whether the greedy draft
+    slot j pick T_j minimising the log loss of sigmoid(z / T_j) against whether the greedy draft
     matched the target, teacher-forced on the target's own text, over the blocks whose drafts
-    1..k-1 all matched. c_k is the chance that draft k survives GIVEN its prefix survived, and
+    1..j-1 all matched. c_j is the chance that draft j survives GIVEN its prefix survived, and
     only those blocks say what that is: fitted on every block, the temperatures made late
     positions look far worse than they are in the loop, where a round reaches them only through
     an easy stretch of text, and the scheduler cut blocks that paid (docs/experiments.md:
@@ -183,11 +184,11 @@ def fit_temperatures(z, hit, alive, min_blocks=20):
     where fewer than min_blocks got that far."""
     grid = torch.logspace(-1.5, 1.5, 61, device=z.device)
     temps = torch.ones(z.size(1), device=z.device)
-    for k in range(z.size(1)):
-        zk, hk = z[alive[:, k], k], hit[alive[:, k], k]
-        if hk.numel() >= min_blocks:
-            losses = [F.binary_cross_entropy_with_logits(zk / t, hk).item() for t in grid]
-            temps[k] = grid[min(range(len(grid)), key=losses.__getitem__)]
+    for j in range(z.size(1)):
+        zj, hj = z[alive[:, j], j], hit[alive[:, j], j]
+        if hj.numel() >= min_blocks:
+            losses = [F.binary_cross_entropy_with_logits(zj / t, hj).item() for t in grid]
+            temps[j] = grid[min(range(len(grid)), key=losses.__getitem__)]
     return temps
 
 
@@ -285,7 +286,7 @@ def markov_chain(spark, base, prev, draw, table=None, markov=True):
             logits = base[:, j]
         elif table is not None:
             logits = base[:, j] + table[prev]  # one (B, V) row a request
-        else:  # W1[x_{k-1}] W2 fused into one product: half the time of two ops
+        else:  # W1[x_{j-1}] W2 fused into one product: half the time of two ops
             logits = torch.addmm(base[:, j], spark.w1.weight[prev], spark.w2)
         prev, q = draw(logits, j)
         toks.append(prev)
@@ -296,16 +297,20 @@ def markov_chain(spark, base, prev, draw, table=None, markov=True):
 class DSparkDrafter(DFlashDrafter):
     """DFlash's drafter (self.net: the DFlash network, DSpark's backbone) plus the Markov head and
     the scheduler (self.spark: the whole DSpark network).
-    schedule: 'auto' (the throughput scheduler), 'threshold' (verify while a_j >= threshold) or
-    'full' (always all k); markov=False drops the Markov bias. Both are for ablations.
-    t_draft, t_verify: what the scheduler weighs, seconds of the rest of a round and of an
-    m-token verify (t_verify[m]); runtime/profiling.py measures them on the device in use. None:
-    no device measured, and every verify length costs the same (a large target on a GPU, where a
-    verify is bound by reading the weights), so the rule verifies every draft. measured: whether
-    the rounds keep measuring t_draft (measure_round).
-    greedy_chain: a faster drop-in for markov_chain when drafting greedily (cpu_speed.py sets one
-    on a CPU), or None; sync: waits for the device before scoring is timed (None: a CPU).
-    mean_verify_len: the drafts sent to verification, per round.
+
+    schedule        'auto' (the throughput scheduler), 'threshold' (verify while a_j >=
+                    threshold) or 'full' (always all k); markov=False drops the Markov bias. The
+                    last two are the paper's ablations.
+    t_draft         seconds of the rest of a round (drafting, commit, the loop), and
+    t_verify        t_verify[m], seconds of an m-token verify: what the scheduler weighs.
+                    runtime/profiling.py measures them on the device in use. None: no device
+                    measured, and every verify length costs the same (a large target on a GPU,
+                    where a verify is bound by reading the weights), so the rule verifies every
+                    draft. measured: whether the rounds keep measuring t_draft (measure_round).
+    greedy_chain    a faster drop-in for markov_chain when drafting greedily
+                    (runtime/cpu_speed.py sets one on a CPU), or None
+    sync            waits for the device before scoring is timed (None: a CPU)
+    mean_verify_len the drafts sent to verification, per round
 
     Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
     against plain decoding):
@@ -373,7 +378,7 @@ class DSparkDrafter(DFlashDrafter):
         self.check_block(k)
         h = self.draft_states(k)  # (k, d): the states that draft the next k tokens
         # (k, V) base logits, all slots in one product (row by row was slower)
-        base_logits = self.net.head(h)
+        base_logits = self.net.logits(h)
         if sampler.mode == "greedy" and self.markov and self.greedy_chain is not None:
             toks, qs = self.greedy_chain(base_logits, int(self.seq[-1])), None
         else:

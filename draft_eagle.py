@@ -6,8 +6,8 @@ Paper: Li, Wei, Zhang, Zhang, "EAGLE-3: Scaling up Inference Acceleration of Lar
 Models via Training-Time Test", 2025, arXiv 2503.01840. It is the learned drafter most serving
 systems ship, and the baseline every DFlash and DSpark claim is measured against.
 
-What it adds over draft_mtp.py. The MTP head reads ONE target state, the last block's h_i, next
-to the embedding of t_{i+1}, runs one block and predicts t_{i+2}; drafts 2..k feed it its own
+What it adds over draft_mtp.py. The MTP module reads ONE target state, the last layer's h_i,
+next to the embedding of t_{i+1}, runs one layer and predicts t_{i+2}; drafts 2..k feed it its own
 output. EAGLE-3 is that same chain with two changes:
 
   1. Its input is a fusion of three target layers, low, middle and high, concatenated and
@@ -21,7 +21,7 @@ output. EAGLE-3 is that same chain with two changes:
 
 Like EAGLE-3 it predicts tokens directly (no regression onto the target's features, which
 EAGLE-1/2 had), and the embedding and LM head are the target's, frozen. Like EAGLE-1 it mixes
-[g; Emb(t)] with one linear 2d -> d before a standard block (EAGLE-3 moved that linear into the
+[g; Emb(t)] with one linear 2d -> d before a standard layer (EAGLE-3 moved that linear into the
 attention's input projection; one linear map either way), and like this project's MTP it adds
 no position encoding: the target's states carry position. It drafts a chain (EAGLE-2/3 draft a
 dynamic tree; a chain is the simple case).
@@ -48,26 +48,27 @@ from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_los
 
 
 def default_taps(n_layer):
-    """Low, middle and high: the blocks at a third and two thirds of the depth, and the last
-    (2, 4, 6 for the CPU preset's 6 blocks). EAGLE-3 reads three such layers."""
+    """Low, middle and high: the layers at a third and two thirds of the depth, and the last
+    (2, 4, 6 for the CPU preset's 6 layers). EAGLE-3 reads three such layers."""
     return [max(1, math.ceil(n_layer / 3)), max(1, math.ceil(2 * n_layer / 3)), n_layer]
 
 
 @dataclass
 class EagleConfig(MTPConfig):
-    """MTP's config (the one module's width, heads, cache size) plus the target layers fused."""
+    """MTP's config (the one module's width, attention heads, context) plus the target layers
+    it fuses."""
     taps: list = field(default_factory=lambda: [2, 4, 6])  # low, middle, high
 
     @classmethod
     def for_target(cls, gpt_config, taps=None):
         c = gpt_config
-        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=1, block_size=c.block_size,
+        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=1, sequence_len=c.sequence_len,
                    bias=c.bias, taps=list(taps or default_taps(c.n_layer)))
 
 
 class Eagle(nn.Module):
     """The fusion FC (3d -> d) and one MTP module (draft_mtp.MTPModule: RMSNorms, the 2d -> d
-    mix, one block). Only these train and go in out/eagle.pt; the target is passed in."""
+    mix, one layer). Only these train and go in out/eagle.pt; the target is passed in."""
 
     def __init__(self, config):
         super().__init__()

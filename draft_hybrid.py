@@ -221,9 +221,9 @@ class HybridDrafter(Drafter):
         # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
         # one after another, each from begin()
         tc, w = target.config, target.lm_head.weight
-        self.missed = {t: torch.empty(1, tc.block_size, tc.n_embd, device=w.device, dtype=w.dtype)
+        self.missed = {t: torch.empty(1, tc.sequence_len, tc.n_embd, device=w.device, dtype=w.dtype)
                        for t in self.hidden_layers}
-        self.missed_ids = torch.empty(tc.block_size, dtype=torch.long, device=w.device)
+        self.missed_ids = torch.empty(tc.sequence_len, dtype=torch.long, device=w.device)
         self.reset_record()
 
     def reset_record(self):

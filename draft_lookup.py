@@ -2,7 +2,7 @@
 draft_lookup.py -- prompt lookup: a drafter with no network, no training and no checkpoint.
 
 draft_small.py drafted with a small GPT of its own; draft_mtp.py, draft_dflash.py and
-draft_dspark.py with heads trained on the target's hidden states. This file drops the network
+draft_dspark.py with networks trained on the target's hidden states. This file drops the network
 altogether and adds the drafter a practitioner tries first (Saxena 2023, "prompt lookup
 decoding"; transformers' `prompt_lookup_num_tokens`, vLLM's `ngram`, llama.cpp's lookup
 decoding): if the last n tokens of the text occurred earlier in it, guess that what followed

@@ -5,20 +5,20 @@ draft_mtp.py -- multi-token prediction (MTP) as a built-in drafter
 draft_small.py drafted with an independent small GPT that reads only tokens. An MTP module
 instead reads the target's own last hidden state: to predict the token after next it takes
 h_i (what the target 'thinks' at position i) and the embedding of t_{i+1} (the token the
-target just chose), mixes them with one linear map, runs ONE transformer block and reads
-the answer off the target's own output head:
+target just chose), mixes them with one linear map, runs ONE transformer layer and reads
+the answer off the target's own LM head:
 
     h'_i = M · [RMSNorm(h_i) ; RMSNorm(Emb(t_{i+1}))]      M: 2d -> d, no bias
-    h''_i = Block(h'_0 .. h'_i)                             causal, its own KV cache
+    h''_i = Layer(h'_0 .. h'_i)                             causal, its own KV cache
     p(t_{i+2}) = softmax(lm_head(ln_f(h''_i)))              the target's ln_f + lm_head
 
-Embedding and head are the target's (frozen at draft time), so the module is tiny: one
-block plus M. D modules chain as in DeepSeek-V3 (module k reads module k-1's output and
-t_{i+k}, predicts t_{i+k+1}); drafts deeper than D reuse the last module recursively,
+Embedding and LM head are the target's (frozen at draft time), so the module is tiny: one
+layer plus M. D modules chain as in DeepSeek-V3 (module m reads module m-1's output and
+t_{i+m}, predicts t_{i+m+1}); drafts deeper than D reuse the last module recursively,
 feeding back its own output and its own drafted token (as vLLM/SGLang do).
 
 Position: no position embedding is added. h_i already carries position (the target added
-wpe at its input and every causal layer has mixed it in), and the block's causal attention
+wpe at its input and every causal layer has mixed it in), and the layer's causal attention
 sees the module's own history. The module is thereby free of absolute positions.
 
 It trains two ways (train.py --mtp-mode). `joint` adds λ·L_mtp to the target's own loss while
@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import Block, GPTConfig, KVCache, attention, chunk_mask
+from gpt import Layer, GPTConfig, KVCache, attention, chunk_mask
 from draft_small import total_variation
 from speculative import Drafter
 
@@ -58,9 +58,9 @@ from speculative import Drafter
 @dataclass
 class MTPConfig:
     n_embd: int = 256     # must equal the target's width: h_i and its embedding go in as they are
-    n_head: int = 8       # the block's heads (the target's, so the block is one more target layer)
+    n_head: int = 8       # attention heads: the target's (its layer is one more of the target's)
     n_modules: int = 1    # D: chained modules (DeepSeek-V3: 1); deeper drafts reuse the last one
-    block_size: int = 256  # the target's context window: size of the module's KV cache
+    sequence_len: int = 256  # the target's context window: size of the module's KV cache
     bias: bool = True     # like the target's Linears and LayerNorms (M itself never has a bias)
 
     def to_dict(self):
@@ -73,11 +73,11 @@ class MTPConfig:
     @classmethod
     def for_target(cls, gpt_config, n_modules=1):
         c = gpt_config
-        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=n_modules, block_size=c.block_size,
-                   bias=c.bias)
+        return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=n_modules,
+                   sequence_len=c.sequence_len, bias=c.bias)
 
-    def block_config(self):
-        return GPTConfig(block_size=self.block_size, n_layer=1, n_head=self.n_head,
+    def layer_config(self):
+        return GPTConfig(sequence_len=self.sequence_len, n_layer=1, n_head=self.n_head,
                          n_embd=self.n_embd, bias=self.bias)
 
 
@@ -86,7 +86,8 @@ class MTPConfig:
 
 
 class MTPModule(nn.Module):
-    """One depth: (h_i, Emb(t_{i+k})) -> h''_i, from which the shared head predicts t_{i+k+1}."""
+    """One depth: (h_i, Emb(t_{i+m})) -> h''_i, from which the target's LM head predicts
+    t_{i+m+1}."""
 
     def __init__(self, config):
         super().__init__()
@@ -96,14 +97,14 @@ class MTPModule(nn.Module):
         self.norm_h = nn.RMSNorm(d)
         self.norm_e = nn.RMSNorm(d)
         self.proj = nn.Linear(2 * d, d, bias=False)  # M
-        self.block = Block(config.block_config())
+        self.layer = Layer(config.layer_config())
 
     def mix(self, h, e):
-        """M · [RMSNorm(h) ; RMSNorm(e)]: the block's input, (B, T, d)."""
+        """M · [RMSNorm(h) ; RMSNorm(e)]: the layer's input, (B, T, d)."""
         return self.proj(torch.cat([self.norm_h(h), self.norm_e(e)], dim=-1))
 
     def forward(self, h, e, kv=None, start=0, attn_mask=None):
-        return self.block(self.mix(h, e), kv, start, attn_mask)
+        return self.layer(self.mix(h, e), kv, start, attn_mask)
 
 
 def gpt2_init(module):
@@ -117,14 +118,14 @@ def gpt2_init(module):
             nn.init.zeros_(p)
 
 
-def head(target, h):
+def lm_logits(target, h):
     """The target's own output head (ln_f + lm_head): shared, never copied into the checkpoint."""
     return target.lm_head(target.transformer.ln_f(h))
 
 
 class MTP(nn.Module):
     """D chained MTP modules. Only these weights train in posthoc mode and go in out/mtp.pt;
-    the target (embedding, head, hidden states) is passed in, never registered as a submodule."""
+    the target (embedding, LM head, hidden states) is passed in, never registered as a submodule."""
 
     def __init__(self, config):
         super().__init__()
@@ -135,18 +136,18 @@ class MTP(nn.Module):
     def forward(self, target, hidden, idx, next_tok):
         """Training forward over whole sequences.
 
-        hidden (B, T, d): the target's last block output at positions 0..T-1 of idx (B, T);
+        hidden (B, T, d): the target's last layer's output at positions 0..T-1 of idx (B, T);
         next_tok (B, 1): the token after idx (so t_0..t_T are all known).
-        Module k (1-based) runs over indices i = 0..T-1-k: input (h^{k-1}_i, t_{i+k}), predicting
-        t_{i+k+1}. Returns ([logits (B, T-k, V) for each k], [targets (B, T-k) for each k])."""
+        Module m (1-based) runs over indices i = 0..T-1-m: input (h^{m-1}_i, t_{i+m}), predicting
+        t_{i+m+1}. Returns ([logits (B, T-m, V) for each m], [targets (B, T-m) for each m])."""
         T = idx.size(1)
         full = torch.cat([idx, next_tok], dim=1)  # (B, T+1): t_0 .. t_T
         wte = target.transformer.wte
         h, logits, targets = hidden, [], []
-        for k, mod in enumerate(self.mods, start=1):
-            h = mod(h[:, :T - k], wte(full[:, k:T]))  # (B, T-k, d): plain causal attention from 0
-            logits.append(head(target, h))
-            targets.append(full[:, k + 1:T + 1])
+        for m, mod in enumerate(self.mods, start=1):
+            h = mod(h[:, :T - m], wte(full[:, m:T]))  # (B, T-m, d): plain causal attention from 0
+            logits.append(lm_logits(target, h))
+            targets.append(full[:, m + 1:T + 1])
         return logits, targets
 
 
@@ -155,8 +156,8 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0, steps=1
     """Mean over the D modules of step_loss: (1 - distill)·CE(data) + distill·(KL(target ||
     module) + TV), with CE the cross-entropy against the text's own next tokens, KL the
     Kullback-Leibler divergence and TV the total variation distance
-    (draft_small.total_variation). The distillation teacher for module k at index i is the
-    target's own distribution at position i+k (given the true prefix), which is exactly what
+    (draft_small.total_variation). The distillation teacher for module m at index i is the
+    target's own distribution at position i+m (given the true prefix), which is exactly what
     greedy acceptance compares to. steps > 1 (one module): its own recursion unrolled over that
     many draft steps at `anchors` instead (recursion_loss, below)."""
     if steps > 1:
@@ -165,8 +166,8 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0, steps=1
                               beta, anchors)
     logits, targets = mtp(target, hidden, x, y[:, -1:])
     total = 0.0
-    for k, (lg, tg) in enumerate(zip(logits, targets), start=1):
-        teacher = target_logits[:, k:] if distill > 0 else None
+    for m, (lg, tg) in enumerate(zip(logits, targets), start=1):
+        teacher = target_logits[:, m:] if distill > 0 else None
         total = total + step_loss(lg, tg, teacher, distill)
     return total / len(logits)
 
@@ -191,19 +192,20 @@ def mtp_loss(mtp, target, hidden, x, y, target_logits=None, distill=0.0, steps=1
 # anyway.
 
 
-def qkv(block, x):
-    """q, k, v of a gpt.Block's attention on its input x (B, T, C): each (B, nh, T, hs)."""
+def qkv(layer, x):
+    """q, k, v of a gpt.Layer's attention on its input x (B, T, C): each (B, nh, T, hs)."""
     B, T, C = x.shape
-    nh = block.attn.n_head
+    nh = layer.attn.n_head
     return [t.view(B, T, nh, C // nh).transpose(1, 2)
-            for t in block.attn.c_attn(block.ln_1(x)).split(C, dim=2)]
+            for t in layer.attn.c_attn(layer.ln_1(x)).split(C, dim=2)]
 
 
-def block_rest(block, x, y):
-    """The rest of gpt.Block.forward after the attention: y (B, nh, T, hs) its heads' output."""
+def layer_rest(layer, x, y):
+    """The rest of gpt.Layer.forward after the attention: y (B, nh, T, hs) its attention heads'
+    output."""
     B, nh, T, hs = y.shape
-    x = x + block.attn.resid_dropout(block.attn.c_proj(y.transpose(1, 2).reshape(B, T, nh * hs)))
-    return x + block.mlp(block.ln_2(x))
+    x = x + layer.attn.resid_dropout(layer.attn.c_proj(y.transpose(1, 2).reshape(B, T, nh * hs)))
+    return x + layer.mlp(layer.ln_2(x))
 
 
 def chain_attention(q, k1, v1, visible, chain):
@@ -228,10 +230,10 @@ def unrolled(mod, target, h, full, steps, anchors=None):
     Returns [(outputs (B, n, d), the positions of the tokens they predict (B, n))], one per step:
     step 1 over every index, later steps at the anchors."""
     B, T, _ = h.shape
-    wte, blk = target.transformer.wte, mod.block
+    wte, layer = target.transformer.wte, mod.layer
     x = mod.mix(h[:, :T - 1], wte(full[:, 1:T]))  # (B, T-1, d)
-    q, k1, v1 = qkv(blk, x)
-    o = block_rest(blk, x, attention(q, k1, v1, is_causal=True))  # (B, T-1, d): plain causal
+    q, k1, v1 = qkv(layer, x)
+    o = layer_rest(layer, x, attention(q, k1, v1, is_causal=True))  # (B, T-1, d): plain causal
     idx = torch.arange(T - 1, device=h.device)
     out = [(o, (idx + 2).expand(B, -1))]
     if steps == 1:
@@ -242,9 +244,9 @@ def unrolled(mod, target, h, full, steps, anchors=None):
     for j in range(2, steps + 1):
         # (B, A, d): (o^{j-1}_i, t_{i+j}); o in h's dtype, as an autocast Linear left it bf16
         x = mod.mix(o.to(h.dtype), wte(full.gather(1, anchors + j)))
-        q, k, v = qkv(blk, x)
+        q, k, v = qkv(layer, x)
         chain.append((k, v))
-        o = block_rest(blk, x, chain_attention(q, k1, v1, visible, chain))
+        o = layer_rest(layer, x, chain_attention(q, k1, v1, visible, chain))
         out.append((o, anchors + j + 1))
     return out
 
@@ -281,7 +283,7 @@ def recursion_loss(mod, target, h, full, t_logits, distill, steps, beta, anchors
     b = torch.arange(h.size(0), device=h.device)[:, None]
     for j, (o, pos) in enumerate(unrolled(mod, target, h, full, steps, anchors)):
         teacher = t_logits[b, pos - 1] if distill > 0 else None
-        total = total + beta ** j * step_loss(head(target, o), full[b, pos], teacher, distill)
+        total = total + beta ** j * step_loss(lm_logits(target, o), full[b, pos], teacher, distill)
         weights += beta ** j
     return total / weights
 
@@ -295,20 +297,20 @@ class MTPDrafter(Drafter):
     the target hidden state at the root of that entry).
 
     Bookkeeping. The confirmed sequence is t_0..t_{S-1}; the target has h_0..h_{S-2}.
-      - Entry i of module k reads (h^{k-1}_i, t_{i+k}) and predicts t_{i+k+1}. It is EXACT
-        (a pure function of confirmed data) when i <= S-1-k. Module 1's exact entries are
+      - Entry i of module m reads (h^{m-1}_i, t_{i+m}) and predicts t_{i+m+1}. It is EXACT
+        (a pure function of confirmed data) when i <= S-1-m. Module 1's exact entries are
         0..S-2: all of them, since h_i is the target's own.
-      - propose: module k (k <= D) first catches up on a chunk of indices [cache length, S-2]
-        in one forward (for k = 1 these are the target states that commit handed over, the
-        last one being step 1 = (h_{S-2}, t*)); the output at S-2 drafts token S+k-1. Module
-        k >= 2 reads the drafts d_1..d_{k-1} at its tail, so its last k-1 entries are
+      - propose: module m (m <= D) first catches up on a chunk of indices [cache length, S-2]
+        in one forward (for m = 1 these are the target states that commit handed over, the
+        last one being step 1 = (h_{S-2}, t*)); the output at S-2 drafts token S+m-1. Module
+        m >= 2 reads the drafts d_1..d_{m-1} at its tail, so its last m-1 entries are
         speculative. Steps past D reuse module D at indices S-1, S, ...: input = its own
         previous output (standing in for a target state it does not have) + its own last
         draft. Those RECURSIVE entries are always speculative.
-      - commit: every cache is cut back to its exact entries (module k: indices < S-k, with
+      - commit: every cache is cut back to its exact entries (module m: indices < S-m, with
         S the length before the commit), and the target's states of the n+1 positions that
         just became 'all but the last' go into H[0], to be eaten by the next propose.
-    H[k][i] keeps module k's output at index i (H[0] = the target's states): module k+1 reads it.
+    H[m][i] keeps module m's output at index i (H[0] = the target's states): module m+1 reads it.
 
     Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
     against plain decoding):
@@ -316,7 +318,7 @@ class MTPDrafter(Drafter):
         >>> drafter = MTPDrafter(MTP(MTPConfig.for_target(target.config, n_modules=2)), target)
     """
     name = "mtp"
-    # trained on the target's own text, the head's acceptance decays slowly by position, so deep
+    # trained on the target's own text, the module's acceptance decays slowly by position, so deep
     # drafts pay; under sampling the later drafts rarely survive (each the best of a sweep,
     # docs/experiments.md: MTP: k)
     default_k = 5
@@ -329,13 +331,13 @@ class MTPDrafter(Drafter):
         p = target.lm_head.weight
         cfg = mtp.config
         D = cfg.n_modules
-        # one cache per module (module k's is caches[k-1]): the modules' exact extents differ
-        self.caches = [KVCache(cfg.block_config(), 1, p.device, p.dtype) for _ in range(D)]
-        self.H = torch.zeros(D + 1, cfg.block_size, cfg.n_embd, device=p.device, dtype=p.dtype)
+        # one cache per module (module m's is caches[m-1]): the modules' exact extents differ
+        self.caches = [KVCache(cfg.layer_config(), 1, p.device, p.dtype) for _ in range(D)]
+        self.H = torch.zeros(D + 1, cfg.sequence_len, cfg.n_embd, device=p.device, dtype=p.dtype)
 
     def features(self, hidden):
         """What step 1 reads at each position, from the target's returned states: (B, T, d).
-        For MTP the last block's output h_i (draft_eagle.py fuses three layers instead)."""
+        For MTP the last layer's output h_i (draft_eagle.py fuses three layers instead)."""
         return hidden[self.hidden_layers[0]]
 
     def begin(self, tokens, hidden):
@@ -345,14 +347,14 @@ class MTPDrafter(Drafter):
             c.reset()
         self.H[0, :S - 1] = self.features(hidden)[0]
 
-    def _run(self, k, h, toks, cache):
-        """Feed module k the entries (h, toks) at indices cache.length.. -> its outputs (T, d)."""
+    def _run(self, m, h, toks, cache):
+        """Feed module m the entries (h, toks) at indices cache.length.. -> its outputs (T, d)."""
         start, T = cache.length, h.size(0)
         # as in GPT.forward: a chunk after a cached prefix needs the rectangular causal mask; a
         # chunk from index 0 (is_causal) or a single row (sees every key so far) needs none
         mask = chunk_mask(start, T, h.device) if (start > 0 and T > 1) else None
         emb = self.target.transformer.wte(toks).view(1, T, -1)
-        out = self.mtp.mods[k - 1](h.view(1, T, -1), emb, (cache.k[0], cache.v[0]), start, mask)
+        out = self.mtp.mods[m - 1](h.view(1, T, -1), emb, (cache.k[0], cache.v[0]), start, mask)
         cache.length = start + T
         return out[0]
 
@@ -367,7 +369,7 @@ class MTPDrafter(Drafter):
             c.rollback(max(0, min(c.length, S - max(j, 2))))
 
         def draft(out, position):
-            tok, q = sampler.draft(head(self.target, out), [position])
+            tok, q = sampler.draft(lm_logits(self.target, out), [position])
             drafts.append(tok)
             qs.append(q)
             return tok
@@ -388,7 +390,7 @@ class MTPDrafter(Drafter):
 
     def commit(self, n, new, hidden):
         S = self.seq.numel()
-        for k, c in enumerate(self.caches, start=1):
-            c.rollback(max(0, min(c.length, S - k)))  # keep exact entries 0..S-1-k, drop the rest
+        for m, c in enumerate(self.caches, start=1):
+            c.rollback(max(0, min(c.length, S - m)))  # keep exact entries 0..S-1-m, drop the rest
         self.H[0, S - 1:S + n] = self.features(hidden)[0]  # h_{S-1} .. h_{S+n-1}
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])

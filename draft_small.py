@@ -39,7 +39,7 @@ class DraftModel(Drafter):
     against plain decoding):
 
         >>> from gpt import GPT, GPTConfig
-        >>> small = GPT(GPTConfig(block_size=target.config.block_size, n_layer=1, n_head=2,
+        >>> small = GPT(GPTConfig(sequence_len=target.config.sequence_len, n_layer=1, n_head=2,
         ...                       n_embd=16, vocab_size=target.config.vocab_size))
         >>> drafter = DraftModel(small)
     """

@@ -1,7 +1,7 @@
 """
 gpt.py -- the target model: a GPT-2 (nanoGPT-style) with a static KV cache that can roll back.
 
-data.py gave us the corpus and tokenizer; this file adds the model trained on them, which
+training/data.py gave us the corpus and tokenizer; this file adds the model trained on them, which
 speculative.py and every draft_*.py file build on.
 
 This is the model every drafter in nanospec drafts *for*. It is nanoGPT's model.py with
@@ -17,8 +17,8 @@ three things added, all of which speculative decoding needs:
 3. Hidden states of any requested layers come back with the logits (DFlash taps several
    layers, MTP needs the last one).
 
-That is all: many requests at once (ragged.py, batched.py) and the CPU's faster kernels
-(cpu_speed.py) are applied to this model from outside, the way gpt-fast's tp.py and
+That is all: many requests at once (serving/ragged.py, serving/batched.py) and the CPU's faster
+kernels (runtime/cpu_speed.py) are applied to this model from outside, the way gpt-fast's tp.py and
 quantize.py change its model.py.
 
 Parameter names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ...), so a
@@ -40,9 +40,9 @@ from torch.nn import functional as F
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256   # context window; also the size of the preallocated KV cache. (nanoGPT's
-    #                         name. `Block` below is a transformer layer; in draft_dflash.py a
-    #                         "block" is the anchor + masks a drafter fills in one pass)
+    sequence_len: int = 256  # context window; also the size of the preallocated KV cache
+    #                          (nanoGPT's block_size: in this lesson a "block" is only DFlash's,
+    #                          the anchor + masks it fills in one pass)
     vocab_size: int = 4096  # our byte-level BPE, end-of-text included (GPT-2's is 50257)
     n_layer: int = 6        # depth: what makes the target expensive to run token by token
     n_head: int = 8         # head size = n_embd / n_head
@@ -88,7 +88,7 @@ class KVCache:
 
     def __init__(self, config, batch_size=1, device="cpu", dtype=torch.float32):
         hs = config.n_embd // config.n_head
-        self.max_len = config.block_size
+        self.max_len = config.sequence_len
         # (n_layer, B, nh, Tmax, hs)
         shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -106,7 +106,7 @@ class KVCache:
 
 
 # -----------------------------------------------------------------------------
-# the model: attention -> MLP -> block -> GPT
+# the model: attention -> MLP -> layer -> GPT
 
 # the attention kernel, looked up at every call: cpu_speed.enable() swaps in a faster CPU
 # training path from outside, for every model alike
@@ -118,7 +118,7 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     q (B, nh, Tq, hs), k and v (B, nh, Tk, hs); mask broadcastable to (B, nh, Tq, Tk), either
     boolean (True = may attend, SDPA's convention) or additive float (-inf: not visible).
     is_causal: query i sees keys 0..Tk-Tq+i, i.e. the queries are the LAST Tq positions of the
-    keys (a block after cached keys), aligned bottom-right; SDPA's own is_causal aligns
+    keys (a chunk after cached keys), aligned bottom-right; SDPA's own is_causal aligns
     top-left, which is the same only when Tq == Tk."""
     Tq, Tk = q.size(2), k.size(2)
     if is_causal:
@@ -176,7 +176,7 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class Layer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
@@ -206,9 +206,9 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=nn.Embedding(config.sequence_len, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Layer(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -242,7 +242,7 @@ class GPT(nn.Module):
         cache given: `start` defaults to cache.length and must equal it (write at a gap or over
           valid entries is a bookkeeping bug: roll back first). After: cache.length == start + T.
         hidden_layers: which hidden states to return; layer 0 is the embedding output, layer i
-          the output of block i (so n_layer is the last block, before ln_f).
+          the output of layer i (so n_layer is the last layer, before ln_f).
         last_only: compute logits for the last position only (cheap one-token decoding).
         tree: (depth (T,), mask (T, start+T)) of T draft-tree tokens (tree.py): token i sits at
           position start + depth[i] and sees what its row of the mask allows.
@@ -256,9 +256,9 @@ class GPT(nn.Module):
                 raise ValueError(f"forward at position {start} but the cache holds "
                                  f"{cache.length}: roll back first")
         start = start or 0
-        if start + T > self.config.block_size:
+        if start + T > self.config.sequence_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the context window of "
-                             f"{self.config.block_size}")
+                             f"{self.config.sequence_len}")
 
         pos = torch.arange(start, start + T, device=idx.device) if tree is None else start + tree[0]
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
@@ -267,9 +267,9 @@ class GPT(nn.Module):
         chunk_after_prefix = cache is not None and start > 0 and T > 1 and tree is None
         mask = chunk_mask(start, T, idx.device) if chunk_after_prefix else tree and tree[1]
         hiddens = {0: x} if 0 in hidden_layers else {}
-        for i, block in enumerate(self.transformer.h):
+        for i, layer in enumerate(self.transformer.h):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, kv, start, mask)
+            x = layer(x, kv, start, mask)
             if i + 1 in hidden_layers:
                 hiddens[i + 1] = x
         if cache is not None:
@@ -290,7 +290,7 @@ class GPT(nn.Module):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)
+    cfg = GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)
     model = GPT(cfg).double().eval()
     idx = torch.randint(0, 97, (1, 40))
     with torch.no_grad():

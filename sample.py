@@ -15,6 +15,7 @@ import sys
 
 from runtime import cpu_speed
 from training import data
+from training import tokenizer
 from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from runtime.devices import pick_device, synchronize
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
@@ -91,7 +92,7 @@ def main(argv=None):
     drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
                            hybrid_with=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
-    ids = data.encode(enc, a.prompt)
+    ids = tokenizer.encode(enc, a.prompt)
     trace = []
     a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
     if a.tree:

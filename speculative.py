@@ -116,9 +116,9 @@ class Sampler:
         return F.softmax(self.scaled(logits), dim=-1)
 
     def sample(self, p):
-        """One token per row of probabilities p (..., V) from this sampler's generator: argmax p / E,
-        E ~ Exp(1), exactly torch.multinomial's one draw (same generator, same tokens) without its
-        two checks of its input, each an .item(): a host sync per sampled token on a GPU."""
+        """One token per row of probabilities p (..., V) from this sampler's generator: argmax p /
+        E, E ~ Exp(1), exactly torch.multinomial's one draw (same generator, same tokens) without
+        its two checks of its input, each an .item(): a host sync per sampled token on a GPU."""
         return (p / torch.empty_like(p).exponential_(generator=self.gen)).argmax(-1)
 
     def pick(self, logits, positions):
@@ -147,8 +147,8 @@ class Sampler:
         # positions only move forward within a generation: forget the chunks behind this one
         self._noise = {key: v for key, v in self._noise.items() if first <= key[0] <= last}
         offset = start - first * NOISE_CHUNK
-        block = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return block[offset:offset + n]
+        noise = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return noise[offset:offset + n]
 
     def draft(self, logits, positions):
         """The drafter's choice: (tokens, q) where q is the distribution it sampled from
@@ -212,13 +212,13 @@ def tokens_allowed(model, prompt_len, max_new_tokens):
     """How many tokens we may generate: the sequence never outgrows the context window."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    if prompt_len >= model.config.block_size:
+    if prompt_len >= model.config.sequence_len:
         raise ValueError(f"the prompt has {prompt_len} tokens but the context window is "
-                         f"{model.config.block_size}: shorten it to at most "
-                         f"{model.config.block_size - 1}")
+                         f"{model.config.sequence_len}: shorten it to at most "
+                         f"{model.config.sequence_len - 1}")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive (got {max_new_tokens})")
-    return min(max_new_tokens, model.config.block_size - prompt_len)
+    return min(max_new_tokens, model.config.sequence_len - prompt_len)
 
 
 def as_prompt(prompt, device):
@@ -340,8 +340,8 @@ def check_k(drafter, k):
 
 def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
     """The prompt through the target, the drafter begun -> (confirmed tokens, [first token],
-    tokens allowed, cache). The head on the last row only, as in generate_plain (over every row it
-    may round float32 otherwise); the drafter gets every row's states. One host sync."""
+    tokens allowed, cache). The LM head on the last row only, as in generate_plain (over every row
+    it may round float32 otherwise); the drafter gets every row's states. One host sync."""
     x = as_prompt(prompt, target.lm_head.weight.device)
     n_total = tokens_allowed(target, x.size(1), max_new_tokens)
     cache = cache or target.new_cache()

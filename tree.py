@@ -144,7 +144,7 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
     while len(out) < n_total:
         start = cache.length  # == len(seq) - 1
         depth = min(drafter.max_k, n_total - len(out) - 1)  # never past the tokens asked for
-        nodes = min(drafter.nodes, target.config.block_size - start - 1)  # nor the cache
+        nodes = min(drafter.nodes, target.config.sequence_len - start - 1)  # nor the cache
         t0 = time.perf_counter()
         tokens, parents = drafter.propose_tree(depth, nodes, sampler) if depth > 0 else ([], [])
         t1 = time.perf_counter()
@@ -174,12 +174,12 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
 
 
 class BlockTree(TreeDrafter):
-    """A block drafter's tree. Its drafter drafts every depth from one pass (draft_states); each
-    node's candidates are its depth's logits, plus, with DSpark's Markov head, the bias of the
-    node's own token. First the drafter's own chain (each node's best candidate, from the root),
-    so the tree keeps at least what the chain would; then best-first: of every candidate so far
-    the one with the highest cumulative log-probability joins next (EAGLE-2), each node offering
-    its `width` best. chain=False: best-first from the start (it lost: docs/experiments.md).
+    """A DFlash-style drafter's tree: its drafter drafts every depth from one pass (draft_states);
+    each node's candidates are its depth's logits, plus, with DSpark's Markov head, the bias of the
+    node's own token. First the drafter's own chain (each node's best candidate, from the root), so
+    the tree keeps at least what the chain would; then best-first: of every candidate so far the one
+    with the highest cumulative log-probability joins next (EAGLE-2), each node offering its `width`
+    best. chain=False: best-first from the start (it lost: docs/experiments.md).
 
     Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
     against plain decoding):
@@ -194,7 +194,7 @@ class BlockTree(TreeDrafter):
         self.name, self.max_k = f"{drafter.name}-tree", depth or drafter.max_k
         if not 1 <= self.max_k <= drafter.max_k:
             raise ValueError(f"a {drafter.name} tree is at most {drafter.max_k} deep (its "
-                             f"drafter's block), not {self.max_k}")
+                             f"drafter's block holds), not {self.max_k}")
         self.default_k = drafter.default_k
         self.hidden_layers = drafter.hidden_layers
         markov = getattr(drafter, "markov", False)
@@ -220,7 +220,7 @@ class BlockTree(TreeDrafter):
     @torch.inference_mode()
     def propose_tree(self, depth, nodes, sampler):
         d = self.drafter
-        base = d.net.head(d.draft_states(depth))  # (depth, V): one pass drafts every depth
+        base = d.net.logits(d.draft_states(depth))  # (depth, V): one pass drafts every depth
         S, root = d.seq.numel(), int(d.seq[-1])
         noise = (sampler.noise(range(S, S + depth), base.size(-1), base.device)
                  if sampler.mode == "coupled" else None)  # every depth's row at once

@@ -1,5 +1,5 @@
 """
-ablations.py -- the rows bench.py runs beside each drafter: the same drafter with one part
+benchmark/ablations.py -- the rows bench.py runs beside each drafter: the same drafter with one part
 switched off or another rule in charge, and the hybrid's ceiling.
 
 A drafter here knows nothing of benchmarks; these are copies of it that share its network and
@@ -8,7 +8,7 @@ buffers (every generation starts with begin(), so they can), each with counts of
              -nomarkov (no Markov head: DFlash's parallel picks)
   hybrid     -lookup (the lookup alone at the rule's length), -m1/-m4/-m8 (fixed rules: the
              lookup where m >= 1, 4, 8 tokens match, else the learned drafter), and the oracle
-  batched DSpark (bench_batched.py): -cut, -goodput, -full, its other batch rules
+  batched DSpark (benchmark/serving_sweep.py): -cut, -goodput, -full, its other batch rules
   trees (tree.py)  dspark-tree, dflash-tree (each drafter's tree beside its chain), two-branch
              (prompt lookup's copy and DSpark's draft as two branches of one tree)
 """

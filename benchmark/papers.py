@@ -1,5 +1,5 @@
 """
-papers.py -- what the papers reported, printed by bench.py beside our own numbers.
+benchmark/papers.py -- what the papers reported, printed by bench.py beside our own numbers.
 
 Their setting is not ours: a GPU and a target 1,000x larger, where a 16-token verify costs about
 what a 1-token step does. The rows say so, each with its source and setting.

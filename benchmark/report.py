@@ -1,5 +1,5 @@
 """
-bench_report.py -- what bench.py prints and writes: progress lines while it runs; once the timed
+benchmark/report.py -- what bench.py prints and writes: progress lines while it runs; once the timed
 runs are done, the tables, the papers' figures beside ours, the divergences, the markdown table,
 the JSON and the figure, and the machine and commit every number is named with.
 """
@@ -153,9 +153,9 @@ def print_report(out, header):
 
 def outputs(args, stem="bench"):
     """{flag: file} that write() writes, '' or None for none: by default the JSON and the figure
-    beside the checkpoints (OUT_DIR/bench.json and OUT_DIR/bench.png, so that `python -m benchmark.plot
-    out/bench.json` redraws the figure; the serving sweep's stem is "serving"), and the
-    one-request bench's markdown table when asked for."""
+    beside the checkpoints (OUT_DIR/bench.json and OUT_DIR/bench.png, so that `python -m
+    benchmark.plot out/bench.json` redraws the figure; the serving sweep's stem is "serving"), and
+    the one-request bench's markdown table when asked for."""
     return {"--json": os.path.join(args.out_dir, f"{stem}.json") if args.json is None else args.json,
             "--plot": os.path.join(args.out_dir, f"{stem}.png") if args.plot is None else args.plot,
             "--markdown": args.markdown if stem == "bench" else None}

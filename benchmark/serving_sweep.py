@@ -1,15 +1,15 @@
 """
-bench_batched.py -- the serving sweep: every method over batches of 1, 2, 4, ... requests.
+benchmark/serving_sweep.py -- the serving sweep: every method over batches of 1, 2, 4, ... requests.
 
 bench.py measured one request at a time; this file adds what a serving user asks: how much does
-speculation give when many requests share each target forward? For every batch size B it splits
-the same prompts (of different lengths) into batches of B, decodes each batch with batched plain
-decoding and with every method (batched.py), interleaved batch by batch in a shuffled order, and
-reports total and per-request tokens/s, the speedup over batched plain decoding AT THE SAME B,
-tau, the verify tokens a round spent per request, the padding the attention ran, what each
-request was given (its draft lengths), and whether every row is token-identical: to batched plain
-decoding of the same batch, and to batch-1 plain decoding (float32 rounds a near-tie differently
-at another matmul shape: the target's logit margin is printed at each such divergence).
+speculation give when many requests share each target forward? For every batch size B it splits the
+same prompts (of different lengths) into batches of B, decodes each batch with batched plain
+decoding and with every method (serving/batched.py), interleaved batch by batch in a shuffled order,
+and reports total and per-request tokens/s, the speedup over batched plain decoding AT THE SAME B,
+tau, the verify tokens a round spent per request, the padding the attention ran, what each request
+was given (its draft lengths), and whether every row is token-identical: to batched plain decoding
+of the same batch, and to batch-1 plain decoding (float32 rounds a near-tie differently at another
+matmul shape: the target's logit margin is printed at each such divergence).
 
 Methods: "ar" (batched plain decoding), each drafter at its own k, and DSpark under each rule:
 "dspark" (the measured rule: one width a round, or a plain batch, by measured tokens per second),

@@ -1,5 +1,6 @@
 """
-vs_transformers.py -- nanospec's prompt lookup against transformers' own, on the same weights.
+benchmark/vs_transformers.py -- nanospec's prompt lookup against transformers' own, on the same
+weights.
 
 draft_lookup.py built prompt lookup from scratch; this script checks it against the
 implementation most people would reach for, Hugging Face transformers' `generate(...,
@@ -37,7 +38,7 @@ def to_transformers(target):
     transposed)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = target.config
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.sequence_len, n_embd=c.n_embd,
                      n_layer=c.n_layer, n_head=c.n_head, activation_function=c.activation,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
                      bos_token_id=None, eos_token_id=None)
@@ -105,10 +106,10 @@ def main(argv=None):
     enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
     prompts = read_jsonl(args.prompts, enc)
     longest = max(len(p) for p in prompts)
-    if longest >= target.config.block_size:
+    if longest >= target.config.sequence_len:
         raise ValueError(f"a prompt has {longest} tokens but the context window is "
-                         f"{target.config.block_size}")
-    n = min(args.max_new_tokens, target.config.block_size - longest)
+                         f"{target.config.sequence_len}")
+    n = min(args.max_new_tokens, target.config.sequence_len - longest)
     hf = to_transformers(target)
     ours = LookupDrafter(target.config.vocab_size)
     same_as_hf = LookupDrafter(target.config.vocab_size, max_ngram=args.ngram)

@@ -1,5 +1,6 @@
 """
-checkpoint.py -- checkpoints: written atomically, loaded safely, and the trained models back.
+runtime/checkpoint.py -- checkpoints: written atomically, loaded safely, and the trained models
+back.
 
 Every checkpoint is a dict {kind, config, state_dict, hashes, step, ...} written by train.py.
 This file writes and reads them (torch.load with weights_only=True: a file crafted to run code
@@ -10,6 +11,7 @@ belong to that very target and tokenizer. The loaded models get the CPU's fast k
 
 import hashlib
 import os
+import re
 
 import torch
 
@@ -49,7 +51,7 @@ def save_checkpoint(obj, path):
     leaves the previous file intact, never a half-written one."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return  # one run over several processes (ddp.py): rank 0 alone writes files
+        return  # one run over several processes (training/ddp.py): rank 0 alone writes files
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a folder where a checkpoint is written; move it away")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -78,6 +80,20 @@ def load_checkpoint(path, kind, stage=None):
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path} is not a {kind} checkpoint (found {found!r}); "
                               f"run `python train.py --only {stage} --force` to remake it")
+    return with_current_names(ckpt)
+
+
+def with_current_names(ckpt):
+    """A checkpoint written before the lesson's two renames, read with today's names: the context
+    window (a config's block_size, now sequence_len) and an MTP module's transformer layer (its
+    weights under mods.<i>.block., now mods.<i>.layer.). Today's checkpoints pass unchanged."""
+    cfg = ckpt.get("config")
+    if isinstance(cfg, dict) and "block_size" in cfg:
+        ckpt["config"] = {("sequence_len" if k == "block_size" else k): v for k, v in cfg.items()}
+    old = re.compile(r"(^|\.)mods\.(\d+)\.block\.")
+    if any(old.search(k) for k in ckpt["state_dict"]):
+        ckpt["state_dict"] = {old.sub(r"\1mods.\2.layer.", k): v
+                              for k, v in ckpt["state_dict"].items()}
     return ckpt
 
 
@@ -125,7 +141,7 @@ def load_small(ckpt, target, device, dtype):
 def load_mtp(ckpt, target, device, dtype):
     cfg = MTPConfig.from_dict(ckpt["config"])
     tc = target.config
-    if (cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size):
+    if (cfg.n_embd, cfg.n_head, cfg.sequence_len) != (tc.n_embd, tc.n_head, tc.sequence_len):
         raise RuntimeError(f"MTP config {cfg} does not fit the target {tc}")
     mtp = MTP(cfg)
     mtp.load_state_dict(ckpt["state_dict"])
@@ -135,7 +151,7 @@ def load_mtp(ckpt, target, device, dtype):
 def load_eagle(ckpt, target, device, dtype):
     cfg = EagleConfig.from_dict(ckpt["config"])
     tc = target.config
-    if ((cfg.n_embd, cfg.n_head, cfg.block_size) != (tc.n_embd, tc.n_head, tc.block_size)
+    if ((cfg.n_embd, cfg.n_head, cfg.sequence_len) != (tc.n_embd, tc.n_head, tc.sequence_len)
             or not all(1 <= t <= tc.n_layer for t in cfg.taps)):
         raise RuntimeError(f"EAGLE config {cfg} does not fit the target {tc}")
     net = Eagle(cfg)

@@ -1,5 +1,5 @@
 """
-cpu_speed.py -- two CPU speed tricks, applied to the lesson's models from outside.
+runtime/cpu_speed.py -- two CPU speed tricks, applied to the lesson's models from outside.
 
 gpt.py and the draft_*.py files build their networks from torch's own nn.Linear and compute
 attention with gpt.attention. Neither is fast on a CPU where it matters here, so this file

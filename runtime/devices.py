@@ -1,5 +1,6 @@
 """
-devices.py -- which device to run on, what it can do, and waiting for it before reading a clock.
+runtime/devices.py -- which device to run on, what it can do, and waiting for it before reading a
+clock.
 
 The lesson files never ask where they run: the commands (train.py, bench.py, sample.py) pick the
 device here, once, and hand the models to it.

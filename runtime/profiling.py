@@ -1,9 +1,8 @@
 """
-profiling.py -- what a round costs on the device in use, measured once at start-up: the target's
-verify forward by length, a drafter's draft. DSpark's scheduler and the hybrid's rule weigh
-expected tokens against these seconds; the drafters take them from here, never measure in
-their constructors.
-"""
+runtime/profiling.py -- what a round costs on the device in use, measured once at start-up: the
+target's verify forward by length, a drafter's draft. DSpark's scheduler and the hybrid's rule weigh
+expected tokens against these seconds; the drafters take them from here, never measure in their
+constructors. """
 
 import time
 
@@ -25,8 +24,8 @@ def profile_verify(target, m_max, context=None, reps=9, between=None):
     timed back to back; the back-to-back slope made the scheduler cut blocks that paid
     (docs/experiments.md: DSpark: scheduler at batch 1)."""
     dev = target.lm_head.weight.device
-    n_ctx = context if context is not None else target.config.block_size // 2
-    n_ctx = min(n_ctx, target.config.block_size - m_max)
+    n_ctx = context if context is not None else target.config.sequence_len // 2
+    n_ctx = min(n_ctx, target.config.sequence_len - m_max)
     cache = target.new_cache()
     x = torch.zeros(1, n_ctx + m_max, dtype=torch.long, device=dev)
     with torch.inference_mode():
@@ -52,7 +51,7 @@ def profile_propose(drafter, target, k, reps=9):
     half the target's window, the fastest of `reps` (as profile_verify: interference only adds).
     Leaves that dummy context begun."""
     tcfg, w = target.config, target.lm_head.weight
-    n_ctx = tcfg.block_size // 2
+    n_ctx = tcfg.sequence_len // 2
     hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
            for t in drafter.hidden_layers}
     drafter.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=w.device), hid)
@@ -77,7 +76,7 @@ def profile_dspark(drafter, reps=9):
     drafter.reset_account()
     k = drafter.max_k
     drafter.t_verify = profile_verify(drafter.net.target, k + 1,
-                                      between=lambda: drafter.net.head(drafter.draft_states(k)))
+                                      between=lambda: drafter.net.logits(drafter.draft_states(k)))
     drafter.measured = True
     return drafter
 

@@ -1,13 +1,11 @@
 """
-settings.py -- every setting in its one home, and the command lines' shared flag helpers.
+runtime/settings.py -- every setting in its one home, and the command lines' shared flag helpers.
 
-train.py's settings are tables: one per stage, each setting with its value in every preset
-(cpu, the full run; quick; tiny, the tests'; cuda; mps; gpt2), its type and its help. train.py
-gathers them into its flags and presets; stages.py reads them. The helpers check a flag's value
-where it is parsed (a number in range, a path of the right kind), so a bad one is one line,
-'error: argument --flag: ...', before anything loads. The sampling flags are shared by
-sample.py and bench.py.
-"""
+train.py's settings are tables: one per stage, each setting with its value in every preset (cpu, the
+full run; quick; tiny, the tests'; cuda; mps; gpt2), its type and its help. train.py gathers them
+into its flags and presets; training/stages.py reads them. The helpers check a flag's value where it
+is parsed (a number in range, a path of the right kind), so a bad one is one line, 'error: argument
+--flag: ...', before anything loads. The sampling flags are shared by sample.py and bench.py. """
 
 import argparse
 import math
@@ -16,7 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-DEFAULT_VOCAB = 4096  # BPE vocabulary size, end-of-text included (data.py)
+DEFAULT_VOCAB = 4096  # BPE vocabulary size, end-of-text included (training/data.py)
 
 # -----------------------------------------------------------------------------
 # command-line values: checked where they are parsed, so a bad one fails before anything loads
@@ -414,7 +412,7 @@ DSPARK = {
 
 GROUPS = {  # --help's groups, in order: title -> settings table
     "the run": RUN, "target": TARGET, "every stage": SHARED,
-    "the distillation set (distill.py)": DISTILL,
+    "the distillation set (training/distill.py)": DISTILL,
     "small (draft_small.py)": SMALL, "mtp (draft_mtp.py)": MTP, "eagle (draft_eagle.py)": EAGLE,
     "dflash (draft_dflash.py)": DFLASH, "dspark (draft_dspark.py)": DSPARK,
 }

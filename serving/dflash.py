@@ -1,14 +1,14 @@
 """
-batched_dflash.py -- DFlash and DSpark over a batch of requests: one block forward a round for
+serving/dflash.py -- DFlash and DSpark over a batch of requests: one block forward a round for
 every row, and DSpark's Markov chain and verify budget over the whole batch.
 
-draft_dflash.py and draft_dspark.py draft for one request; batched.py runs the loop over B
+draft_dflash.py and draft_dspark.py draft for one request; serving/batched.py runs the loop over B
 requests, each at its own length. BatchDFlash keeps one static K/V cache per draft layer with a
 context length per row and runs every row's block in one forward (the same weights and the same
 bookkeeping as DFlashDrafter, one more axis). BatchDSpark adds the Markov chain for every row at
 once and a verify budget over the whole batch: the paper's scheduler, and the measured rule the
 serving sweep runs (one width a round, or whole batches decoded plainly); the rules and what
-they read are batch_rules.py's.
+they read are serving/rules.py's.
 """
 
 import time
@@ -62,7 +62,7 @@ class BatchDFlash(BatchDrafter):
     def begin(self, seqs, hidden):
         cfg, p, B = self.net.config, self.net.fc.weight, len(seqs)
         self.slack = cfg.block + 64  # room for a row near the end of the window to write padding
-        width = self.net.target.config.block_size + self.slack
+        width = self.net.target.config.sequence_len + self.slack
         if getattr(self, "states", None) is None or self.states.size(0) != B:
             # made once per batch size: everything past a row's valid length is stale, never read
             shape = (cfg.n_layer, B, cfg.n_head, width, cfg.n_embd // cfg.n_head)
@@ -141,7 +141,7 @@ class BatchDFlash(BatchDrafter):
     def head(self, h, ks):
         """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
         pk = ragged.Packing(ks, h.size(1), h.device)
-        return pk.unpack(self.net.head(pk.pack(h)))
+        return pk.unpack(self.net.logits(pk.pack(h)))
 
     @torch.inference_mode()
     def propose(self, ks, sampler):
@@ -210,7 +210,7 @@ class BatchDSpark(BatchDFlash):
         if self.schedule != "full" and B not in self.costs:
             target = self.net.target
             self.costs[B] = (CostTable.profile(target, B, self.max_k + 1), self.time_draft(B),
-                             time_plain(target, B, target.config.block_size // 2))
+                             time_plain(target, B, target.config.sequence_len // 2))
         # the batch's clock (measured): its prompts through the drafter count, the profile not
         self.widths.started(B, time.perf_counter() - (t1 - t0))
         self._round = None
@@ -239,7 +239,7 @@ class BatchDSpark(BatchDFlash):
         return plain or 0 not in self.widths.seconds.get(B, {})
 
     def timed_plain(self, B, steps, seconds):
-        """batched.py timed plain decoding's own path at batch size B (the measured rule)."""
+        """serving/batched.py timed plain decoding's own path at batch size B (the measured rule)."""
         if self.schedule == "measured" and steps and B in self.costs:
             self.widths.timed(B, 0, seconds / steps, self.prior(B))
 

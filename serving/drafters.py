@@ -1,14 +1,14 @@
 """
-batched_drafters.py -- the batched twins of the network drafters, and the one place that knows
+serving/drafters.py -- the batched twins of the network drafters, and the one place that knows
 which twin batches which drafter.
 
-batched.py runs the draft-then-verify loop over B requests, each at its own length; a drafter
-there is a batched.BatchDrafter. Any batch-1 drafter can be batched row by row (PerRow, below);
-the drafters with a network draft every row in one pass instead, with the same weights and the
-same bookkeeping as their batch-1 selves, one more axis:
+serving/batched.py runs the draft-then-verify loop over B requests, each at its own length; a
+drafter there is a batched.BatchDrafter. Any batch-1 drafter can be batched row by row (PerRow,
+below); the drafters with a network draft every row in one pass instead, with the same weights and
+the same bookkeeping as their batch-1 selves, one more axis:
   BatchSmall   draft_small.DraftModel: one ragged cache for the small GPT
   BatchMTP     draft_mtp.MTPDrafter (and EAGLE-3's): one module over a ragged batch
-  BatchDFlash, BatchDSpark (batched_dflash.py): DFlash's and DSpark's, one block forward a
+  BatchDFlash, BatchDSpark (serving/dflash.py): DFlash's and DSpark's, one block forward a
                round for every row, and DSpark's rules over the whole batch
 """
 
@@ -22,7 +22,7 @@ from serving.dflash import BatchDFlash, BatchDSpark
 from draft_dflash import DFlashDrafter
 from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter
-from draft_mtp import MTPDrafter, head
+from draft_mtp import MTPDrafter, lm_logits
 from draft_small import DraftModel
 
 # -----------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class BatchSmall(BatchDrafter):
 
     def begin(self, seqs, hidden):
         self.cache = ragged.new_cache(self.model, len(seqs))
-        self.rows = Confirmed(seqs, self.model.config.block_size + self.cache.slack)
+        self.rows = Confirmed(seqs, self.model.config.sequence_len + self.cache.slack)
 
     @torch.inference_mode()
     def propose(self, ks, sampler):
@@ -166,8 +166,8 @@ class BatchMTP(BatchDrafter):
 
     def begin(self, seqs, hidden):
         cfg, p, B = self.mtp.config, self.target.lm_head.weight, len(seqs)
-        self.cache = ragged.RaggedCache(cfg.block_config(), B, p.device, p.dtype)
-        width = cfg.block_size + self.cache.slack
+        self.cache = ragged.RaggedCache(cfg.layer_config(), B, p.device, p.dtype)
+        width = cfg.sequence_len + self.cache.slack
         self.rows = Confirmed(seqs, width)
         self.H = torch.zeros(B, width, cfg.n_embd, device=p.device, dtype=p.dtype)  # h_0, h_1, ..
         h = self.features(hidden)  # (B, T, d)
@@ -178,7 +178,7 @@ class BatchMTP(BatchDrafter):
         rag = ragged.Ragged(self.cache.lengths, counts, h.size(1), h.device)
         emb = self.target.transformer.wte(toks)
         x = self.mod.mix(rag.pack(h), rag.pack(emb))
-        out = ragged.block(self.mod.block, x, (self.cache.k[0], self.cache.v[0]), rag)
+        out = ragged.layer(self.mod.layer, x, (self.cache.k[0], self.cache.v[0]), rag)
         self.cache.lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
         return rag.unpack(out), rag
 
@@ -197,7 +197,7 @@ class BatchMTP(BatchDrafter):
         for j in range(max(ks)):
             if j > 0:  # the recursion: its own last output and its own last draft
                 h_last, _ = self.step(h_last, drafts[-1], [int(k > j) for k in ks])
-            tok, q = sampler.draft(head(self.target, h_last), [s + j for s in S],
+            tok, q = sampler.draft(lm_logits(self.target, h_last), [s + j for s in S],
                                    [int(k > j) for k in ks])
             drafts.append(tok)
             qs.append(q)

@@ -1,9 +1,9 @@
 """
-ragged.py -- many requests in one forward: a KV cache with a length per row, and the target's
-forward over it, applied to gpt.py's model from outside.
+serving/ragged.py -- many requests in one forward: a KV cache with a length per row, and the
+target's forward over it, applied to gpt.py's model from outside.
 
 gpt.py runs one sequence (or B of the same length) at one start position. Serving B requests at
-once (batched.py) needs each row at its own position, with its own number of new tokens:
+once (serving/batched.py) needs each row at its own position, with its own number of new tokens:
   RaggedCache  gpt.KVCache with a length per row, and per-row O(1) rollback
   Ragged       where a forward's real tokens are: positions, the mask built from them, and
                the packing that runs the Linears and MLPs on the real tokens only (Packing)
@@ -30,7 +30,7 @@ class RaggedCache:
 
     def __init__(self, config, batch_size, device="cpu", dtype=torch.float32, slack=64):
         hs = config.n_embd // config.n_head
-        self.max_len, self.slack = config.block_size + slack, slack
+        self.max_len, self.slack = config.sequence_len + slack, slack
         # (n_layer, B, nh, Tmax, hs)
         shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -148,10 +148,10 @@ def attend(attn, x, kv, rag):
     return attn.resid_dropout(attn.c_proj(rag.pack(y)))
 
 
-def block(blk, x, kv, rag):
-    """gpt.Block over a ragged batch: the same two residual steps, attention by attend()."""
-    x = x + attend(blk.attn, blk.ln_1(x), kv, rag)
-    return x + blk.mlp(blk.ln_2(x))
+def layer(lay, x, kv, rag):
+    """gpt.Layer `lay` over a ragged batch: the same two residual steps, attention by attend()."""
+    x = x + attend(lay.attn, lay.ln_1(x), kv, rag)
+    return x + lay.mlp(lay.ln_2(x))
 
 
 def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
@@ -161,7 +161,7 @@ def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
     padding slots hold zeros or what the padding computed (Packing). -> (logits, None, hiddens)."""
     B, T = idx.size()
     counts = list(counts) if counts is not None else [T] * B
-    starts, window = cache.lengths, model.config.block_size
+    starts, window = cache.lengths, model.config.sequence_len
     if len(counts) != B or not all(0 <= c <= T for c in counts):
         raise ValueError(f"counts {counts} do not fit a batch of {B} rows of {T} tokens")
     if max(starts) + T > cache.max_len:  # padding slots too are written at their positions
@@ -173,8 +173,8 @@ def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
     pos = rag.pos.clamp_max(window - 1)  # a padding slot past the window: any position will do
     x = rag.pack(model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(pos)))
     hiddens = {0: rag.unpack(x)} if 0 in hidden_layers else {}
-    for i, blk in enumerate(model.transformer.h):
-        x = block(blk, x, (cache.k[i], cache.v[i]), rag)
+    for i, lay in enumerate(model.transformer.h):
+        x = layer(lay, x, (cache.k[i], cache.v[i]), rag)
         if i + 1 in hidden_layers:
             hiddens[i + 1] = rag.unpack(x)
     cache.lengths = [s + c for s, c in zip(starts, counts)]

@@ -1,5 +1,5 @@
 """
-batch_rules.py -- what a verify costs at batch B, and the rules that spend it: DSpark's and a
+serving/rules.py -- what a verify costs at batch B, and the rules that spend it: DSpark's and a
 serving engine's.
 
 At batch 1 a longer verify costs little more than a short one, so drafting long pays. At batch
@@ -39,7 +39,7 @@ class CostTable:
     @classmethod
     @torch.inference_mode()
     def profile(cls, target, batch_size, width, context=None, reps=5):
-        dev, window = target.lm_head.weight.device, target.config.block_size
+        dev, window = target.lm_head.weight.device, target.config.sequence_len
         n_ctx = min(context if context is not None else window // 2, window - width)
         cache = ragged.new_cache(target, batch_size)
         x = torch.zeros(batch_size, n_ctx + width, dtype=torch.long, device=dev)

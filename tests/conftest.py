@@ -36,10 +36,10 @@ def peaked(model, scale):
     return model
 
 
-def tiny_gpt(seed, n_layer=2, n_embd=32, n_head=2, vocab=VOCAB, block_size=96, scale=8.0):
+def tiny_gpt(seed, n_layer=2, n_embd=32, n_head=2, vocab=VOCAB, sequence_len=96, scale=8.0):
     """With the CPU speed-ups the loaders give every model (cpu_speed.speed_up)."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(block_size=block_size, vocab_size=vocab, n_layer=n_layer, n_head=n_head,
+    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab, n_layer=n_layer, n_head=n_head,
                     n_embd=n_embd)
     return speed_up(peaked(GPT(cfg), scale).double().eval())
 
@@ -52,7 +52,7 @@ def target():
 def make_small(target):
     """The classic drafter with random weights: it disagrees with the target often."""
     return DraftModel(tiny_gpt(1, n_layer=1, n_embd=16, vocab=target.config.vocab_size,
-                               block_size=target.config.block_size))
+                               sequence_len=target.config.sequence_len))
 
 
 def make_self(target):

@@ -1,4 +1,5 @@
-"""Many requests at once (batched.py), for every drafter in conftest.DRAFTER_FACTORIES: in float64
+"""Many requests at once (serving/batched.py), for every drafter in conftest.DRAFTER_FACTORIES: in
+float64
 every row of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with
 rows that finish early and rows that start at the edge of the context window; native batched
 drafters equal the per-row reference; rejection sampling gives every row the target's
@@ -50,7 +51,8 @@ def batched_drafter(name, target, B):
             batched_twin(DRAFTER_FACTORIES[name](target))
         pytest.skip("the hybrid drafts one request at a time (batched_drafters.batched says so)")
     one = DRAFTER_FACTORIES[name](target)
-    # DSpark's batched twin under the rule that pays in the serving sweep (bench_batched.py)
+    # DSpark's batched twin under the rule that pays in the serving sweep
+    # (benchmark/serving_sweep.py)
     options = {"schedule": "measured"} if isinstance(one, DSparkDrafter) else {}
     d = batched_twin(one, **options)
     return fixed_costs(d, B) if hasattr(d, "costs") else d
@@ -85,7 +87,7 @@ def test_a_ragged_forward_equals_each_row_alone(target):
 
 def test_a_ragged_forward_refuses_to_pass_the_window(target):
     cache = ragged.new_cache(target, 2)
-    window = target.config.block_size
+    window = target.config.sequence_len
     with torch.no_grad(), pytest.raises(ValueError, match="context window"):
         ragged.forward(target, torch.zeros(2, window + 1, dtype=torch.long), cache, [1, window + 1])
     assert isinstance(cache, RaggedCache) and cache.lengths == [0, 0]
@@ -96,7 +98,7 @@ def test_a_ragged_forward_refuses_to_pass_the_window(target):
 
 
 def test_plain_batched_equals_batch_one(target):
-    window = target.config.block_size
+    window = target.config.sequence_len
     prompts = ragged_prompts(5, target.config.vocab_size, window=window)
     for mode in ("greedy", "coupled"):
         ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 7)) for p in prompts]
@@ -118,7 +120,7 @@ def test_a_plain_step_is_counted_as_a_round_that_drafted_nothing():
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k):
-    window = target.config.block_size
+    window = target.config.sequence_len
     prompts = ragged_prompts(5, target.config.vocab_size, seed=k, window=window)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
     d = batched_drafter(drafter_name, target, len(prompts))
@@ -149,7 +151,7 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
 def test_rows_that_finish_cost_nothing_and_keep_their_tokens(target):
     """A row at its last token gets zero tokens in every later forward: the batch goes on
     without it, and its output has exactly its allowed length."""
-    prompts = ragged_prompts(3, target.config.vocab_size, seed=9, window=target.config.block_size)
+    prompts = ragged_prompts(3, target.config.vocab_size, seed=9, window=target.config.sequence_len)
     d = batched_drafter("dflash", target, 3)
     out, stats = generate_batched(target, d, prompts, 40, 4, BatchSampler("greedy", 3))
     assert [len(o) for o in out] == [40, 40, 6]
@@ -258,7 +260,7 @@ def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_batch_rule_is_exact(target, schedule, mode):
     from serving.dflash import BatchDSpark
-    prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.block_size)
+    prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.sequence_len)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
     d = fixed_costs(BatchDSpark(DRAFTER_FACTORIES["dspark"](target), schedule), 4)
     out, stats = generate_batched(target, d, prompts, 30, 6, BatchSampler(mode, 4, 0.8, None, 5))
@@ -292,7 +294,7 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
 
 
 def test_bad_batches_are_one_clear_error(target):
-    window = target.config.block_size
+    window = target.config.sequence_len
     s = BatchSampler("greedy", 2)
     with pytest.raises(ValueError, match="batch is empty"):
         generate_plain_batched(target, [], 4, BatchSampler("greedy", 1))

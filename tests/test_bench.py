@@ -11,6 +11,7 @@ import pytest
 
 import bench
 from training import data
+from training import tokenizer
 from benchmark import plot
 from benchmark import prompt_sets
 from runtime.checkpoint import DRAFTERS
@@ -95,10 +96,10 @@ def test_humaneval_prompts_keep_their_last_tokens_and_bench_exactly(trained, tmp
     assert any(r["what"] == "humaneval tau" for r in out["references"])  # the papers' figures
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
     enc = data.encoding_of(data.load_build(str(trained)))
-    whole = data.encode(enc, fake_humaneval()["HumanEval/1"]["prompt"])
+    whole = tokenizer.encode(enc, fake_humaneval()["HumanEval/1"]["prompt"])
     cut = prompt_sets.humaneval(enc, keep=20)
     assert len(whole) > 64 and cut[1] == whole[-20:]  # the end: where the model continues
-    assert [len(p) for p in cut] == [min(20, len(data.encode(enc, p["prompt"])))
+    assert [len(p) for p in cut] == [min(20, len(tokenizer.encode(enc, p["prompt"])))
                                      for p in fake_humaneval().values()]
 
 
@@ -109,7 +110,8 @@ def test_humaneval_without_the_package_is_one_line_before_anything_loads(tmp_pat
 
 
 def test_bench_with_coupled_sampling_matches_plain_sampling(trained, tmp_path):
-    """Also bench.py's default output: the JSON beside the checkpoints, where plot.py (and the
+    """Also bench.py's default output: the JSON beside the checkpoints, where benchmark/plot.py (and
+    the
     README's `python -m benchmark.plot out/bench.json`) finds it. On a copy: the shared run stays as
     train.py left it."""
     out_dir = tmp_path / "out"

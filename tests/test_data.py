@@ -1,4 +1,4 @@
-"""Tests for data.py. The stdlib tokenizer is trained once per session on the FULL default
+"""Tests for training/data.py. The stdlib tokenizer is trained once per session on the FULL default
 corpus (~3 s)."""
 import json
 import os
@@ -13,8 +13,10 @@ import tiktoken.load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from training import data  # noqa: E402
+from training import tokenizer
 from benchmark import prompt_sets  # noqa: E402
-from training.data import EOT, DataError  # noqa: E402
+from training.data import DataError
+from training.tokenizer import EOT  # noqa: E402
 
 SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n",
          "foo foo foo  bar\tbaz 12345\r\n",
@@ -28,10 +30,10 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def stdlib_enc(corpus, tmp_path_factory):
-    ranks = data.train_bpe(corpus[0], data.DEFAULT_VOCAB)
+    ranks = tokenizer.train_bpe(corpus[0], data.DEFAULT_VOCAB)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.tiktoken"
-    data.save_tokenizer(ranks, path)
-    return ranks, data.load_tokenizer(path)
+    tokenizer.save_tokenizer(ranks, path)
+    return ranks, tokenizer.load_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +113,18 @@ def test_stdlib_tokenizer_round_trips_every_val_doc(corpus, stdlib_enc):
     ranks, enc = stdlib_enc
     assert len(ranks) == data.DEFAULT_VOCAB - 1 and enc.n_vocab == data.DEFAULT_VOCAB
     for doc in corpus[1]:
-        assert data.decode(enc, data.encode(enc, doc)) == doc
+        assert tokenizer.decode(enc, tokenizer.encode(enc, doc)) == doc
 
 
 def test_regex_split_matches_tiktoken(corpus):
     # give tiktoken a vocab with every training-side chunk as one token: it then emits exactly
     # one token per piece of ITS split, so equal token lists <=> identical splits
     docs = corpus[0][::3] + corpus[1] + SMALL
-    chunks = [[c.encode() for c in data._SPLIT.findall(d)] for d in docs]
+    chunks = [[c.encode() for c in tokenizer._SPLIT.findall(d)] for d in docs]
     ranks = {bytes([i]): i for i in range(256)}
     for c in sorted({c for cs in chunks for c in cs} - set(ranks)):
         ranks[c] = len(ranks)
-    enc = tiktoken.Encoding(name="split", pat_str=data.PAT, mergeable_ranks=ranks,
+    enc = tiktoken.Encoding(name="split", pat_str=tokenizer.PAT, mergeable_ranks=ranks,
                             special_tokens={})
     for d, cs in zip(docs, chunks):
         assert enc.decode_tokens_bytes(enc.encode_ordinary(d)) == cs
@@ -130,7 +132,7 @@ def test_regex_split_matches_tiktoken(corpus):
 
 def _reference_bpe(texts, vocab_size):
     """Slow, obviously-correct BPE: recount every pair after every merge."""
-    words = Counter(tuple(c.encode()) for t in texts for c in data._SPLIT.findall(t))
+    words = Counter(tuple(c.encode()) for t in texts for c in tokenizer._SPLIT.findall(t))
     vocab = [bytes([i]) for i in range(256)]
     ids = {t: i for i, t in enumerate(vocab)}
     while len(ids) < vocab_size - 1:
@@ -145,42 +147,42 @@ def _reference_bpe(texts, vocab_size):
         if tok not in ids:
             ids[tok] = len(vocab)
             vocab.append(tok)
-        words = Counter({tuple(data._merge(list(w), a, b, ids[tok])): f for w, f in words.items()})
+        words = Counter({tuple(tokenizer._merge(list(w), a, b, ids[tok])): f for w, f in words.items()})
     return ids
 
 
 def test_training_is_deterministic_and_matches_reference():
     texts = SMALL * 3 + ["aaaaaaa bbbb aaab abab " * 5]
-    ranks = data.train_bpe(texts, 400)
-    assert ranks == data.train_bpe(list(texts), 400)
+    ranks = tokenizer.train_bpe(texts, 400)
+    assert ranks == tokenizer.train_bpe(list(texts), 400)
     assert ranks == _reference_bpe(texts, 400)
     assert sorted(ranks.values()) == list(range(len(ranks)))
 
 
 def test_save_load_round_trip(tmp_path):
-    ranks = data.train_bpe(SMALL * 5, 300)
+    ranks = tokenizer.train_bpe(SMALL * 5, 300)
     assert len(ranks) == 299
     path = tmp_path / "t.tiktoken"
-    data.save_tokenizer(ranks, path)
+    tokenizer.save_tokenizer(ranks, path)
     assert tiktoken.load.load_tiktoken_bpe(str(path)) == ranks
-    enc = data.load_tokenizer(path)
+    enc = tokenizer.load_tokenizer(path)
     assert enc.eot_token == 299 and enc.n_vocab == 300
     for tok, rank in ranks.items():
         assert enc.encode_single_token(tok) == rank
-    assert data.encode(enc, f"foo{EOT}bar").count(299) == 1  # in-text EOT is the special token
+    assert tokenizer.encode(enc, f"foo{EOT}bar").count(299) == 1  # in-text EOT is the special token
     # rebuilding the file at the same path must not serve tiktoken's cached copy of the old one
-    data.save_tokenizer(data.train_bpe(SMALL, 270), path)
-    assert data.load_tokenizer(path).n_vocab == 270
+    tokenizer.save_tokenizer(tokenizer.train_bpe(SMALL, 270), path)
+    assert tokenizer.load_tokenizer(path).n_vocab == 270
 
 
 def test_vocab_size_range():
     with pytest.raises(DataError):
-        data.train_bpe(SMALL, 256)
+        tokenizer.train_bpe(SMALL, 256)
 
 
 def test_gpt2_offline_is_a_clear_error_or_works():
     try:
-        assert data.get_encoding("gpt2").n_vocab == 50257
+        assert tokenizer.get_encoding("gpt2").n_vocab == 50257
     except DataError as e:
         assert "default tokenizer, bpe" in str(e)
 
@@ -193,12 +195,12 @@ def test_prepare_data_writes_reuses_and_rebuilds(small_build, capsys):
     names = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
     assert all((out / n).exists() for n in names) and not list(out.glob("*.tmp*"))
     assert info["vocab_size"] == 300 and info["eot_id"] == 299 and info["val_docs_count"] >= 1
-    assert info["tokenizer_hash"] == data.file_sha256(out / "tokenizer.tiktoken")
+    assert info["tokenizer_hash"] == tokenizer.file_sha256(out / "tokenizer.tiktoken")
     for split in ("train", "val"):
         ids = np.memmap(info[f"{split}_bin"], dtype=np.uint16, mode="r")
         assert len(ids) == info[f"n_{split}_tokens"] and ids[-1] == 299 and ids.max() < 300
-    enc = data.get_encoding(info["tokenizer_path"])
-    docs = data.decode(enc, np.fromfile(info["val_bin"], dtype=np.uint16)).split(EOT)[:-1]
+    enc = tokenizer.get_encoding(info["tokenizer_path"])
+    docs = tokenizer.decode(enc, np.fromfile(info["val_bin"], dtype=np.uint16)).split(EOT)[:-1]
     assert docs == data.load_documents(str(folder))[1]
 
     stamps = {n: os.stat(out / n).st_mtime_ns for n in names}

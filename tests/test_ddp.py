@@ -1,4 +1,5 @@
-"""Training across processes (ddp.py): one DDP step over 2 gloo ranks is one single-process step
+"""Training across processes (training/ddp.py): one DDP step over 2 gloo ranks is one single-process
+step
 on the union of their batches (float64, 1e-10); torchrun with 2 processes trains the tiny
 preset, its checkpoints load, a failing rank ends the run with one error line, and the rerun
 resumes to the very weights of an uninterrupted run."""
@@ -61,7 +62,7 @@ def test_one_process_is_untouched():
 
 def model_and_batch():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double()
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double()
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 50, (8, 16), generator=g)
     return model, x, torch.roll(x, -1, 1)

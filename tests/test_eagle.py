@@ -14,7 +14,7 @@ from serving.drafters import fresh as fresh_copy
 from runtime.checkpoint import load_drafter, load_target
 from conftest import fit_eagle, fit_mtp, tiny_args
 from draft_eagle import EagleDrafter, default_taps
-from draft_mtp import MTPDrafter, head, mtp_loss, unrolled
+from draft_mtp import MTPDrafter, lm_logits, mtp_loss, unrolled
 from speculative import Sampler
 from training.stages import eagle_taps
 
@@ -63,7 +63,7 @@ def test_unrolled_training_forward_equals_step_by_step_drafting(target, kind):
         for j, (o, pos) in enumerate(out):
             n = i if j == 0 else a  # step 1 runs at every index, later steps at the anchors
             assert pos[0, n].item() == S + j  # step j+1 predicts the token at S + j
-            want = head(target, o[0, n])
+            want = lm_logits(target, o[0, n])
             assert torch.allclose(spy.logits[j], want, atol=1e-10, rtol=0), (i, j)
 
 

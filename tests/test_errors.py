@@ -1,4 +1,4 @@
-"""Bad input, interruptions and untrusted files (issue 7): each case ends in one clear
+"""Bad input, interruptions and untrusted files: each case ends in one clear
 sentence that says what is wrong and what to do -- no traceback, no silent wrong answer."""
 
 import os
@@ -13,6 +13,7 @@ import torch
 import bench
 from runtime import checkpoint
 from training import data
+from training import tokenizer
 from benchmark import prompt_sets
 from runtime.checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
 from runtime.devices import pick_device
@@ -236,12 +237,12 @@ def test_same_seed_same_text(out):
 
 def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(trained,
                                                                               tmp_path):
-    """Issue 44: a BOM (as Windows editors write UTF-8) is valid input; an empty prompt gets its
+    """A BOM (as Windows editors write UTF-8) is valid input; an empty prompt gets its
     own message, not the one for a line that is not JSON."""
     enc = data.encoding_of(data.load_build(str(trained)))
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "def f(x):"}\n')
-    assert prompt_sets.read_jsonl(str(bom), enc) == [data.encode(enc, "def f(x):")]
+    assert prompt_sets.read_jsonl(str(bom), enc) == [tokenizer.encode(enc, "def f(x):")]
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
     with pytest.raises(ValueError, match="line 2 has an empty prompt"):
@@ -250,7 +251,7 @@ def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(t
 
 def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(trained, capsys):
     """A list flag names each value once (settings.number_list: --batch-size, --sweep and
-    pretrained.py's --sizes alike)."""
+    training/pretrained.py's --sizes alike)."""
     for flag in ("--batch-size", "--sweep"):
         with pytest.raises(SystemExit):
             bench.main(["--out-dir", str(trained), flag, "1,2,2", "--n-prompts", "4"])

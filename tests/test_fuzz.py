@@ -1,11 +1,11 @@
-"""Fuzzing the command lines (issue 14; pretrained.py, plot.py and vs_transformers.py: issue 44).
-Every run ends in success or in one 'error:' line, never a traceback, and a failed run leaves
+"""Fuzzing the command lines (train.py, bench.py, sample.py, training/data.py,
+training/pretrained.py, benchmark/plot.py and benchmark/vs_transformers.py). Every run ends in success or in one 'error:' line, never a traceback, and a failed run leaves
 out/ exactly as it was:
 
 - damaged files in out/ (truncated, garbage, deleted, a folder in their place): the commands
-  that build them (data.py, train.py) rebuild them with a one-line notice, byte for byte; the
-  ones that only read them (bench.py, sample.py) refuse, naming the file and the command
-  that remakes it;
+  that build them (training/data.py, train.py) rebuild them with a one-line notice, byte for byte;
+  the ones that only read them (bench.py, sample.py) refuse, naming the file and the command that
+  remakes it;
 - paths of the wrong kind (a folder for a file, a file for a folder): one error line;
 - a seeded random sweep of values at every numeric and path flag of the four commands.
 
@@ -381,7 +381,7 @@ def test_train_py_keeps_a_trained_target_unless_forced(out, corpus, tmp_path, gp
         argv = with_flag(argv, "--data", tmp_path / "other.txt")
     before = snapshot(out)
     refused(run("train.py", *argv), "target.pt", needle, "--force")
-    if change == "corpus":  # the build itself, through data.py
+    if change == "corpus":  # the build itself, through training/data.py
         data_argv = with_flag(fast("training/data.py", out, corpus), "--data", tmp_path / "other.txt")
         refused(run("training/data.py", *data_argv), "target.pt", needle, "--force")
     assert snapshot(out) == before

@@ -94,7 +94,7 @@ def test_cache_bookkeeping_errors(model, seq):
         with pytest.raises(ValueError, match="cannot roll back"):
             cache.rollback(11)
         with pytest.raises(ValueError, match="context window"):
-            model(torch.zeros(2, model.config.block_size, dtype=torch.long), cache=cache)
+            model(torch.zeros(2, model.config.sequence_len, dtype=torch.long), cache=cache)
 
 
 def test_float32_close_to_float64(model, seq):

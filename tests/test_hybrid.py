@@ -36,7 +36,7 @@ def test_rounds_that_switch_drafters_are_token_identical(target, learned, mode):
 @pytest.mark.parametrize("learned", LEARNED)
 def test_the_start_up_profile_runs_with_every_learned_partner(target, learned):
     """checkpoint.load_drafter profiles the hybrid's partner (several proposes after one begin,
-    no commit); with small, MTP or EAGLE-3 that crashed at start-up (issue 44). Then it drafts
+    no commit); with small, MTP or EAGLE-3 that once crashed at start-up. Then it drafts
     exactly."""
     d = DRAFTER_FACTORIES[learned](target)
     t_verify, t_draft = profile_hybrid(d, target, reps=2)

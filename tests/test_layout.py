@@ -104,7 +104,7 @@ def test_a_lesson_drafter_built_as_its_docstring_shows_runs_a_round(where):
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        target = GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)).eval()
+        target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)).eval()
         (example,) = [t for t in doctest.DocTestFinder().find(cls) if t.examples]
         example.globs["target"] = target
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)

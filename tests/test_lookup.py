@@ -86,7 +86,8 @@ def test_rounds_with_and_without_drafts_stay_exact():
 
 
 def test_transformers_gpt2_holds_the_same_model():
-    """vs_transformers.py compares decoding speed on 'the same weights': its GPT2LMHeadModel must
+    """benchmark/vs_transformers.py compares decoding speed on 'the same weights': its
+    GPT2LMHeadModel must
     compute the target's logits, or the comparison is between two different models."""
     pytest.importorskip("transformers")
     from benchmark.vs_transformers import hf_generate, to_transformers

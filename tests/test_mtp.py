@@ -3,6 +3,8 @@ training and drafting compute the same thing, the MTP caches after commits equal
 recomputation from scratch, and train.py's joint mode writes a head that belongs to its target.
 The shared equivalence tests cover mtp through conftest.make_mtp."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ import train
 from training import stages, trainer
 from runtime.checkpoint import CheckpointError, load_drafter, load_target
 from conftest import fit_mtp, tiny_args
-from draft_mtp import MTP, MTPConfig, MTPDrafter, head, mtp_loss
+from draft_mtp import MTP, MTPConfig, MTPDrafter, lm_logits, mtp_loss
 from draft_small import total_variation
 from speculative import Sampler
 
@@ -41,7 +43,7 @@ def test_position_0_by_hand(target):
     rms = lambda v, w: v / torch.sqrt((v * v).mean() + torch.finfo(v.dtype).eps) * w  # noqa: E731
     u = m.proj.weight @ torch.cat([rms(h[0, 0], m.norm_h.weight),
                                    rms(target.transformer.wte.weight[x[0, 1]], m.norm_e.weight)])
-    b = m.block
+    b = m.layer
     q_k_v = b.attn.c_attn(b.ln_1(u))
     v = q_k_v[2 * u.numel():]  # softmax over one key is 1: the attention output is that key's value
     y = u + b.attn.c_proj(v)
@@ -172,7 +174,7 @@ def test_distill_mixes_ce_on_the_text_with_kl_and_tv_to_the_target(target):
     t_logits, _, hid = target(x[:, :-1], hidden_layers=(target.config.n_layer,))
     h = hid[target.config.n_layer]
     out = mtp.mods[0](h[:, :-1], target.transformer.wte(x[:, 1:-1]))
-    logq = F.log_softmax(head(target, out), -1)[0]
+    logq = F.log_softmax(lm_logits(target, out), -1)[0]
     logp = F.log_softmax(t_logits[0, 1:], -1)
     ce = F.nll_loss(logq, x[0, 2:])
     kl_tv = ((logp.exp() * (logp - logq)).sum(-1) + total_variation(logq, logp.exp())).mean()
@@ -187,7 +189,7 @@ def test_loss_is_ce_on_the_token_after_next(target):
     h = hidden_of(target, x[:, :-1])
     with torch.no_grad():
         loss = mtp_loss(mtp, target, h, x[:, :-1], x[:, 1:])
-        logits = head(target, mtp.mods[0](h[:, :-1], target.transformer.wte(x[:, 1:-1])))
+        logits = lm_logits(target, mtp.mods[0](h[:, :-1], target.transformer.wte(x[:, 1:-1])))
     want = F.cross_entropy(logits[0], x[0, 2:])
     assert torch.allclose(loss, want, atol=1e-12, rtol=0)
 
@@ -218,8 +220,31 @@ def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_p
 
 
 def test_config_roundtrip_and_size():
-    cfg = MTPConfig(n_embd=32, n_head=2, n_modules=2, block_size=64)
+    cfg = MTPConfig(n_embd=32, n_head=2, n_modules=2, sequence_len=64)
     mtp = MTP(MTPConfig.from_dict(cfg.to_dict()))
     # M, two RMSNorms, one GPT-2 block with biases
     per = 2 * 32 * 32 + 2 * 32 + (12 * 32 * 32 + 13 * 32)
     assert sum(p.numel() for p in mtp.parameters()) == 2 * per
+
+
+def test_checkpoints_written_with_the_old_names_load_to_the_same_weights(trained, tmp_path):
+    """An earlier version named the context window `block_size` in every GPT and MTP config and
+    an MTP module's transformer layer `block` (weights under mods.<i>.block.): such checkpoints
+    load (runtime.checkpoint.with_current_names), to the very same weights."""
+    out = shutil.copytree(trained, tmp_path / "out")
+    for name in ("target", "small", "mtp", "eagle"):
+        ck = torch.load(out / f"{name}.pt", weights_only=True)
+        assert "sequence_len" in ck["config"]
+        ck["config"] = {("block_size" if k == "sequence_len" else k): v
+                        for k, v in ck["config"].items()}
+        ck["state_dict"] = {k.replace(".layer.", ".block."): v for k, v in ck["state_dict"].items()}
+        torch.save(ck, out / f"{name}.pt")
+    target, target_ckpt = load_target(str(out / "target.pt"))
+    new_target, _ = load_target(str(trained / "target.pt"))
+    assert target.config == new_target.config
+    for name in ("small", "mtp", "eagle"):
+        old = load_drafter(name, str(out), target, target_ckpt)
+        new = load_drafter(name, str(trained), new_target, target_ckpt)
+        net = {"small": lambda d: d.model, "mtp": lambda d: d.mtp, "eagle": lambda d: d.mtp}[name]
+        a, b = net(old).state_dict(), net(new).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

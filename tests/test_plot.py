@@ -1,4 +1,5 @@
-"""plot.py: the figure is drawn from bench.py's results (a run's dict or its JSON), for any set
+"""benchmark/plot.py: the figure is drawn from bench.py's results (a run's dict or its JSON), for
+any set
 of methods: the headline methods on top, the ablations apart and explained, no line hidden
 under another, every share a fraction; without matplotlib the bench still finishes, saying how
 to get the figure."""
@@ -135,7 +136,7 @@ def test_without_matplotlib_bench_says_how_to_get_the_figure(tmp_path, monkeypat
     assert capsys.readouterr().out == f"results: {tmp_path / 'b.json'}\n{plot.MISSING}\n"
     assert "pip install matplotlib" in plot.MISSING
     assert (tmp_path / "b.json").exists() and not (tmp_path / "bench.png").exists()
-    with pytest.raises(SystemExit):  # plot.py alone: the same line, then a failing exit
+    with pytest.raises(SystemExit):  # benchmark/plot.py alone: the same line, then a failing exit
         plot.main([str(tmp_path / "b.json")])
     assert capsys.readouterr().out == plot.MISSING + "\n"
 

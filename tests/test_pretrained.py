@@ -1,4 +1,5 @@
-"""A pretrained GPT-2 from a Hugging Face folder (pretrained.py, train.py --init-from): a tiny
+"""A pretrained GPT-2 from a Hugging Face folder (training/pretrained.py, train.py --init-from): a
+tiny
 GPT-2 folder the tests write loads with the logits of an independent GPT-2 forward (and of
 transformers' GPT2LMHeadModel where it is installed), its tokenizer is GPT-2's byte-level BPE,
 bad folders are refused in one line naming what is wrong, and the tiny pipeline runs on it end
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 import bench
 from training import data
+from training import tokenizer
 from training import pretrained
 import train
 from training import trainer
@@ -34,12 +36,12 @@ VOCAB = 384
 @pytest.fixture(scope="module")
 def merges(corpus):
     train_docs, _ = data.load_documents(corpus)
-    return pretrained.merges_of(data.train_bpe(train_docs, VOCAB))
+    return pretrained.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
 
 
 def tiny_model(activation="gelu_new", seed=0):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(block_size=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
                           activation=activation)).eval()
     with torch.no_grad():  # biases and norms away from their init, so a wrong map shows
         for name, p in model.named_parameters():
@@ -127,7 +129,7 @@ def test_the_safetensors_reader_agrees_with_the_package(folder, tmp_path):
 
 
 def test_the_activation_is_the_configs_and_old_checkpoints_keep_the_exact_gelu():
-    old = {"block_size": 64, "vocab_size": VOCAB, "n_layer": 2, "n_head": 2, "n_embd": 32,
+    old = {"sequence_len": 64, "vocab_size": VOCAB, "n_layer": 2, "n_head": 2, "n_embd": 32,
            "dropout": 0.0, "bias": True}  # a config written before the field existed
     assert GPTConfig.from_dict(old).activation == "gelu"
     exact, tanh = tiny_model("gelu"), tiny_model("gelu_new")
@@ -141,11 +143,11 @@ def test_the_activation_is_the_configs_and_old_checkpoints_keep_the_exact_gelu()
 
 def test_a_shorter_context_keeps_the_first_positions(folder):
     full, _ = pretrained.load_folder(str(folder))
-    short, _ = pretrained.load_folder(str(folder), block_size=32)
+    short, _ = pretrained.load_folder(str(folder), sequence_len=32)
     idx = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(full(idx)[0], short(idx)[0])
-    assert short.config.block_size == 32
+    assert short.config.sequence_len == 32
 
 
 # -----------------------------------------------------------------------------
@@ -154,11 +156,11 @@ def test_a_shorter_context_keeps_the_first_positions(folder):
 
 def test_the_tokenizer_is_a_byte_level_bpe_that_round_trips(folder, merges):
     ranks, eot = pretrained.read_ranks(str(folder))
-    enc = data.encoding_from(ranks, pretrained.GPT2_PAT)  # what the build's tokenizer file loads as
+    enc = tokenizer.encoding_from(ranks, pretrained.GPT2_PAT)  # what the build's tokenizer file loads as
     assert eot == VOCAB - 1 and enc.n_vocab == VOCAB and enc.eot_token == eot
     text = "def f(x):\n    return x + 1  # ünïcode, \x00 and tabs\t\n"
-    ids = data.encode(enc, text + data.EOT)
-    assert data.decode(enc, ids) == text + data.EOT and ids[-1] == eot
+    ids = tokenizer.encode(enc, text + tokenizer.EOT)
+    assert tokenizer.decode(enc, ids) == text + tokenizer.EOT and ids[-1] == eot
     assert len(ids) < len(text.encode())  # the merges apply
     left, right = merges[0]  # the first merge is one token, ranked right after the 256 bytes
     assert ranks[left + right] == 256 and enc.encode_single_token(left + right) == 256

@@ -204,7 +204,7 @@ def test_stops_exactly_at_max_new_tokens(target, drafter_name, n):
 
 def test_stops_at_the_context_limit(target, drafter_name):
     drafter = DRAFTER_FACTORIES[drafter_name](target)
-    T = target.config.block_size
+    T = target.config.sequence_len
     prompt = list(range(10)) * 8  # 80 tokens
     out, _ = generate_speculative(target, drafter, prompt, 1000, 8, Sampler("greedy"))
     assert len(prompt) + len(out) == T
@@ -272,7 +272,7 @@ def test_bad_arguments(target):
     with pytest.raises(ValueError, match="empty"):
         generate_plain(target, [], 5, Sampler())
     with pytest.raises(ValueError, match="context window"):
-        generate_speculative(target, d, [1] * target.config.block_size, 5, 2, Sampler())
+        generate_speculative(target, d, [1] * target.config.sequence_len, 5, 2, Sampler())
     with pytest.raises(ValueError, match="temperature"):
         Sampler("coupled", temperature=-1)
     with pytest.raises(ValueError, match="top-k"):

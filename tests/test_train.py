@@ -15,6 +15,7 @@ import torch
 
 from runtime import checkpoint
 from training import data
+from training import tokenizer
 from runtime import devices
 from runtime import settings
 from training import stages
@@ -103,8 +104,8 @@ def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
         a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
-    tokenizer = "tokenizer.tiktoken"
-    assert data.file_sha256(trained / tokenizer) == data.file_sha256(tmp_path / tokenizer)
+    ranks = "tokenizer.tiktoken"
+    assert tokenizer.file_sha256(trained / ranks) == tokenizer.file_sha256(tmp_path / ranks)
 
 
 def test_a_killed_train_py_resumes_where_it_stopped(corpus, tmp_path):
@@ -319,7 +320,7 @@ def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
             assert f"(default: {want}, preset {preset})" in text.split(
                 "--" + name.replace("_", "-"))[-1], (preset, name)
     text = help_of("--device", "cpu")
-    titles = ["start here:", "the run:", "target:", "the distillation set (distill.py):", "small (draft_small.py):",
+    titles = ["start here:", "the run:", "target:", "the distillation set (training/distill.py):", "small (draft_small.py):",
               "dflash (draft_dflash.py):"]
     assert all(t in text for t in titles)
     assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)

@@ -116,6 +116,6 @@ def test_the_tree_stops_at_the_context_window_and_refuses_rejection(target):
     p = list(range(1, 60))
     out, _ = generate_tree(target, d, p, 100, Sampler("greedy"))
     assert out == generate_plain(target, p, 100, Sampler("greedy"))
-    assert len(out) == target.config.block_size - len(p)
+    assert len(out) == target.config.sequence_len - len(p)
     with pytest.raises(ValueError, match="rejection"):
         generate_tree(target, d, p, 10, Sampler("rejection"))

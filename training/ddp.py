@@ -1,5 +1,5 @@
 """
-ddp.py -- one training run across several processes: torchrun and DistributedDataParallel.
+training/ddp.py -- one training run across several processes: torchrun and DistributedDataParallel.
 
 train.py trains every stage in one process; this file adds what it takes for N processes
 (`torchrun --standalone --nproc_per_node=N train.py`, one per GPU, or CPU processes on gloo) to

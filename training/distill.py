@@ -1,12 +1,12 @@
 """
-distill.py -- the text every drafter learns from, written by the target itself.
+training/distill.py -- the text every drafter learns from, written by the target itself.
 
-The papers regenerate their drafters' training text with the target, so that a drafter learns
-what the target will say, not what the corpus said. train.py trains the target on the corpus
-(data.py); this file then has it continue corpus prompts once, a quarter of them sampled and
-the rest greedy, and keeps the result in out/distill.pt for every drafter stage and every later
-run. On that text it also computes, once, the target's logits (the soft labels) and hidden
-states (the drafters' inputs), and serves both as training batches.
+The papers regenerate their drafters' training text with the target, so that a drafter learns what
+the target will say, not what the corpus said. train.py trains the target on the corpus
+(training/data.py); this file then has it continue corpus prompts once, a quarter of them sampled
+and the rest greedy, and keeps the result in out/distill.pt for every drafter stage and every later
+run. On that text it also computes, once, the target's logits (the soft labels) and hidden states
+(the drafters' inputs), and serves both as training batches.
 
 A drafter's training reaches it as `trainer.distill` (train.py builds it): batches(text),
 features(x), write(n, n_sampled, split) and key(text), what a resume fingerprint records.

@@ -1,5 +1,5 @@
 """
-pretrained.py -- a pretrained GPT-2 from a Hugging Face folder on disk, as the target.
+training/pretrained.py -- a pretrained GPT-2 from a Hugging Face folder on disk, as the target.
 
 gpt.py gave us the model and train.py trains it on the corpus; this file adds the other way a
 user gets a target: GPT-2 weights they already have. `python train.py --init-from DIR` reads
@@ -40,7 +40,7 @@ import torch
 
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, load_drafter, load_target
-from training.data import EOT
+from training.tokenizer import EOT
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
@@ -67,7 +67,7 @@ def refuse(folder, why):
 
 
 def read_config(folder):
-    """config.json -> gpt.GPTConfig (block_size = n_positions), after checking it is GPT-2's."""
+    """config.json -> gpt.GPTConfig (sequence_len = n_positions), after checking it is GPT-2's."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
@@ -97,7 +97,7 @@ def read_config(folder):
         odd.append(f"n_embd {c['n_embd']} not a multiple of n_head {c['n_head']}")
     if odd:
         raise refuse(folder, f"config.json sets {', '.join(odd)}, which gpt.py does not compute")
-    return GPTConfig(block_size=c["n_positions"], vocab_size=c["vocab_size"],
+    return GPTConfig(sequence_len=c["n_positions"], vocab_size=c["vocab_size"],
                      n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
                      dropout=0.0, bias=True, activation=act)
 
@@ -205,7 +205,7 @@ def from_gpt(model):
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: vocab.json + merges.txt -> tiktoken's ranks (data.encoding_from: the Encoding)
+# the tokenizer: vocab.json + merges.txt -> tiktoken's ranks (tokenizer.encoding_from: the Encoding)
 
 
 def byte_chars():
@@ -243,9 +243,10 @@ def read_ranks(folder):
     return ranks, eot
 
 
-def load_folder(folder, block_size=None):
+def load_folder(folder, sequence_len=None):
     """(gpt.GPT in float32 and eval mode, tokenizer ranks) of a GPT-2 folder, every part checked.
-    block_size: keep only the first block_size positions (a shorter context than n_positions)."""
+    sequence_len: keep only the first sequence_len positions (a shorter context than
+    n_positions)."""
     if not os.path.isdir(folder):
         raise refuse(folder, "there is no such folder")
     cfg = read_config(folder)
@@ -254,20 +255,20 @@ def load_folder(folder, block_size=None):
         raise refuse(folder, f"its tokenizer has {len(ranks) + 1} tokens, its weights' vocabulary "
                      f"{cfg.vocab_size}")
     model = to_gpt(folder, cfg, read_weights(folder))
-    if block_size is not None and block_size != cfg.block_size:
-        if block_size > cfg.block_size:
-            raise CheckpointError(f"--block-size {block_size} is longer than {folder}'s context "
-                                  f"window (n_positions {cfg.block_size})")
-        model = shorten(model, block_size)
+    if sequence_len is not None and sequence_len != cfg.sequence_len:
+        if sequence_len > cfg.sequence_len:
+            raise CheckpointError(f"--block-size {sequence_len} is longer than {folder}'s context "
+                                  f"window (n_positions {cfg.sequence_len})")
+        model = shorten(model, sequence_len)
     return model, ranks
 
 
-def shorten(model, block_size):
-    """The same model with a context window of block_size (the first block_size positions)."""
-    cfg = GPTConfig(**{**model.config.to_dict(), "block_size": block_size})
+def shorten(model, sequence_len):
+    """The same model with a context window of sequence_len (its first sequence_len positions)."""
+    cfg = GPTConfig(**{**model.config.to_dict(), "sequence_len": sequence_len})
     short = GPT(cfg)
     sd = model.state_dict()
-    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
+    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:sequence_len]
     short.load_state_dict(sd)
     return short.eval()
 
@@ -322,8 +323,8 @@ def write_folder(model, merges, folder, weights="safetensors"):
              "config.json": json.dumps({
                  "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                  "activation_function": cfg.activation, "n_embd": cfg.n_embd,
-                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.block_size,
-                 "n_ctx": cfg.block_size, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
+                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.sequence_len,
+                 "n_ctx": cfg.sequence_len, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
                  "bos_token_id": len(vocab) - 1, "eos_token_id": len(vocab) - 1}, indent=2)}
     for name, body in files.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -339,7 +340,7 @@ def random_gpt2(shape="small", vocab_size=50257, seed=0, activation="gelu_new"):
     """A GPT-2-shaped gpt.GPT with GPT-2's initialisation and no training."""
     s = SHAPES[shape]
     torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=s["n_positions"], vocab_size=vocab_size, n_layer=s["n_layer"],
+    return GPT(GPTConfig(sequence_len=s["n_positions"], vocab_size=vocab_size, n_layer=s["n_layer"],
                          n_head=s["n_head"], n_embd=s["n_embd"], activation=activation)).eval()
 
 
@@ -367,7 +368,7 @@ def forward_ms(model, context, sizes, repeats):
 
 def block_drafters(target):
     """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
-    (settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
+    (runtime/settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
     random weights: what a draft costs does not depend on them."""
     def value(settings, name):
         return settings[name].value(("gpt2", "cuda"))
@@ -479,11 +480,11 @@ def main(argv=None):
               f"{a.folder}")
     model, ranks = load_folder(a.folder)
     c = model.config
-    if a.cost and a.context + max(a.sizes) > c.block_size:
+    if a.cost and a.context + max(a.sizes) > c.sequence_len:
         p.error(f"argument --context: {a.context} cached positions and a forward of "
-                f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of {c.block_size}")
+                f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of {c.sequence_len}")
     print(f"{a.folder}: GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
-          f"{c.block_size}, {c.activation}, {model.num_params() / 1e6:.1f}M parameters; "
+          f"{c.sequence_len}, {c.activation}, {model.num_params() / 1e6:.1f}M parameters; "
           f"tokenizer {len(ranks) + 1} tokens")
     if a.cost:
         with torch.no_grad():

@@ -1,14 +1,13 @@
 """
-stages.py -- how the target and each drafter train, as the stages of train.py: each stage's
+training/stages.py -- how the target and each drafter train, as the stages of train.py: each stage's
 phases, its resume fingerprint, its checkpoint, and whether the one in out/ is still current
-(DFlash's and DSpark's stages are in stages_dflash.py).
+(DFlash's and DSpark's stages are in training/stages_dflash.py).
 
-Each draft_*.py file holds its network, how it drafts and its loss, the idea of how it learns.
-This file is the plumbing around that loss: train.py calls train_<name>(trainer) for stage
-<name>, and <name>_phases(args) first, to check the settings (settings.py) and plan the steps.
-A stage gets everything from the Trainer (train.py): the target, the distillation set, fit()
-(the one training loop, with resume) and save().
-"""
+Each draft_*.py file holds its network, how it drafts and its loss, the idea of how it learns. This
+file is the plumbing around that loss: train.py calls train_<name>(trainer) for stage <name>, and
+<name>_phases(args) first, to check the settings (runtime/settings.py) and plan the steps. A stage
+gets everything from the Trainer (train.py): the target, the distillation set, fit() (the one
+training loop, with resume) and save(). """
 
 import hashlib
 import os
@@ -44,7 +43,7 @@ def train_small(tr):
     """A 1-2 layer GPT, distilled from the target on its own text -> out/small.pt."""
     a = tr.args
     target, target_ckpt = tr.target()
-    cfg = GPTConfig(block_size=a.block_size, vocab_size=target.config.vocab_size,
+    cfg = GPTConfig(sequence_len=a.block_size, vocab_size=target.config.vocab_size,
                     n_layer=a.small_layers, n_head=a.small_heads, n_embd=a.small_embd)
     torch.manual_seed(a.seed + 1)
     model = GPT(cfg).to(tr.device)
@@ -209,7 +208,7 @@ def train_target(tr):
     a = tr.args
     if a.init_from:
         return import_target(tr)
-    cfg = GPTConfig(block_size=a.block_size, vocab_size=tr.info["vocab_size"], n_layer=a.n_layer,
+    cfg = GPTConfig(sequence_len=a.block_size, vocab_size=tr.info["vocab_size"], n_layer=a.n_layer,
                     n_head=a.n_head, n_embd=a.n_embd)
     torch.manual_seed(a.seed)
     model = GPT(cfg).to(tr.device)
@@ -248,7 +247,7 @@ def train_target(tr):
 
 
 def import_target(tr):
-    """out/target.pt from the --init-from folder (pretrained.py): the weights as they are, the
+    """out/target.pt from the --init-from folder (training/pretrained.py): the weights as they are, the
     context window cut to --block-size; its loss on the corpus's validation windows printed."""
     a = tr.args
     # the token files are the folder's tokenizer's: prepare() rebuilds them when its ranks change

@@ -1,9 +1,8 @@
 """
-stages_dflash.py -- DFlash's and DSpark's training as stages of train.py: DFlash's narrow-then-full
-recipe and the point where DSpark branches off it; DSpark's own steps, the calibration of its
-confidences, and its weights for sampling. (stages.py: the other stages, and what is said there
-of a stage holds here.)
-"""
+training/stages_dflash.py -- DFlash's and DSpark's training as stages of train.py: DFlash's
+narrow-then-full recipe and the point where DSpark branches off it; DSpark's own steps, the
+calibration of its confidences, and its weights for sampling. (training/stages.py: the other stages,
+and what is said there of a stage holds here.) """
 
 import dataclasses
 import time
@@ -282,11 +281,11 @@ def sampling_weights_wanted(tr):
 def sampling_weights(tr, spark, fingerprint):
     """DSpark's weights for sampling: a copy of the trained network, fine-tuned on the sampled
     share of the distillation set only, and only on a block's first slots (the anchor and
-    --dspark-sampled-block - 1 masks), what a sampled round drafts. Why a copy: DSpark's own
-    steps learn from the set as it is (mostly greedy text), and more sampled text there trades
-    greedy tau for sampled tau; a copy serves each mode (docs/experiments.md: DSpark:
-    sampling weights). The later slots keep their weights, so any k still drafts. -> the 'sampled' entry
-    of out/dspark.pt (checkpoint.load_drafter reads it)."""
+    --dspark-sampled-block - 1 masks), what a sampled round drafts. Why a copy: DSpark's own steps
+    learn from the set as it is (mostly greedy text), and more sampled text there trades greedy tau
+    for sampled tau; a copy serves each mode (docs/experiments.md: DSpark: sampling weights). The
+    later slots keep their weights, so any k still drafts. -> the 'sampled' entry of out/dspark.pt
+    (checkpoint.load_drafter reads it)."""
     a = tr.args
     t0 = time.time()
     tuned = DSpark(spark.backbone.config, spark.config, tr.target()[0]).to(tr.device)

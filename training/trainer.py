@@ -168,7 +168,8 @@ class Phase:
 
 
 def prepare(args):
-    """The corpus's token files and tokenizer (data.py): written by rank 0, then read by every
+    """The corpus's token files and tokenizer (training/data.py): written by rank 0, then read by
+    every
     rank. With --init-from the tokenizer is the folder's, else one trained here (or gpt2)."""
     given = None
     if args.init_from:
@@ -202,7 +203,7 @@ def keep_trained_target(args):
     """out/target.pt is not replaced without --force by a run that throws training away: an
     --init-from import over it, or a retraining on fewer tokens than it saw (`--preset quick` over
     the full run). A bigger one goes ahead, as the full run replaces the quick one. (A data build
-    of another corpus or tokenizer would orphan it: data.py refuses that.)"""
+    of another corpus or tokenizer would orphan it: training/data.py refuses that.)"""
     path = os.path.join(args.out_dir, "target.pt")
     if args.force or args.only not in (None, "target") or not os.path.exists(path):
         return
@@ -234,7 +235,7 @@ class Trainer:
 
     args, device           every setting (args.dflash_iters, ...) and the device
     target()               (the trained, frozen target, its checkpoint dict)
-    distill                the drafters' text and the target's features on it (distill.py):
+    distill                the drafters' text and the target's features on it (training/distill.py):
                            distill.batches(text) -> step -> (x, target logits, hidden states)
     fit(name, module, loss_fn, eval_fn, steps=, lr=, fingerprint=, tokens_per_step=)
                            train.py's loop, resumable (Phase) -> (val loss, optimizer state)
@@ -403,9 +404,9 @@ def take_shape(args):
     cfg = pretrained.read_config(args.init_from)
     for name in ("n_layer", "n_head", "n_embd"):
         setattr(args, name, getattr(cfg, name))
-    if args.block_size > cfg.block_size:
+    if args.block_size > cfg.sequence_len:
         raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
-                         f"context window (n_positions {cfg.block_size})")
+                         f"context window (n_positions {cfg.sequence_len})")
 
 
 def check_out_dir(args):
