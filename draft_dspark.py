@@ -37,7 +37,7 @@ drafters take the same number of optimizer steps:
     ...train dspark_loss in train.py's loop...
     calibrate(spark, held_out_batches)                  # the confidences' temperatures
 
-(training/stages_dflash.py runs it, with a copy tuned on sampled text for sampling.)
+(training/stages_dspark.py runs it, with a copy tuned on sampled text for sampling.)
 
     python train.py --only dspark && python sample.py --method dspark
 """

@@ -14,7 +14,7 @@ target trains first, on the corpus; then each drafter, on text the target wrote 
 target's own logits and hidden states on it (training/distill.py), the target frozen.
 
 What wraps the loop is plumbing, applied from outside: which network each stage builds and with
-which settings (training/stages.py, training/stages_dflash.py), the resume files and the NaN
+which settings (training/stages.py and one stage file per drafter), the resume files and the NaN
 stop (training.trainer.Phase), the split of a step's batch over processes under torchrun
 (training/ddp.py), the settings and presets (runtime/settings.py).
 """

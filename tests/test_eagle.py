@@ -16,7 +16,7 @@ from conftest import fit_eagle, fit_mtp, tiny_args
 from draft_eagle import EagleDrafter, default_taps
 from draft_mtp import MTPDrafter, lm_logits, mtp_loss, unrolled
 from speculative import Sampler
-from training.stages import eagle_taps
+from training.stages_eagle import eagle_taps
 
 
 class Forced(Sampler):

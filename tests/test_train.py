@@ -351,14 +351,15 @@ def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, 
 
 
 def test_no_drafter_file_imports_train_py():
-    """Each drafter's training (its stage in training/stages.py or training/stages_dflash.py)
+    """Each drafter's training (its stage in training/stages.py or training/stages_<name>.py)
     gets what it needs from the Trainer object it is handed."""
     import ast
     import glob
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [p for pattern in ("draft_*.py", "training/stages*.py")
              for p in glob.glob(os.path.join(root, pattern))]
-    assert {"stages.py", "stages_dflash.py"} <= {os.path.basename(p) for p in paths}
+    assert {"stages.py", "stages_dflash.py", "stages_dspark.py", "stages_eagle.py",
+            "stages_mtp.py"} <= {os.path.basename(p) for p in paths}
     for path in paths:
         tree = ast.parse(open(path).read())
         imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)

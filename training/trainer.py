@@ -5,7 +5,7 @@ a trained target, and the command line's flags and plan.
 
 train.py holds the loop itself (fit: forward, loss.backward(), clip, optimizer.step(), the
 learning-rate schedule) and runs the stages in order; training/stages.py and
-training/stages_dflash.py say what each stage trains. A Trainer is everything a stage gets: the
+training/stages_*.py say what each stage trains. A Trainer is everything a stage gets: the
 training-side twin of speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while
 that checkpoint belongs to the current target and records the same settings (unless --force). A
 running phase saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds,
