@@ -248,7 +248,7 @@ PRESETS = {
     "mps": "Apple GPUs: the cuda preset",
     "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
             "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
-            "time is in the README)",
+            "time is in docs/experiments.md)",
 }
 
 RUN = {

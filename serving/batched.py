@@ -13,7 +13,7 @@ number of tokens, which is what a serving engine budgets.
 What changes with load: at batch 1 a 16-token verify costs little more than a 1-token step, so
 drafting long always pays. At batch 32 the same verify is a 512-token forward and costs several
 times a plain batched step: a fixed draft length turns into a slowdown. DSpark's scheduler
-(batched_drafters.BatchDSpark, with serving/rules.py) spends one verify budget over the whole batch
+(serving.dflash.BatchDSpark, with serving/rules.py) spends one verify budget over the whole batch
 instead. The drafters' batched twins are in serving/drafters.py.
 
 Rows are exact one by one: greedy and coupled sampling give each row the tokens its own batch-1

@@ -168,18 +168,18 @@ class BatchDSpark(BatchDFlash):
     """DSparkDrafter over B rows: the batched DFlash block, then the Markov chain for every row at
     once, then one choice of how many drafts each row verifies:
       measured  one width a round for every row, the one with the most tokens per second by what
-                the rounds themselves measured (batch_rules.Widths), and whole batches decoded
+                the rounds themselves measured (rules.Widths), and whole batches decoded
                 plainly where the batches it drafted, timed whole, made fewer tokens a second
                 than plain decoding: the production rule;
-      auto      DSpark's Algorithm 1 over the whole batch (batch_rules.admit_batch): (row, position)
+      auto      DSpark's Algorithm 1 over the whole batch (rules.admit_batch): (row, position)
                 pairs admitted in order of the confidence head's survivals until expected
                 throughput stops rising;
       goodput   one length for every row, the best for the batch by the same survivals
-                (batch_rules.best_single_k), the rule a serving engine without per-request
+                (rules.best_single_k), the rule a serving engine without per-request
                 lengths uses;
       full      every row verifies all it drafted (a fixed k).
-    The cost table (batch_rules.CostTable), the draft's cost by width (time_draft) and a plain
-    step's (batch_rules.time_plain) are profiled once per batch size, at the first begin(): the
+    The cost table (rules.CostTable), the draft's cost by width (time_draft) and a plain
+    step's (rules.time_plain) are profiled once per batch size, at the first begin(): the
     rules' prior."""
 
     def __init__(self, drafter, schedule="measured"):
@@ -335,7 +335,7 @@ class BatchDSpark(BatchDFlash):
         return toks[:, :L], lengths, (q[:, :L] if q is not None else None)
 
     def measured_width(self, ks):
-        """measured: time the round before, then choose this round's width (batch_rules.Widths)."""
+        """measured: time the round before, then choose this round's width (rules.Widths)."""
         now, B = time.perf_counter(), len(ks)
         prior = self.prior(B)
         if self._round is not None and self._round[1]:

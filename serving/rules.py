@@ -5,7 +5,7 @@ serving engine's.
 At batch 1 a longer verify costs little more than a short one, so drafting long pays. At batch
 32 a verify of 16 tokens a row is a 512-token forward and costs several times a plain batched
 step. The rules here decide how many drafts each row verifies; the batched DSpark drafter
-(batched_dflash.BatchDSpark) applies them round by round. The paper's (Algorithm 1) and a
+(serving.dflash.BatchDSpark) applies them round by round. The paper's (Algorithm 1) and a
 serving engine's read each row's prefix survivals (draft_dspark.py's confidence head) and a cost
 table profiled on the device in use; the measured rule (Widths), the one the serving sweep
 runs, reads what the loop itself measured: tokens each width kept, seconds each round took.

@@ -49,7 +49,7 @@ def batched_drafter(name, target, B):
     if name.startswith("hybrid"):
         with pytest.raises(NotImplementedError, match="one request at a time"):
             batched_twin(DRAFTER_FACTORIES[name](target))
-        pytest.skip("the hybrid drafts one request at a time (batched_drafters.batched says so)")
+        pytest.skip("the hybrid drafts one request at a time (serving.drafters.batched says so)")
     one = DRAFTER_FACTORIES[name](target)
     # DSpark's batched twin under the rule that pays in the serving sweep
     # (benchmark/serving_sweep.py)
