@@ -241,7 +241,7 @@ def parse_args(parser, argv=None):
 
 
 PRESETS = {
-    "cpu": "the full run, sized for 2 CPU cores (docs/results.md: times)",
+    "cpu": "the full run, sized for 2 CPU cores (docs/results.md: Training)",
     "quick": "every drafter, far fewer steps: the lesson in minutes on a CPU",
     "tiny": "seconds: a smoke run of the whole pipeline (the tests use it)",
     "cuda": "one consumer GPU: wider, deeper, longer (never run yet: its time is unknown)",
