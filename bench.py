@@ -23,7 +23,7 @@ hybrid's oracle and the sweep over k. Both write the same JSON schema.
                                              # the tables, out/bench.json, out/bench.png
     python bench.py --full                   # everything (docs/results.md: how long each takes)
     python bench.py --methods ar,small --k 4 --json out/small.json --plot out/small.png
-    python bench.py --prompts humaneval              # the papers' code benchmark (benchmark/prompt_sets.py)
+    python bench.py --prompts humaneval              # the papers' code benchmark
     python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
     python bench.py --json '' --plot ''              # print the tables only, write no file
     python -m benchmark.plot out/bench.json                    # redraw the figure from a saved run

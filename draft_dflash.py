@@ -55,8 +55,8 @@ from speculative import Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (runtime/settings.py: 2 on CPU,
-    #                          3 on CUDA, to fit their budgets)
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale
+    #                          (runtime/settings.py: 2 on CPU, 3 on CUDA, to fit their budgets)
     # target layers read as context (network_config picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size

@@ -30,7 +30,7 @@ import tiktoken
 import torch
 
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from training.tokenizer import (EOT, PAT, DataError, _atomic_write, file_sha256, get_encoding,
+from training.tokenizer import (EOT, PAT, DataError, atomic_write, file_sha256, get_encoding,
                                 load_tokenizer, ranks_hash, save_tokenizer, train_bpe)
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
@@ -348,13 +348,13 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         # every document is followed by EOT, so documents are separated (nanoGPT style)
         encoded = enc.encode_batch(docs, allowed_special={EOT})
         ids = [t for doc in encoded for t in (*doc, enc.eot_token)]
-        _atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
+        atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
         meta[f"n_{split}_tokens"] = len(ids)
     log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, "
         f"vocab {enc.n_vocab}")
     meta["files"] = {n: {"bytes": (out / n).stat().st_size, "sha256": file_sha256(out / n)}
                      for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer != "gpt2"}
-    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+    atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return _result(out, meta)
 
 

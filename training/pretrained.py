@@ -40,7 +40,7 @@ import torch
 
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, load_drafter, load_target
-from training.tokenizer import EOT
+from training.tokenizer import EOT, atomic_write
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
@@ -145,10 +145,7 @@ def write_safetensors(tensors, path):
         at += len(raw)
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(chunks))
-    os.replace(tmp, path)
+    atomic_write(path, struct.pack("<Q", len(head)) + head + b"".join(chunks))
 
 
 def read_weights(folder):

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from draft_mtp import mtp_loss
 from draft_small import small_loss
 from gpt import GPT, GPTConfig
 from runtime import cpu_speed
@@ -27,7 +28,7 @@ from training import ddp, pretrained
 from training.stages_dflash import dflash_phases, train_dflash
 from training.stages_dspark import dspark_phases, train_dspark
 from training.stages_eagle import eagle_phases, train_eagle
-from training.stages_mtp import mtp_loss, mtp_phases, new_mtp, save_mtp, train_mtp
+from training.stages_mtp import mtp_phases, new_mtp, save_mtp, train_mtp
 
 # -----------------------------------------------------------------------------
 # the target's stage (with --mtp-mode joint, the MTP head trains alongside it; with --init-from

@@ -117,7 +117,8 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
 # -----------------------------------------------------------------------------
 # tokenizer files and encoding helpers
 
-def _atomic_write(path, data: bytes):
+def atomic_write(path, data: bytes):
+    """Write `data` to `path` whole or not at all: a reader never sees half a file."""
     tmp = f"{path}.tmp{os.getpid()}"  # same folder, so os.replace is an atomic rename
     with open(tmp, "wb") as f:
         f.write(data)
@@ -138,7 +139,7 @@ def file_sha256(path) -> str:
 def save_tokenizer(ranks: dict[bytes, int], path):
     lines = (f"{base64.b64encode(t).decode()} {r}\n"
              for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
-    _atomic_write(path, "".join(lines).encode())
+    atomic_write(path, "".join(lines).encode())
 
 
 def read_ranks(path) -> dict[bytes, int]:
