@@ -59,7 +59,6 @@ RATE = 0.1     # how fast a round's measured overhead moves its drafter's runnin
 # PRIOR): exploring every 16th round for good cost the greedy run where the lookup was the right
 # choice (docs/experiments.md: Hybrid: the rule)
 EXPLORE = 16
-MATCH_RULES = (1, 4, 8)  # the fixed rules bench compares: lookup when m >= each of these
 
 
 def bucket(m):
@@ -180,11 +179,9 @@ def best_round(survival, fixed, cost, rate, least=0):
 
 
 class HybridDrafter(Drafter):
-    """Prompt lookup and a learned drafter behind one interface. rule:
-      'auto'    the rule above, over `choices` (both drafters; bench's ablation weighs the lookup
-                alone, to show how much of the gain the rule's length brings)
-      'match'   a fixed rule, the literature's: the lookup at its own k when m >= min_match, else
-                the learned drafter
+    """Prompt lookup and a learned drafter behind one interface, each round's drafter and length
+    chosen by the rule above over `choices` (both drafters; bench's ablation weighs the lookup
+    alone, to show how much of the gain the rule's length brings).
     costs: (t_verify, the learned drafter's round) as profiling.profile_hybrid measures them on
     the device in use; then the rounds fit them as they run. None: no device measured, so every
     round costs the same and the rule weighs expected tokens alone (t_verify and start_cost may be
@@ -201,13 +198,10 @@ class HybridDrafter(Drafter):
     default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
     choices = ("lookup", "learned")  # what the rule weighs
 
-    def __init__(self, learned, target, rule="auto", min_match=1, costs=None):
-        if rule not in ("auto", "match"):
-            raise ValueError(f"unknown hybrid rule {rule!r}: use auto or match")
+    def __init__(self, learned, target, costs=None):
         self.lookup = LookupDrafter(target.config.vocab_size)
         self.learned, self.target = learned, target
         self.hidden_layers = learned.hidden_layers
-        self.rule, self.min_match = rule, min_match
         self.depth = learned.max_k or max(learned.default_k, LOOKUP_MAX)
         # no costs: a verify of any length costs 1, drafting nothing (no device measured)
         self.t_verify = [0.0] + [1.0] * (LOOKUP_MAX + 1)
@@ -227,7 +221,7 @@ class HybridDrafter(Drafter):
         self.reset_record()
 
     def reset_record(self):
-        """A fresh record and cost account (a new drafter, each of bench's fixed-rule copies).
+        """A fresh record and cost account (a new drafter, each of bench's copies).
         The lookup's record starts at even odds; the learned drafter's optimistic, so that it is
         tried before the record is trusted (its record grows only on rounds it drafts)."""
         self.record = {"lookup": Record(LOOKUP_MAX + 1, 0.5), "learned": Record(self.depth, 0.9)}
@@ -266,11 +260,7 @@ class HybridDrafter(Drafter):
         return draft
 
     def choose(self, m, copied, k_learned, sampler):
-        """(who drafts, how many) under this drafter's rule."""
-        if self.rule == "match":
-            if copied and m >= self.min_match:
-                return "lookup", min(len(copied), self.lookup.default_k)
-            return "learned", k_learned
+        """(who drafts, how many) under the rule above."""
         b, rate = self.now["bucket"], self.cost.rate()
         longest = {"lookup": (len(copied), 0), "learned": (k_learned, 1)}  # (k at most, at least)
         options = {w: best_round(self.record[w].survival(b, longest[w][0]), self.cost.fixed(w),
@@ -300,7 +290,7 @@ class HybridDrafter(Drafter):
         """As a round starts: the previous round's seconds (start to start), less its verify, go
         to its drafter's overhead."""
         last = self.last
-        if last is not None and self.measure and self.rule == "auto":
+        if last is not None and self.measure:
             self.cost.observe_round(last["who"], now - last["start"], last["verify"],
                                     last["tokens"])
 
@@ -308,7 +298,7 @@ class HybridDrafter(Drafter):
     def commit(self, n, new, hidden):
         last = self.last
         last["verify"], last["tokens"] = time.perf_counter() - last["proposed"], n + 1
-        if self.measure and self.rule == "auto":  # the verify just ran: its seconds by its length
+        if self.measure:  # the verify just ran: its seconds by its length
             self.cost.observe_verify(last["drafted"] + 1, last["verify"])
         ids, now = new.tolist(), self.now
         if now["copied"]:  # what the lookup kept or would have kept: known whoever drafted

@@ -32,11 +32,14 @@ TREES = {  # name -> (its shape greedy, its shape sampling: shallower chains, bu
 TWO_BRANCH = dict(sure=2, nodes=32)  # DSpark's branch where lookup's match is one token or none
 
 
-def copies(drafter, rows, reset):
-    """{name: a copy of drafter with the attributes rows[name] changed, reset(copy) called}."""
+def copies(drafter, rows, reset, cls=None):
+    """{name: a copy of drafter with the attributes rows[name] changed, reset(copy) called}; with
+    `cls`, each copy is made that subclass (the same drafters and buffers, its own choice)."""
     out = {}
     for name, changes in rows.items():
         v = copy.copy(drafter)
+        if cls is not None:
+            v.__class__ = cls
         v.__dict__.update(changes)
         reset(v)  # its own counts and its own account
         out[name] = v
@@ -51,9 +54,11 @@ def variants(drafter):
                                 "dspark-nomarkov": dict(markov=False)},
                       DSparkDrafter.reset_account)
     if isinstance(drafter, HybridDrafter):
-        rows = {"hybrid-lookup": dict(choices=("lookup",))}
-        rows.update({f"hybrid-m{m}": dict(rule="match", min_match=m) for m in MATCH_RULES})
-        return copies(drafter, rows, HybridDrafter.reset_record)
+        out = copies(drafter, {"hybrid-lookup": dict(choices=("lookup",))},
+                     HybridDrafter.reset_record)
+        out.update(copies(drafter, {f"hybrid-m{m}": dict(min_match=m, measure=False)
+                                    for m in MATCH_RULES}, HybridDrafter.reset_record, MatchHybrid))
+        return out
     return {}
 
 
@@ -82,6 +87,17 @@ def batch_variants(batch_dspark):
     rows = {"dspark-" + ("cut" if s == "auto" else s): dict(schedule=s)
             for s in BATCH_SCHEDULES if s != batch_dspark.schedule}
     return copies(batch_dspark, rows, type(batch_dspark).new_account)
+
+
+class MatchHybrid(HybridDrafter):
+    """The literature's fixed rule: the lookup at its own k where its match is at least
+    `min_match` tokens long, else the learned drafter at its longest."""
+    min_match = 1
+
+    def choose(self, m, copied, k_learned, sampler):
+        if copied and m >= self.min_match:
+            return "lookup", min(len(copied), self.lookup.default_k)
+        return "learned", k_learned
 
 
 class OracleHybrid(HybridDrafter):
@@ -120,10 +136,9 @@ class OracleHybrid(HybridDrafter):
 def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
     """The ceiling of any choice between the two drafts: OracleHybrid over `prompts`, judged
     against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
-    oracle = copy.copy(hybrid)
-    oracle.__class__ = OracleHybrid  # the same drafters and buffers, the oracle's choice
-    oracle.measure = False  # its rounds fit no costs
-    oracle.reset_record()
+    # its rounds fit no costs
+    oracle = copies(hybrid, {"oracle": dict(measure=False)}, HybridDrafter.reset_record,
+                    OracleHybrid)["oracle"]
     total = Stats()
     for prompt, ref in zip(prompts, refs):
         oracle.reference = list(prompt) + list(ref)
