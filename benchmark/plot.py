@@ -25,7 +25,8 @@ import itertools
 import json
 import os
 
-from runtime.settings import ArgumentParser, path_arg
+from runtime.command import replacing, run
+from runtime.settings import ArgumentParser, expand, path_arg
 
 MISSING = "no figure drawn: matplotlib is not installed (pip install matplotlib)"
 
@@ -134,7 +135,8 @@ def draw(results, path):
         for i, (_, view) in enumerate(rows):
             view(fig, grid[i].subgridspec(1, 2))  # each view: one panel, or two side by side
         fig.suptitle(title(results), fontsize=10)
-        fig.savefig(path, dpi=100)
+        with replacing(path) as tmp:  # format: the name's, not the temporary's
+            fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower())
     return fig  # for the tests, which read what each panel shows
 
 
@@ -176,7 +178,8 @@ def draw_serving(results, path):
         left.legend(fontsize=8, ncol=2)
         fig.suptitle(title(results).replace("against plain decoding",
                                             "over a batch of requests"), fontsize=10)
-        fig.savefig(path, dpi=100)
+        with replacing(path) as tmp:  # format: the name's, not the temporary's
+            fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower())
     return fig
 
 
@@ -299,7 +302,7 @@ def main(argv=None):
     p = ArgumentParser(prog="python -m benchmark.plot",
                        description="Draw bench.py's figure from the JSON it wrote "
                                    "(OUT_DIR/bench.json, or bench.py --json).")
-    p.add_argument("json", help="a results file written by bench.py")
+    p.add_argument("json", type=expand, help="a results file written by bench.py")
     p.add_argument("image", nargs="?", default=None, type=image_path,
                    help="where to draw (default: the JSON's path with .png)")
     args = p.parse_args(argv)
@@ -323,4 +326,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

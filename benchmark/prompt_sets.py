@@ -75,20 +75,31 @@ def humaneval(enc, keep):
 
 
 def prompts_for(args, out_dir, enc, block_size):
-    """The prompts the flags ask for: --prompts humaneval, --prompts FILE, or --n-prompts
-    validation prompts of --prompt-len tokens."""
+    """The prompts the flags ask for: --n-prompts validation prompts of --prompt-len tokens, or
+    --prompts humaneval or FILE, the first --n-prompts of them (all, unless given), each cut to
+    its last --prompt-len tokens where it is longer (unless given, HumanEval's to what leaves
+    room for the new tokens, a file's not at all)."""
+    if not args.prompts:
+        prompt_len = args.prompt_len or min(64, block_size // 4)
+        return val_prompts(out_dir, args.n_prompts, prompt_len)
     if args.prompts == HUMANEVAL:
         # room for every new token where the context allows it, and at least a quarter of it
-        return humaneval(enc, max(block_size // 4, block_size - args.max_new_tokens))
-    if args.prompts:
+        prompts = humaneval(enc, max(block_size // 4, block_size - args.max_new_tokens))
+    else:
         prompts = read_jsonl(args.prompts, enc)
-        for i, p in enumerate(prompts):
-            if len(p) >= block_size:
-                raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
-                                 f"{block_size}")
-        return prompts
-    prompt_len = args.prompt_len or min(64, block_size // 4)
-    return val_prompts(out_dir, args.n_prompts, prompt_len)
+    if args.n_prompts is not None:
+        if args.n_prompts > len(prompts):
+            raise ValueError(f"--n-prompts {args.n_prompts} asks for more prompts than the "
+                             f"{len(prompts)} of --prompts {args.prompts}")
+        prompts = prompts[:args.n_prompts]
+    if args.prompt_len:
+        prompts = [p[-args.prompt_len:] for p in prompts]
+    for i, p in enumerate(prompts):
+        if len(p) >= block_size:
+            raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
+                             f"{block_size}: give --prompt-len {block_size // 4}, say, to keep "
+                             "each prompt's end")
+    return prompts
 
 
 def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from benchmark import plot
+from runtime.command import atomic_write
 from runtime.settings import path_arg
 
 
@@ -182,9 +183,8 @@ def write(out, args, stem="bench"):
             if flag == "--plot":
                 plot.save(out, path)  # without matplotlib: one line saying how to get it
                 continue
-            with open(path, "w") as f:
-                f.write(json.dumps(out, indent=2) if flag == "--json"
-                        else markdown(out["methods"]) + "\n")
+            atomic_write(path, json.dumps(out, indent=2) if flag == "--json"
+                         else markdown(out["methods"]) + "\n")
             print(f"results: {path}" if flag == "--json" else f"table: {path}")
         except OSError as e:
             failed.append(f"{path} ({e.strerror or e})")

@@ -24,6 +24,7 @@ import torch
 
 from training import data
 from benchmark.prompt_sets import read_jsonl
+from runtime.command import run
 from runtime.checkpoint import CheckpointError, load_target
 from draft_lookup import LookupDrafter
 from runtime.settings import ArgumentParser, number, path_arg
@@ -102,8 +103,10 @@ def main(argv=None):
                          "pip install transformers") from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, _ = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
-    enc = data.encoding_of(data.load_build(args.out_dir))  # every data file checked
+    target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
+    build = data.load_build(args.out_dir)  # every data file checked
+    data.check_target(target_ckpt, build, args.out_dir)  # the target reads this build's tokens
+    enc = data.encoding_of(build)
     prompts = read_jsonl(args.prompts, enc)
     longest = max(len(p) for p in prompts)
     if longest >= target.config.sequence_len:
@@ -150,7 +153,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError, data.DataError) as e:
-        raise SystemExit(f"error: {e}")
+    run(main, errors=(CheckpointError, ValueError, data.DataError))

@@ -17,6 +17,7 @@ import torch
 
 from runtime import cpu_speed
 from runtime import profiling
+from runtime.command import replacing
 from runtime.devices import check_dtype, synchronize
 from gpt import GPT, GPTConfig
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
@@ -55,9 +56,8 @@ def save_checkpoint(obj, path):
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a folder where a checkpoint is written; move it away")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def load_checkpoint(path, kind, stage=None):

@@ -96,21 +96,27 @@ PATH_RULES = {  # kind of path flag -> [(is this value wrong?, why)], checked in
 }
 
 
+def expand(text):
+    """A path flag's value as the command uses it: `~` and `~user` expanded (argparse type)."""
+    return os.path.expanduser(text)
+
+
 def path_arg(kind):
     """An argparse type for a path flag: 'in' a file to read, 'data' a file or folder to read,
     'folder' a folder to read, 'checkpoints' a folder to read if it exists (its files are checked
     later, with a message naming the stage to train), 'dir' a folder to write (made if missing),
-    'out' a file to write. A value of the wrong kind ends in
-    one line, 'error: argument --flag: ...', before anything runs."""
+    'out' a file to write. A value of the wrong kind ends in one line, 'error: argument --flag:
+    ...', before anything runs. The value is the path with `~` expanded, here and only here: the
+    check and the work read the same path (a shell leaves `--out-dir=~/run` unexpanded)."""
     def parse(text):
-        p = os.path.expanduser(text)
+        p = expand(text)
         if not text:
             why = "is empty"
         else:
             why = next((why for wrong, why in PATH_RULES[kind] if wrong(p)), None)
         if why:
             raise argparse.ArgumentTypeError(f"{text!r} {why}")
-        return text
+        return p
     parse.__name__ = "a path"
     return parse
 

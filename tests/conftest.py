@@ -280,3 +280,10 @@ def trained(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     train.main(tiny_args(corpus, out))
     return out
+
+
+@pytest.fixture
+def out(trained, tmp_path):
+    """A private copy of the tiny trained out/ folder, free to damage."""
+    shutil.copytree(trained, tmp_path / "out")
+    return tmp_path / "out"

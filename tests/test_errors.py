@@ -3,7 +3,6 @@ sentence that says what is wrong and what to do -- no traceback, no silent wrong
 
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 
@@ -35,14 +34,6 @@ def one_clear_error(rc, err, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for n in needles:
         assert n in lines[0], (n, lines[0])
-
-
-@pytest.fixture
-def out(trained, tmp_path):
-    """A private copy of the tiny trained out/ folder, free to damage."""
-    dst = tmp_path / "out"
-    shutil.copytree(trained, dst)
-    return dst
 
 
 # -----------------------------------------------------------------------------

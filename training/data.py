@@ -14,7 +14,10 @@ tokenizer kind:
 
 Every reader checks the files against data_meta.json: prepare_data (train.py, this file's
 command) rebuilds a damaged build with a one-line notice; load_build (bench.py, sample.py)
-refuses it with an error naming the file and the command that remakes it.
+refuses it with an error naming the file and the command that remakes it. A trained target and
+the build belong together by the tokenizer's hash, which the target records: check_target
+refuses a pair that does not (the target would read ids it never saw), and a rebuild whose
+tokenizer is not the target's is refused unless forced, whatever data_meta.json says.
 
     python -m training.data --help
 """
@@ -29,9 +32,12 @@ import numpy as np
 import tiktoken
 import torch
 
+from runtime.checkpoint import CheckpointError, load_checkpoint
+from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from training.tokenizer import (EOT, PAT, DataError, atomic_write, file_sha256, get_encoding,
-                                load_tokenizer, ranks_hash, save_tokenizer, train_bpe)
+from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding,
+                                load_tokenizer, rank_file, ranks_hash, save_tokenizer,
+                                train_bpe)
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
@@ -144,7 +150,7 @@ def _result(out: pathlib.Path, meta: dict) -> dict:
             "pattern": meta.get("pattern", PAT),
             "tokenizer_hash": meta["tokenizer_hash"], "vocab_size": meta["vocab_size"],
             "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"),
-            "eot_id": meta["eot_id"],
+            "eot_id": meta["eot_id"], "recipe": {k: meta.get(k) for k in RECIPE},
             **{k: meta[k] for k in ("n_train_tokens", "n_val_tokens", "val_docs_count")}}
 
 
@@ -155,6 +161,9 @@ BUILT = ("tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json")  # what
 # tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), or the ranks of a pretrained
 # model's folder (pretrained: train.py --init-from; training/pretrained.py reads them)
 KINDS = ("bpe", "gpt2", "pretrained")
+# how a build was made, as a target records it: enough for remake() to name the command that
+# makes that build again
+RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
 _META_INTS = ("vocab_size", "eot_id", "n_train_tokens", "n_val_tokens", "val_docs_count")
 
 
@@ -258,17 +267,73 @@ def _changed(meta: dict, want: dict) -> list:
     return [_WHAT[k] for k in want if meta.get(k) != want[k]]
 
 
-def _keep_trained(out: pathlib.Path, want: dict, force: bool):
-    """A rebuild for other data or another tokenizer would orphan out/target.pt (and every drafter
-    trained on it): refused unless force. A damaged build is rebuilt byte for byte: no change."""
+# -----------------------------------------------------------------------------
+# a trained target and the build it reads: they belong together by their tokenizer
+
+
+def trained_tokenizer(out: pathlib.Path) -> str | None:
+    """The tokenizer hash out/target.pt was trained with; None where there is no target to keep
+    (none, or one so damaged that train.py remakes it anyway). A target that records no tokenizer
+    is kept as one whose tokenizer is unknown: ''."""
+    path = pathlib.Path(out) / "target.pt"
+    if not path.is_file():
+        return None
     try:
-        changed = _changed(read_meta(out), want)
+        return load_checkpoint(str(path), "target").get("tokenizer_hash") or ""
+    except CheckpointError:
+        return None
+
+
+def mismatch(target_ckpt: dict, build: dict, out_dir) -> str | None:
+    """Why the target and the build in out_dir do not belong together, with the command that
+    makes the target's build again where the target recorded how it was made; None if they
+    do."""
+    had, now = target_ckpt.get("tokenizer_hash"), build["tokenizer_hash"]
+    if had and had == now:
+        return None
+    out = pathlib.Path(out_dir)
+    vocab = (target_ckpt.get("config") or {}).get("vocab_size", "?")
+    why = (f"{out / 'target.pt'} was trained with tokenizer {str(had or 'unknown')[:12]} "
+           f"({vocab} tokens) but the build in {out} holds tokenizer {now[:12]} "
+           f"({build['vocab_size']} tokens)")
+    recipe = target_ckpt.get("data")
+    return f"{why}; {remake(out, recipe)}" if recipe else why
+
+
+def check_target(target_ckpt: dict, build: dict, out_dir):
+    """A reader (bench.py, sample.py) refuses a target and a build that do not belong together,
+    before the first token: the target would read ids it was never trained on."""
+    why = mismatch(target_ckpt, build, out_dir)
+    if why:
+        raise DataError(f"{why}, or retrain the target and its drafters on this build with "
+                        f"`python train.py --out-dir {shlex.quote(str(out_dir))} --force`")
+
+
+def _keep_trained(out: pathlib.Path, want: dict, trained: str | None, force: bool):
+    """A rebuild for other data or another tokenizer would orphan out/target.pt (and every drafter
+    trained on it): refused unless force, before the work, where the build it replaces is the
+    target's. Where data_meta.json cannot say (missing or damaged), _keep_tokenizer decides by
+    the tokenizer itself."""
+    if trained is None or force:
+        return
+    try:
+        meta = read_meta(out)
     except DataError:
         return
-    if changed and not force and (out / "target.pt").exists():
+    changed = _changed(meta, want)
+    if changed and meta["tokenizer_hash"] == trained:
         raise DataError(f"{out / 'target.pt'} was trained on the build in {out}, which "
                         f"{' and '.join(changed)} changing would replace: pass --force to "
                         "rebuild it and retrain every stage, or pick another --out-dir")
+
+
+def _keep_tokenizer(out: pathlib.Path, tok_hash: str, trained: str | None, force: bool):
+    """The tokenizer a rebuild made, before anything is written: one that is not the one
+    out/target.pt was trained with is refused unless force, whatever data_meta.json says."""
+    if trained is not None and tok_hash != trained and not force:
+        raise DataError(f"{out / 'target.pt'} was trained with tokenizer {trained[:12] or 'unknown'}"
+                        f", and this build's would be {tok_hash[:12]}: pass --force to rebuild the "
+                        "data and retrain every stage, or pick another --out-dir")
 
 
 def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
@@ -317,7 +382,8 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         return _result(out, meta)
 
     train_docs, val_docs = load_documents(data)
-    _keep_trained(out, want, force)
+    trained = trained_tokenizer(out)
+    _keep_trained(out, want, trained, force)
     log(f"data: {len(train_docs)} train / {len(val_docs)} val documents from {source}")
     if tokenizer == "gpt2":
         enc, tok_hash = get_encoding("gpt2"), "gpt2"
@@ -330,6 +396,9 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         if len(ranks) + 1 < vocab_size:
             log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for "
                 f"{vocab_size}); using that")
+    if tokenizer != "gpt2":
+        tok_hash = hashlib.sha256(rank_file(ranks)).hexdigest()  # the file's, once written
+    _keep_tokenizer(out, tok_hash, trained, force)
     # only now, with the data read and checked, does out/ change; a half-finished rebuild
     # never looks complete: data_meta.json goes first and comes back last
     try:
@@ -340,7 +409,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     meta_path.unlink(missing_ok=True)
     if tokenizer != "gpt2":
         save_tokenizer(ranks, tok_path)
-        enc, tok_hash = load_tokenizer(tok_path, want["pattern"]), file_sha256(tok_path)
+        enc = load_tokenizer(tok_path, want["pattern"])
 
     meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
             "val_docs_count": len(val_docs), **({"tokenizer_source": given[2]} if given else {})}
@@ -416,7 +485,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:
-        raise SystemExit(f"error: {e}")
+    run(main, errors=(DataError,),
+        interrupted="a build is complete only once data_meta.json is written, last: the next run "
+        "reuses a complete build and rebuilds an incomplete one")

@@ -40,12 +40,13 @@ import torch
 
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, load_drafter, load_target
-from training.tokenizer import EOT, atomic_write
+from runtime.command import atomic_write, replacing, run
+from training.tokenizer import EOT
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
 from runtime.profiling import profile_propose
-from runtime.settings import DFLASH, DSPARK, ArgumentParser, number, number_list, path_arg
+from runtime.settings import DFLASH, DSPARK, ArgumentParser, expand, number, number_list, path_arg
 
 # -----------------------------------------------------------------------------
 # config.json
@@ -324,13 +325,13 @@ def write_folder(model, merges, folder, weights="safetensors"):
                  "n_ctx": cfg.sequence_len, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
                  "bos_token_id": len(vocab) - 1, "eos_token_id": len(vocab) - 1}, indent=2)}
     for name, body in files.items():
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            f.write(body)
+        atomic_write(os.path.join(folder, name), body)
     sd = from_gpt(model)
     if weights == "safetensors":
         write_safetensors(sd, os.path.join(folder, "model.safetensors"))
     else:
-        torch.save(sd, os.path.join(folder, "pytorch_model.bin"))
+        with replacing(os.path.join(folder, "pytorch_model.bin")) as tmp:
+            torch.save(sd, tmp)
 
 
 def random_gpt2(shape="small", vocab_size=50257, seed=0, activation="gelu_new"):
@@ -439,7 +440,7 @@ def check_writable(folder, force):
 def build_parser():
     p = ArgumentParser(prog="python -m training.pretrained",
                        description="Check, write or time a Hugging Face GPT-2 folder.")
-    p.add_argument("folder", help="the GPT-2 folder (config.json, weights, vocab.json, "
+    p.add_argument("folder", type=expand, help="the GPT-2 folder (config.json, weights, vocab.json, "
                    "merges.txt)")
     p.add_argument("--random", choices=sorted(SHAPES), default=None,
                    help="write a folder of random weights of this shape (small: GPT-2 small; "
@@ -452,7 +453,7 @@ def build_parser():
                    "off)")
     p.add_argument("--sizes", type=number_list(), default=[1, 8, 16],
                    help="tokens per timed forward, comma-separated (default: 1,8,16)")
-    p.add_argument("--toy", default="out/target.pt",
+    p.add_argument("--toy", type=expand, default="out/target.pt",
                    help="the toy target to time beside it with --cost, if it exists "
                    "(default: out/target.pt)")
     p.add_argument("--context", type=number(int, lo=0), default=128,
@@ -489,7 +490,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+    run(main, errors=(CheckpointError, ValueError),
+        interrupted="every file written is whole; with --random, a folder may lack some: write "
+        "it again with --force")

@@ -24,6 +24,7 @@ from runtime.checkpoint import (CheckpointError, cpu_state_dict, cpu_tree, load_
                                 save_checkpoint, state_hash)
 from runtime.settings import (DFLASH, DISTILL, DSPARK, EAGLE, MTP as MTP_SETTINGS, SHARED,
                               SMALL, TARGET)
+from training import data as datamod
 from training import ddp, pretrained
 from training.stages_dflash import dflash_phases, train_dflash
 from training.stages_dspark import dspark_phases, train_dspark
@@ -67,7 +68,7 @@ def train_target(tr):
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "step": a.target_iters, "optimizer": cpu_tree(opt_state), "val_loss": val,
+                     "data": tr.info["recipe"], "step": a.target_iters, "optimizer": cpu_tree(opt_state), "val_loss": val,
                      "tokens_seen": a.target_iters * a.batch_size * a.block_size,
                      "settings": stage_settings(a, "target")},
                     tr.path("target"))
@@ -90,7 +91,7 @@ def import_target(tr):
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "step": 0, "val_loss": val, "tokens_seen": 0, "init_from": a.init_from,
+                     "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0, "init_from": a.init_from,
                      "settings": stage_settings(a, "target")},
                     tr.path("target"))
     return val
@@ -193,11 +194,19 @@ def is_current(tr, stage):
     except CheckpointError:  # truncated, garbage, or another kind of checkpoint: it is remade
         print(f"{stage}: {path} is unreadable; retraining it")
         return False
-    if (ckpt.get("tokenizer_hash") != tr.info["tokenizer_hash"] if stage == "target"
-            else ckpt.get("target_hash") != tr.target()[1]["model_hash"]):
-        print(f"{stage}: {path} was trained against another target or tokenizer; retraining it")
+    if stage == "target":  # a trained target is not thrown away without --force
+        why = datamod.mismatch(ckpt, tr.info, tr.args.out_dir)
+        if why:
+            raise CheckpointError(f"{why}, or pass --force to retrain the target and every "
+                                  "drafter on this build")
+    elif ckpt.get("target_hash") != tr.target()[1]["model_hash"]:
+        print(f"{stage}: {path} was trained against another target; retraining it")
         return False
-    had = ckpt.get("settings") or {}
+    had = ckpt.get("settings")
+    if not isinstance(had, dict):  # unknown, not "all of them changed": kept, as it is
+        print(f"{stage}: {path} records no settings, so whether this run's are its own is "
+              "unknown: kept (--force retrains it)")
+        return True
     changed = [f"{k} {had.get(k)} -> {v}" for k, v in stage_settings(tr.args, stage).items()
                if had.get(k) != v]
     if changed:

@@ -9,7 +9,6 @@ crashes on a malformed one). training/data.py builds the token streams with it.
 import base64
 import hashlib
 import heapq
-import os
 import pathlib
 import re
 import time
@@ -17,6 +16,7 @@ from collections import Counter, defaultdict
 
 import tiktoken
 
+from runtime.command import atomic_write
 from runtime.settings import DEFAULT_VOCAB
 
 EOT = "<|endoftext|>"
@@ -117,14 +117,6 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
 # -----------------------------------------------------------------------------
 # tokenizer files and encoding helpers
 
-def atomic_write(path, data: bytes):
-    """Write `data` to `path` whole or not at all: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"  # same folder, so os.replace is an atomic rename
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def ranks_hash(ranks: dict[bytes, int]) -> str:
     h = hashlib.sha256()
     for t, r in sorted(ranks.items(), key=lambda kv: kv[1]):
@@ -136,10 +128,14 @@ def file_sha256(path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
+def rank_file(ranks: dict[bytes, int]) -> bytes:
+    """The rank file's bytes (tiktoken's format), as save_tokenizer writes them."""
+    return "".join(f"{base64.b64encode(t).decode()} {r}\n"
+                   for t, r in sorted(ranks.items(), key=lambda kv: kv[1])).encode()
+
+
 def save_tokenizer(ranks: dict[bytes, int], path):
-    lines = (f"{base64.b64encode(t).decode()} {r}\n"
-             for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
-    atomic_write(path, "".join(lines).encode())
+    atomic_write(path, rank_file(ranks))
 
 
 def read_ranks(path) -> dict[bytes, int]:

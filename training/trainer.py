@@ -117,6 +117,7 @@ class Phase:
     is the step to begin at; written atomically every --ckpt-interval seconds), the stop on a NaN,
     the progress lines, the validation every --eval-interval steps. A run killed anywhere resumes
     to the very same weights: batches come from generators seeded by the step."""
+    running = None  # the phase running now, for what an interruption says it kept (kept())
 
     def __init__(self, tr, name, module, opt, fingerprint, steps, eval_fn, tokens_per_step):
         self.tr, self.name, self.module, self.opt = tr, name, module, opt
@@ -128,6 +129,7 @@ class Phase:
         self.t0 = time.time()
         tr.clock.finish()  # the clock times this phase's steps from here
         self.last_save, self.val = time.time(), float("nan")
+        Phase.running = self
 
     def save(self, step):
         self.saved = step
@@ -159,8 +161,21 @@ class Phase:
         if self.start == self.steps:
             self.val = self.eval_fn()
         self.tr.clock.finish(self.name)
+        Phase.running = None
         print(f"{self.name}: {self.steps - self.start} steps in {time.time() - self.t0:.0f}s")
         return self.val
+
+
+def kept():
+    """What an interrupted train.py kept, and how it goes on: its one line on Ctrl-C."""
+    phase, again = Phase.running, "the same command"
+    if phase is None:
+        return f"every finished stage's checkpoint is kept: {again} goes on from the next stage"
+    if phase.saved is None:
+        return (f"{phase.name} had not saved its state yet (it does every --ckpt-interval "
+                f"seconds), the finished stages are kept: {again} starts {phase.name} over")
+    return (f"{phase.path} holds {phase.name} at step {phase.saved}/{phase.steps}, the finished "
+            f"stages are kept: {again} resumes there")
 
 
 # -----------------------------------------------------------------------------
@@ -279,10 +294,9 @@ class Trainer:
         """The trained, frozen target (loaded once)."""
         if self._target is None:
             model, ckpt = load_target(self.path("target"), self.device)
-            if ckpt["tokenizer_hash"] != self.info["tokenizer_hash"]:
-                raise CheckpointError(f"{self.path('target')} was trained with tokenizer "
-                                      f"{ckpt['tokenizer_hash'][:12]} but out/ now holds "
-                                      f"{self.info['tokenizer_hash'][:12]}: run "
+            why = datamod.mismatch(ckpt, self.info, self.args.out_dir)
+            if why:
+                raise CheckpointError(f"{why}, or retrain the target on this build with "
                                       "`python train.py --only target --force`")
             for p in model.parameters():
                 p.requires_grad_(False)

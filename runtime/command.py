@@ -1,0 +1,75 @@
+"""
+runtime/command.py -- what every command shares at its edges: an error a user can fix is one
+`error:` line, an interruption is one line saying what was kept, and no file is ever half
+written.
+
+    if __name__ == "__main__":
+        run(main, errors=(ValueError,), interrupted="nothing was written")
+
+Ctrl-C (SIGINT) and SIGTERM end a command the same way: its files are whole (each is written to
+a temporary name beside it and renamed in one step, the temporary removed if the write is cut
+short), one line on stderr says what was saved and how to go on, and the exit status is the
+shell's for that signal: 130 for Ctrl-C, 143 for SIGTERM.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python is when it arrives, as Ctrl-C is: every cleanup that runs
+    for one runs for the other."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def sigterm_as_interrupt():
+    """From here on SIGTERM raises Terminated wherever Python is, as Ctrl-C raises
+    KeyboardInterrupt; returns the handler it replaces."""
+    return signal.signal(signal.SIGTERM, _terminate)
+
+
+def run(main, errors=(), interrupted="nothing was written"):
+    """main() as a command. An exception of `errors` ends in 'error: ...' and exit status 1; an
+    interruption in 'interrupted: <interrupted>' (a string, or a function giving one then) and
+    exit status 130 (Ctrl-C) or 143 (SIGTERM)."""
+    previous = sigterm_as_interrupt()
+    try:
+        return main()
+    except errors as e:
+        raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt as e:
+        note = interrupted() if callable(interrupted) else interrupted
+        print(f"interrupted: {note}", file=sys.stderr)
+        raise SystemExit(status(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def status(interruption):
+    """The exit status of a command ended by this interruption: the shell's, 128 + the signal."""
+    return 128 + int(signal.SIGTERM if isinstance(interruption, Terminated) else signal.SIGINT)
+
+
+@contextlib.contextmanager
+def replacing(path):
+    """A temporary name beside `path` to write to; when the block ends it becomes `path` in one
+    rename, and if the block fails or is interrupted it is removed: a reader finds the old file
+    or the new one, never half of one, and no temporary is left behind."""
+    tmp = f"{path}.tmp{os.getpid()}"  # the same folder, so os.replace is an atomic rename
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def atomic_write(path, data: bytes | str):
+    """Write `data` to `path` whole or not at all."""
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)

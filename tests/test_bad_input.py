@@ -1,0 +1,219 @@
+"""Bad input a new user meets on the newer surface and deeper down: a data build that no longer
+fits the trained target, a damaged record beside a trained file, `~` in a path flag, Ctrl-C and
+SIGTERM, a count flag with a prompts file. Each ends in one line (or works, where the input is
+valid), and nothing trained is replaced without --force.
+
+Runs on copies of conftest.py's tiny trained out/, through tests/commands.py (in this process,
+as a user's command line would run), except the signals, which a real process receives."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from commands import ROOT, damage, fast, refused, run, snapshot, succeeded, with_flag
+from conftest import tiny_args
+from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+# -----------------------------------------------------------------------------
+# a target and a data build that no longer belong together
+
+
+def rebuild_for_another_vocabulary(out, corpus):
+    """What a user does: training/data.py --force, for another vocabulary, over a trained out/."""
+    argv = with_flag(fast("training/data.py", out, corpus), "--vocab-size", "300")
+    succeeded(run("training/data.py", *argv, "--force"))
+
+
+def test_readers_refuse_a_target_whose_tokenizer_was_rebuilt_and_name_both_ways_out(out, corpus):
+    """bench.py and sample.py stop before the first token, in one line naming the command that
+    makes the target's build again; that command works, and then so does bench.py."""
+    rebuild_for_another_vocabulary(out, corpus)
+    for script in ("bench.py", "sample.py"):
+        line = refused(run(script, *fast(script, out, corpus)), "target.pt was trained with "
+                       "tokenizer", "(384 tokens)", "(300 tokens)", "python train.py", "--force")
+    restore = re.search(r"`python -m training\.data ([^`]*)`", line)
+    assert restore, line
+    succeeded(run("training/data.py", *shlex.split(restore.group(1))))
+    assert "exact" in succeeded(run("bench.py", *fast("bench.py", out, corpus)))
+
+
+def test_train_py_keeps_a_target_whose_build_was_rebuilt_unless_forced(out, corpus):
+    """After a rebuild with --force, train.py does not retrain the target over it on its own."""
+    rebuild_for_another_vocabulary(out, corpus)
+    target = snapshot(out)["target.pt"]
+    argv = with_flag(fast("train.py", out, corpus), "--vocab-size", "300")
+    refused(run("train.py", *argv), "target.pt was trained with tokenizer", "--force")
+    refused(run("train.py", *argv, "--only", "small"), "target.pt was trained with tokenizer",
+            "--only target --force")
+    assert snapshot(out)["target.pt"] == target
+
+
+@pytest.mark.parametrize("how", ["garbage", "delete"])
+@pytest.mark.parametrize("script", ["train.py", "training/data.py"])
+def test_a_damaged_build_record_does_not_let_the_trained_target_go(out, corpus, script, how):
+    """With data_meta.json unreadable, a rebuild for another vocabulary is refused all the same
+    (the tokenizer it would make is not the target's), and nothing in out/ changes; one for the
+    same settings rebuilds the same build, and keeps the target."""
+    damage(out / "data_meta.json", how)
+    before = snapshot(out)
+    argv = with_flag(fast(script, out, corpus), "--vocab-size", "300")
+    refused(run(script, *argv), "target.pt was trained with tokenizer", "--force")
+    assert snapshot(out) == before
+    succeeded(run(script, *fast(script, out, corpus)))
+    assert snapshot(out)["target.pt"] == before["target.pt"]
+
+
+def test_a_stage_that_records_no_settings_is_kept_not_retrained(out, corpus):
+    """A checkpoint without its settings record is unknown, not stale: train.py keeps it."""
+    ckpt = load_checkpoint(str(out / "small.pt"), "small")
+    del ckpt["settings"]
+    save_checkpoint(ckpt, str(out / "small.pt"))
+    before = snapshot(out)["small.pt"]
+    printed = succeeded(run("train.py", *fast("train.py", out, corpus), "--only", "small"))
+    assert "records no settings" in printed and "--force" in printed
+    assert snapshot(out)["small.pt"] == before
+
+
+# -----------------------------------------------------------------------------
+# `~` in a path flag: the check and the work read the same path
+
+
+def test_a_tilde_in_every_path_flag_means_the_home_folder(out, corpus, tmp_path, monkeypatch):
+    """--flag=~/x (which the shell leaves alone) is the home folder's x for every command, and no
+    folder named `~` appears where the command ran."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    home.mkdir()
+    os.replace(out, home / "run")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    (home / "p.jsonl").write_text('{"prompt": "def f(x):"}\n')
+    bench_argv = [*with_flag(fast("bench.py", home / "run", corpus), "--out-dir", "~/run"),
+                  "--prompts=~/p.jsonl", "--json=~/b.json"]
+    succeeded(run("bench.py", *bench_argv))
+    assert json.loads((home / "b.json").read_text())["n_prompts"] == 1
+    succeeded(run("sample.py", *with_flag(fast("sample.py", home / "run", corpus), "--out-dir",
+                                          "~/run")))
+    succeeded(run("training/data.py", "--data", corpus, "--vocab-size", "384",
+                  "--out-dir=~/built"))
+    assert (home / "built" / "data_meta.json").is_file()
+    succeeded(run("train.py", *with_flag(fast("train.py", home / "run", corpus), "--out-dir",
+                                         "~/run")))
+    succeeded(run("benchmark/plot.py", "~/b.json", "~/b.png"))
+    assert (home / "b.png").is_file()
+    succeeded(run("training/pretrained.py", "~/gpt2", "--random", "tiny"))
+    assert (home / "gpt2" / "config.json").is_file()
+    assert os.listdir(here) == []
+
+
+# -----------------------------------------------------------------------------
+# count flags apply to every source of prompts, or are refused with the reason
+
+
+def test_n_prompts_and_prompt_len_apply_to_a_prompts_file(out, corpus, tmp_path):
+    lines = [json.dumps({"prompt": f"def f{i}(x):\n    return x + {i}\n"}) for i in range(5)]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    argv = [*fast("bench.py", out, corpus), "--prompts", tmp_path / "p.jsonl",
+            "--json", tmp_path / "r.json"]
+    succeeded(run("bench.py", *with_flag(argv, "--n-prompts", "2")))
+    assert json.loads((tmp_path / "r.json").read_text())["n_prompts"] == 2
+    i = argv.index("--n-prompts")
+    argv = argv[:i] + argv[i + 2:]  # the file's prompts, all of them
+    succeeded(run("bench.py", *argv))
+    assert json.loads((tmp_path / "r.json").read_text())["n_prompts"] == 5
+    refused(run("bench.py", *argv, "--n-prompts", "6"), "--n-prompts 6", "5")
+    succeeded(run("bench.py", *argv, "--prompt-len", "3"))  # each prompt's last 3 tokens
+    refused(run("bench.py", *argv, "--sweep-prompts", "2"), "--sweep-prompts", "--sweep")
+    refused(run("bench.py", *with_flag(argv, "--sweep", "1"), "--sweep-prompts", "9"),
+            "--sweep-prompts 9", "5")
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C and SIGTERM: one line, what was kept, the shell's exit status, nothing half-written
+
+
+def leftovers(folder):
+    return [p for p in snapshot(folder) if ".tmp" in p]
+
+
+def test_ctrl_c_in_training_says_what_it_kept_and_the_same_command_resumes(out, corpus,
+                                                                          monkeypatch):
+    """Interrupted at step 3 of a stage that saves every step: one line naming the resume file
+    and its step, exit status 130, no temporary left; the same command resumes at step 3."""
+    from training import trainer
+    after = trainer.Phase.after
+
+    def interrupt_at_3(self, done, loss_val, lr):
+        after(self, done, loss_val, lr)
+        if done == 3:
+            raise KeyboardInterrupt
+
+    argv = [*fast("train.py", out, corpus), "--only", "small", "--force", "--ckpt-interval", "0"]
+    monkeypatch.setattr(trainer.Phase, "after", interrupt_at_3)
+    code, _, err = run("train.py", *argv)
+    assert code == 130 and err.count("\n") == 1, err
+    assert err.startswith("interrupted: ") and "small.resume.pt" in err and "step 3/" in err
+    assert "resumes there" in err and not leftovers(out)
+    monkeypatch.setattr(trainer.Phase, "after", after)
+    assert "resuming an interrupted run at step 3" in succeeded(run("train.py", *argv))
+
+
+def test_ctrl_c_in_bench_writes_no_results_file(out, corpus, tmp_path, monkeypatch):
+    import speculative
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative, "generate_speculative", interrupted)
+    code, _, err = run("bench.py", *with_flag(fast("bench.py", out, corpus), "--json",
+                                              tmp_path / "r.json"))
+    assert code == 130 and err.startswith("interrupted: ") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "r.json") and not leftovers(tmp_path)
+
+
+def test_a_write_cut_short_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """Interrupted halfway through writing a checkpoint, or any file: the old one stays whole."""
+    path = tmp_path / "target.pt"
+    save_checkpoint({"kind": "target", "state_dict": {}, "old": True}, str(path))
+    real_save = torch.save
+
+    def half_then_ctrl_c(obj, f):
+        real_save(obj, f)
+        os.truncate(f, os.path.getsize(f) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"kind": "target", "state_dict": {}, "old": False}, str(path))
+    assert load_checkpoint(str(path), "target")["old"] and os.listdir(tmp_path) == ["target.pt"]
+    from runtime import command
+    command.atomic_write(tmp_path / "a.json", "{}")
+    with pytest.raises(KeyboardInterrupt), command.replacing(tmp_path / "a.json") as tmp:
+        open(tmp, "w").write("{half")
+        raise KeyboardInterrupt
+    assert (tmp_path / "a.json").read_text() == "{}"
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "target.pt"]
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_real_signal_ends_train_py_in_one_line(out, corpus, sig, status):
+    """A real Ctrl-C (SIGINT) or SIGTERM, sent to a training process mid-stage."""
+    argv = [*tiny_args(corpus, out, "--bf16", "off", "--threads", "1"), "--only", "small",
+            "--force", "--log-interval", "1", "--small-iters", "100000"]
+    p = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:  # signalled once a training step is done
+        if line.startswith("small | step"):
+            break
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == status, err
+    assert err.startswith("interrupted: ") and err.count("\n") == 1, err
+    assert not leftovers(out)
