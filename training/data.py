@@ -286,8 +286,8 @@ def trained_tokenizer(out: pathlib.Path) -> str | None:
 
 def mismatch(target_ckpt: dict, build: dict, out_dir) -> str | None:
     """Why the target and the build in out_dir do not belong together, with the command that
-    makes the target's build again where the target recorded how it was made; None if they
-    do."""
+    makes the target's build again (exactly, where the target recorded how it was made); None if
+    they do."""
     had, now = target_ckpt.get("tokenizer_hash"), build["tokenizer_hash"]
     if had and had == now:
         return None
@@ -296,8 +296,7 @@ def mismatch(target_ckpt: dict, build: dict, out_dir) -> str | None:
     why = (f"{out / 'target.pt'} was trained with tokenizer {str(had or 'unknown')[:12]} "
            f"({vocab} tokens) but the build in {out} holds tokenizer {now[:12]} "
            f"({build['vocab_size']} tokens)")
-    recipe = target_ckpt.get("data")
-    return f"{why}; {remake(out, recipe)}" if recipe else why
+    return f"{why}; {remake(out, target_ckpt.get('data'))}"
 
 
 def check_target(target_ckpt: dict, build: dict, out_dir):
