@@ -207,13 +207,19 @@ def test_a_real_signal_ends_train_py_in_one_line(out, corpus, sig, status):
     """A real Ctrl-C (SIGINT) or SIGTERM, sent to a training process mid-stage."""
     argv = [*tiny_args(corpus, out, "--bf16", "off", "--threads", "1"), "--only", "small",
             "--force", "--log-interval", "1", "--small-iters", "100000"]
-    p = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in p.stdout:  # signalled once a training step is done
-        if line.startswith("small | step"):
-            break
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=120)
+    # Ctrl-C reaches a process that does not ignore it: a job started in the background by a
+    # shell without job control (a CI runner's, say) inherits SIGINT ignored, as Python respects
+    p = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in p.stdout:  # signalled once a training step is done
+            if line.startswith("small | step"):
+                break
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
     assert p.returncode == status, err
     assert err.startswith("interrupted: ") and err.count("\n") == 1, err
     assert not leftovers(out)
