@@ -178,6 +178,9 @@ def add_run_flags(g):
                    "ablation rows, the hybrid's oracle and the sweep over k (default: off, the "
                    f"headline: {HEADLINE['n_prompts']} prompts, {HEADLINE['repeats']} repeat, "
                    "each method at its own k)")
+    g.add_argument("--trees", action="store_true",
+                   help="the token-tree rows beside their chains: each tree sized round by round "
+                   "and its fixed shape (default: off; on with --full)")
     g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
     g.add_argument("--hybrid-with", default=HYBRID_WITH,
@@ -306,7 +309,7 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
         if args.full:
             for vname, vd in ablations.variants(d).items():
                 drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
-    if args.full:
+    if args.full or args.trees:
         drafters.update(ablations.trees(drafters, args.sampling))
     if args.full and "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1

@@ -19,6 +19,7 @@ from training import tokenizer
 from runtime.command import run
 from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from runtime.devices import pick_device, synchronize
+from runtime.profiling import profile_tree
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
 from tree import BlockTree, generate_tree
@@ -57,8 +58,9 @@ def build_parser():
                    help="with --method hybrid: the learned drafter it pairs with prompt lookup "
                    "(default: %(default)s)")
     p.add_argument("--tree", type=number(int, 0), default=0,
-                   help="with --method dflash or dspark: verify a token tree of this many nodes "
-                   "instead of a chain, k deep (tree.py; default: 0, a chain)")
+                   help="with --method dflash or dspark: verify a token tree of at most this many "
+                   "nodes, sized each round by what it is expected to keep and costs here "
+                   "(tree.py; default: 0, a chain)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
                    help="how many tokens to generate (default: %(default)s)")
     add_sampling_flags(p)
@@ -98,8 +100,8 @@ def main(argv=None):
     ids = tokenizer.encode(enc, a.prompt)
     trace = []
     a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
-    if a.tree:
-        tree = BlockTree(drafter, nodes=a.tree, depth=a.k)
+    if a.tree:  # sized each round by what it is expected to keep and what it costs here
+        tree = profile_tree(BlockTree(drafter, nodes=a.tree, k=a.k), target)
         out, stats = generate_tree(target, tree, ids, a.max_new_tokens, sampler, trace=trace)
     else:
         out, stats = generate_speculative(target, drafter, ids, a.max_new_tokens, a.k, sampler,
@@ -110,10 +112,13 @@ def main(argv=None):
     if len(out) < a.max_new_tokens:
         print(f"(stopped at the context limit: prompt + generated = {len(ids) + len(out)} tokens, "
               f"the target's context window)")
-    shape = f", a tree of {a.tree} nodes" if a.tree else ""
+    shape = f", a tree of at most {a.tree} nodes" if a.tree else ""
     print(f"method {a.method}{shape}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
           f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
     print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))
+    if a.tree:
+        print(f"tree nodes, the rounds it grew (the others drafted its chain): "
+              f"{' '.join(map(str, tree.sizes))}")
     print(f"time: draft {stats.draft_time * 1000:.0f} ms, verify {stats.verify_time * 1000:.0f} ms")
     if color:
         legend = "green = accepted draft, red = target's correction, blue = target's bonus"

@@ -18,18 +18,19 @@ import copy
 from serving.dflash import BATCH_SCHEDULES
 from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter, outcome
-from runtime.profiling import add_stats
+from runtime.profiling import add_stats, profile_tree
 from speculative import Stats, generate_speculative
 from tree import BlockTree, Branches
 
 MATCH_RULES = (1, 4, 8)  # the hybrid's fixed rules: lookup when m >= each of these
-# the trees' sizes, chosen by measurement on a CPU, where each node widens the verify
-# (docs/experiments.md: Trees: size and shape)
+# the fixed trees' shapes, chosen by measurement on a CPU, where each node widens the verify
+# (docs/experiments.md: Trees: size and shape): the rows "-fixed", beside the sized trees
 TREES = {  # name -> (its shape greedy, its shape sampling: shallower chains, bushier trees)
     "dspark-tree": (dict(nodes=20, width=2), dict(nodes=12, width=2, depth=6)),
     "dflash-tree": (dict(nodes=16, width=2), dict(nodes=8, width=2)),
 }
 TWO_BRANCH = dict(sure=2, nodes=32)  # DSpark's branch where lookup's match is one token or none
+SIZED_CAP = 32  # the most nodes a sized tree may grow to: its verify is profiled that wide
 
 
 def copies(drafter, rows, reset, cls=None):
@@ -64,7 +65,9 @@ def variants(drafter):
 
 def trees(drafters, sampling):
     """The tree rows, {name: (tree drafter, depth)}, over copies of the chain drafters in
-    `drafters` ({name: (drafter, k)}); none under rejection sampling, which tree.py refuses."""
+    `drafters` ({name: (drafter, k)}): each tree sized round by round on this device
+    (tree.BlockTree, tree.Branches with a profiling.TreeCost), and its fixed shape ("-fixed").
+    None under rejection sampling, which tree.py refuses."""
     if sampling == "rejection":
         return {}
     out = {}
@@ -72,12 +75,19 @@ def trees(drafters, sampling):
         chain_name = name[:-len("-tree")]
         if chain_name in drafters:  # as deep as its chain drafts, unless its shape says
             chain, k = drafters[chain_name]
+            target = chain.net.target
+            sized = BlockTree(copy.copy(chain), nodes=SIZED_CAP, k=k)  # as deep as it drafts
+            out[name] = (profile_tree(sized, target), sized.max_k)
             shape = {"depth": k, **shapes[sampling != "greedy"]}
-            out[name] = (BlockTree(copy.copy(chain), **shape), shape["depth"])
+            out[name + "-fixed"] = (BlockTree(copy.copy(chain), **shape), shape["depth"])
     if "lookup" in drafters and "dspark" in drafters:
         (lookup, k_lookup), (dspark, k_dspark) = drafters["lookup"], drafters["dspark"]
+        target = dspark.net.target
+        sized = Branches(copy.copy(lookup), copy.copy(dspark), k_lookup, k_dspark,
+                         nodes=TWO_BRANCH["nodes"])
+        out["two-branch"] = (profile_tree(sized, target), sized.max_k)
         two = Branches(copy.copy(lookup), copy.copy(dspark), k_lookup, k_dspark, **TWO_BRANCH)
-        out["two-branch"] = (two, two.max_k)
+        out["two-branch-fixed"] = (two, two.max_k)
     return out
 
 

@@ -8,8 +8,8 @@ import pytest
 from conftest import make_dflash, make_dspark, make_lookup
 from speculative import Sampler, generate_plain
 from test_speculative import assert_cache_is_a_fresh_prefill, prompts
-from tree import (BlockTree, Branches, TreeDrafter, accept, depths, generate_tree, tree_mask,
-                  trie)
+from tree import (BlockTree, Branches, Calibration, TreeDrafter, accept, depths, generate_tree,
+                  pays, same_cost, tree_mask, trie)
 
 
 class Scripted(TreeDrafter):
@@ -73,12 +73,34 @@ def test_a_scripted_tree_is_exact_on_any_branch_and_after_a_miss(target, mode, r
         assert stats.target_forwards < 20  # the right branches were taken: ~3 tokens a round
 
 
+class Dear:
+    """A cost model where width is dear: each node costs `per_node`, a branched tree `fork` more,
+    a round 1; it hears every round (as runtime/profiling.TreeCost does), and its learned
+    branch (`second`) costs `second`."""
+
+    def __init__(self, per_node, fork=0.0, second=0.0):
+        self.per_node, self.fork, self.second, self.branched = per_node, fork, second, []
+
+    def __call__(self, n, branched=True):
+        return 1.0 + self.per_node * n + (self.fork if branched and n > 1 else 0.0)
+
+    def observe(self, n, drafting, verifying, branched):
+        self.branched.append(branched)
+
+    def observe_rest(self, seconds):
+        pass
+
+
 def tree_drafters(target):
     dspark, dflash = make_dspark(target), make_dflash(target)
     return {"dspark-tree": BlockTree(dspark, nodes=12, width=2),
             "dspark-tree-shallow": BlockTree(make_dspark(target), nodes=8, width=3, depth=3),
             "dflash-tree": BlockTree(dflash, nodes=12, width=3),
-            "two-branch": Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4)}
+            "two-branch": Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4),
+            "dspark-sized": BlockTree(make_dspark(target), nodes=16, cost=same_cost),
+            "dflash-sized-dear": BlockTree(make_dflash(target), nodes=16, cost=Dear(0.05, 0.1)),
+            "two-branch-sized": Branches(make_lookup(target), make_dspark(target), 10, 8,
+                                         cost=Dear(0.02, 0.0, 0.3))}
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
@@ -119,3 +141,48 @@ def test_the_tree_stops_at_the_context_window_and_refuses_rejection(target):
     assert len(out) == target.config.sequence_len - len(p)
     with pytest.raises(ValueError, match="rejection"):
         generate_tree(target, d, p, 10, Sampler("rejection"))
+
+
+# -----------------------------------------------------------------------------
+# sized trees: grown while the next node pays
+
+
+def test_a_node_pays_where_tokens_per_second_do_not_drop():
+    assert pays(2.0, 0.5, 1.0, 1.2)       # 2.5 tokens in 1.2 s beats 2 in 1 s
+    assert not pays(2.0, 0.3, 1.0, 1.2)   # 2.3 in 1.2 s does not
+    assert pays(1.0, 0.0, 1.0, 1.0)       # free and useless: it does no harm
+
+
+def test_calibration_starts_at_the_drafters_own_probability_and_learns():
+    c = Calibration()
+    assert c(0.35, 0) == pytest.approx(0.35) and c(0.35, 1) == pytest.approx(0.35)
+    for _ in range(50):
+        c.observe(0.35, 1, False)  # runner-ups at q = 0.35 are never kept
+    assert c(0.35, 1) < 0.02 and c(0.35, 0) == pytest.approx(0.35)  # the best: its own count
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_a_sized_tree_grows_where_width_is_cheap_and_stays_a_chain_or_nothing_where_it_is_dear(
+        target, mode):
+    """The same drafter, three cost models: every round the same (it grows to its cap), width
+    dear (a chain, or no draft at all), a branched tree far dearer (never branched)."""
+    sizes = {}
+    for name, cost in [("free", same_cost), ("dear", Dear(0.3)), ("fork", Dear(0.01, 5.0))]:
+        d = BlockTree(make_dspark(target), nodes=10, cost=cost)
+        for seed, p in enumerate(prompts(4, target.config.vocab_size, seed=7)):
+            ref = generate_plain(target, p, 30, Sampler(mode, 0.7, None, seed))
+            assert generate_tree(target, d, p, 30, Sampler(mode, 0.7, None, seed))[0] == ref
+        sizes[name] = d.sizes
+    assert max(sizes["free"]) == 10
+    assert max(sizes["dear"]) < 4 and max(sizes["dear"]) < sum(sizes["free"]) / len(sizes["free"])
+    assert d.cost.branched and not any(d.cost.branched)  # each of its rounds a chain
+
+
+def test_a_sized_two_branch_tree_stops_drafting_a_branch_that_does_not_pay(target):
+    cheap = Branches(make_lookup(target), make_dspark(target), 10, 8, cost=Dear(0.0))
+    dear = Branches(make_lookup(target), make_dspark(target), 10, 8, cost=Dear(0.0, 0.0, 50.0))
+    for d in (cheap, dear):
+        for p in prompts(4, target.config.vocab_size, seed=9):
+            assert generate_tree(target, d, p, 30, Sampler("greedy"))[0] == generate_plain(
+                target, p, 30, Sampler("greedy"))
+    assert cheap.drafted > 4 * dear.drafted
