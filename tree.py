@@ -279,9 +279,10 @@ class BlockTree(TreeDrafter):
         self.drafter, self.nodes, self.width, self.chain = drafter, nodes, width, chain
         self.k = k or drafter.default_k  # the drafter's own chain's length (own_chain)
         self.name, self.max_k = f"{drafter.name}-tree", depth or drafter.max_k
-        if not 1 <= self.max_k <= drafter.max_k:
-            raise ValueError(f"a {drafter.name} tree is at most {drafter.max_k} deep (its "
-                             f"drafter's block holds), not {self.max_k}")
+        for deep in (self.max_k, self.k):
+            if not 1 <= deep <= drafter.max_k:
+                raise ValueError(f"a {drafter.name} tree is at most {drafter.max_k} deep (its "
+                                 f"drafter's block holds), not {deep}")
         self.default_k = drafter.default_k
         self.hidden_layers = drafter.hidden_layers
         markov = getattr(drafter, "markov", False)

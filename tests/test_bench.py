@@ -33,7 +33,8 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
         assert key in saved
     assert {"ar", *DRAFTERS, "mtp-k1", "dspark-nomarkov", "hybrid-m4", "dspark-tree",
             "dflash-tree", "two-branch"} <= set(saved["methods"])
-    assert saved["methods"]["dspark-tree"]["nodes"] == 20 and saved["verify_ms_by_tokens"]
+    assert saved["methods"]["dspark-tree-fixed"]["nodes"] == 20 and saved["verify_ms_by_tokens"]
+    assert saved["methods"]["dspark-tree"]["nodes"] == 32  # a sized tree's cap
     assert saved["methods"]["two-branch"]["oracle_tau"] == saved["methods"]["hybrid"]["oracle"]["tau"]
     assert saved["full"] is True and saved["prompts"] == "validation"
     for name, r in saved["methods"].items():
@@ -133,8 +134,8 @@ def test_flags_are_grouped_and_each_says_its_default():
     flag's help names its default (the effective one: OUT_DIR/bench.json, not None)."""
     p = bench.build_parser()
     groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
-    assert groups["what to run"] == ["--methods", "--full", "--k", "--hybrid-with", "--prompts",
-                                     "--n-prompts", "--prompt-len", "--max-new-tokens",
+    assert groups["what to run"] == ["--methods", "--full", "--trees", "--k", "--hybrid-with",
+                                     "--prompts", "--n-prompts", "--prompt-len", "--max-new-tokens",
                                      "--batch-size"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
     assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",

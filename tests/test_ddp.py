@@ -116,6 +116,7 @@ def ddp_worker(rank, size, init, accum, out):
         loss, sd = one_step(ddp.World(rank, size), accum, os.path.dirname(out))
         if rank == 0:
             torch.save({"loss": loss, "state": sd}, out)
+        dist.barrier()  # neither rank tears its gloo threads down while the other still talks
     finally:
         dist.destroy_process_group()
 
