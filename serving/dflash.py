@@ -232,11 +232,12 @@ class BatchDSpark(BatchDFlash):
         """measured, asked before each batch (batched.BatchDrafter): plainly, start to end, where
         the batches drafted at this batch size made fewer tokens a second than plain decoding,
         with the benefit of the doubt to drafting (Widths.plain); and once at each batch size, to
-        time plain decoding's own step."""
+        time plain decoding's own step, where drafting is not clearly ahead (Widths.doubtful)."""
         if self.schedule != "measured" or B not in self.costs:
             return False  # a batch size not seen yet drafts: begin() profiles it
         plain = self.widths.plain(B, self.prior(B))
-        return plain or 0 not in self.widths.seconds.get(B, {})
+        untimed = 0 not in self.widths.seconds.get(B, {})
+        return plain or (untimed and self.widths.doubtful(B, self.prior(B), self.cap))
 
     def timed_plain(self, B, steps, seconds):
         """serving/batched.py timed plain decoding's own path at batch size B (the measured rule)."""

@@ -165,7 +165,18 @@ DECAY = 0.995  # per round: the survival counts of earlier text fade (a new batc
 # pseudo-batch at SPREAD / sqrt(B), as if a batch's rate were the mean of B prompts' with SPREAD
 # each (roughly what a CPU sweep measured at batch 2 to 32: docs/experiments.md)
 KEEP, SPREAD = 16, 0.4
-RATE = 0.3  # running averages of round times: the host's speed can change under a server
+# a round's seconds at a width: the median of its last TIMES (its estimate before it was timed
+# counting as two of them at first), so one slow round (another process, a page fault) moves
+# nothing, and the host's speed can still change under a server
+TIMES = 9
+# exploring a neighbour width is worth its rounds only where it may be the better one: where its
+# estimated rate is within EXPLORE_MARGIN of the best's. A width far behind is not tried: those
+# rounds would be lost, with no chance of winning them back within a short run
+EXPLORE_MARGIN = 0.1
+# a whole plain batch, to time plain decoding's own step at a batch size, is run only where
+# drafting's best estimated rate is within PLAIN_MARGIN of plain decoding's profiled one: where
+# drafting clearly wins, that batch's cost is never won back
+PLAIN_MARGIN = 1.25
 
 
 class Widths:
@@ -193,6 +204,7 @@ class Widths:
         self.reached = np.zeros(max_k)  # rows verified at width >= j whose first j - 1 survived
         self.passed = np.zeros(max_k)  # ... of them, rows whose draft j survived too
         self.seconds = {}  # batch size -> {width: measured seconds a round; 0: a plain step}
+        self.times = {}  # (batch size, width) -> its last TIMES rounds' seconds
         self.ratio = {}  # batch size -> {width: measured over profiled}
         # batch size -> the batch drafting there: [tokens committed, its start, its last commit]
         # (clock seconds); its last KEEP drafted batches' rates over plain decoding's; how many
@@ -234,7 +246,14 @@ class Widths:
         if self.rounds % EXPLORE_EVERY < EXPLORE_EVERY - EXPLORE_ROUNDS:
             return best
         i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
-        return widths[min(max(i, 0), len(widths) - 1)]
+        near = widths[min(max(i, 0), len(widths) - 1)]
+        return near if rate[near] >= (1 - EXPLORE_MARGIN) * rate[best] else best
+
+    def doubtful(self, B, prior, cap=None):
+        """Is drafting at batch size B close enough to plain decoding that plain decoding's own
+        step is worth timing (a whole plain batch)? By the rounds' estimates: the best width's
+        rate within PLAIN_MARGIN of a plain step's profiled one."""
+        return max(self.rates(B, prior, cap).values()) < PLAIN_MARGIN / self.estimate(B, 0, prior)
 
     def plain(self, B, prior):
         """Asked before each batch of B rows: decode it plainly? (The batch before at B is done.)"""
@@ -261,7 +280,13 @@ class Widths:
         """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
         took `seconds`."""
         at, ratio = self.seconds.setdefault(B, {}), self.ratio.setdefault(B, {})
-        at[w] = seconds if w not in at else at[w] + RATE * (seconds - at[w])
+        if (B, w) not in self.times:  # a round's estimate so far counts twice: one round is not
+            # enough to move it (a plain step's time is already the mean over a whole batch)
+            self.times[B, w] = [self.estimate(B, w, prior)] * 2 if w else []
+        seen = self.times[B, w]
+        seen.append(seconds)
+        del seen[:-TIMES]
+        at[w] = float(np.median(seen))
         ratio[w] = at[w] / prior[w]
 
     def verified(self, B, w, counts, accepted, now):

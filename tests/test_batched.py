@@ -227,10 +227,30 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     assert w.choose(1, steep) == 2  # 1 + S1 + S2 = 3 tokens for 1.9: the most a second
     # measured seconds replace the prior; an untimed width is priced by the timed ones
     w = Widths(8)
-    w.timed(1, 2, 3.8, steep)  # twice what the profile said
+    w.timed(1, 2, 3.8, steep)  # twice what the profile said: one round is not enough ...
+    assert w.estimate(1, 2, steep) == 1.9
+    w.timed(1, 2, 3.8, steep)
+    w.timed(1, 2, 3.8, steep)  # ... three are
     assert w.estimate(1, 2, steep) == 3.8 and w.estimate(1, 4, steep) == 7.8
+    w.timed(1, 2, 50.0, steep)  # one slow round (another process) moves nothing
+    assert w.estimate(1, 2, steep) == 3.8
     assert w.estimate(2, 4, steep) == 7.8  # another batch size: the ratio measured anywhere
     assert w.estimate(1, 0, steep) == 1.0  # a plain step is priced by plain steps only
+
+
+def test_the_measured_rule_explores_only_widths_that_may_win_and_times_plain_only_in_doubt():
+    """A neighbour width is tried now and then only where its estimate is within 10% of the
+    best's: rounds spent on one far behind are never won back. A plain batch is spent timing plain
+    decoding only where drafting's best rate is within 25% of plain decoding's."""
+    for near in (False, True):
+        w = Widths(8)
+        for _ in range(50):
+            w.verified(1, 8, [8], [8], 0.0)  # every draft kept: width 8 keeps 9 tokens, 4 keeps 5
+        prior = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0 if not near else 0.55, 8: 1.0}  # near: 4 best
+        chosen = {w.choose(1, prior) for _ in range(60)}
+        assert chosen == ({8, 4} if near else {8}), (near, chosen)
+    assert not w.doubtful(1, {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # 9 tokens a step's time
+    assert w.doubtful(1, {0: 1.0, 1: 8.0, 2: 8.0, 4: 8.0, 8: 8.0})  # 9 tokens in 8 steps' time
 
 
 def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
