@@ -210,6 +210,7 @@ class Widths:
         # (clock seconds); its last KEEP drafted batches' rates over plain decoding's; how many
         # batches it decided
         self.batch, self.drafted, self.decided = {}, {}, {}
+        self.warm = set()  # batch sizes whose first drafted batch is done
         self.rounds = 0
 
     def survivals(self):
@@ -271,10 +272,14 @@ class Widths:
 
     def end_batch(self, B, step):
         """The batch drafted at B, if any, joins the record: its tokens a row a second over a plain
-        step's (`step` seconds a step)."""
+        step's (`step` seconds a step). Not the first at a batch size: its clock holds what runs
+        once (every width's first shapes, the caches the start-up profile left), and at batch 1 a
+        first batch at half its later rate turned drafting off for the next five."""
         made, start, end = self.batch.pop(B, (0.0, 0.0, 0.0))
-        if end > start:
+        if end > start and B in self.warm:
             self.drafted[B] = (self.drafted.get(B, []) + [made / (B * (end - start)) * step])[-KEEP:]
+        elif end > start:
+            self.warm.add(B)
 
     def timed(self, B, w, seconds, prior):
         """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
