@@ -133,9 +133,9 @@ class TreeDrafter(Drafter):
 
     A tree sized by what its rounds cost (`cost`, see pays below) times them on its own clock:
     started() as propose_tree begins, proposed(parents) as it returns its nodes, verified() as
-    commit begins. Where the cost has observe(n, seconds drafting, seconds verifying, branched?)
-    and observe_rest (seconds from a verify to the next round's start: commit, the loop), it
-    hears each round."""
+    commit begins. Where the cost has observe(n, seconds growing the tree or None, seconds
+    verifying, branched?) and observe_rest (seconds from a verify to the next round's start:
+    commit, the loop), it hears each round."""
     cost = None
 
     def propose_tree(self, depth, nodes, sampler):
@@ -147,15 +147,17 @@ class TreeDrafter(Drafter):
             self.cost.observe_rest(self.clock[0] - self.done)
         self.done = None
 
-    def proposed(self, parents):
-        self.clock += [time.perf_counter(), parents]
+    def proposed(self, parents, grown=True):
+        """grown=False: this round's draft is not the tree's growing (a chain drafter's own round),
+        so its seconds tell nothing of what growing costs."""
+        self.clock += [time.perf_counter(), parents, grown]
 
     def verified(self):
-        if hasattr(self.cost, "observe") and len(getattr(self, "clock", ())) == 3:
-            start, proposed, parents = self.clock
+        if hasattr(self.cost, "observe") and len(getattr(self, "clock", ())) == 4:
+            start, proposed, parents, grown = self.clock
             self.done = time.perf_counter()
-            self.cost.observe(len(parents), proposed - start, self.done - proposed,
-                              branched(parents))
+            self.cost.observe(len(parents), proposed - start if grown else None,
+                              self.done - proposed, branched(parents))
         self.clock = ()
 
 
@@ -341,7 +343,7 @@ class BlockTree(TreeDrafter):
         self.chained += 1
         tokens = self.drafter.propose(min(depth, self.k), sampler)[0].tolist()
         parents = list(range(len(tokens)))
-        self.proposed(parents)
+        self.proposed(parents, grown=False)
         return tokens, parents
 
     def chain_rows(self, base, root, sampler, noise):

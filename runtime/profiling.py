@@ -111,8 +111,10 @@ class TreeCost:
     def __init__(self, t_chain, t_tree, t_draft, t_node, second=0.0):
         self.t_verify = {False: t_chain, True: t_tree}  # [m]: seconds of an m-token verify
         self.t_draft, self.t_node = t_draft, t_node
-        self.seen = {"verify": [], "draft": [], "rest": [], "second": [second]}
-        self.now = {"verify": 1.0, "draft": 1.0, "rest": 0.0, "second": second}  # their medians
+        # measured over profiled: a chain's verify, a branched tree's, a tree's growing; seconds of
+        # the rest of a round, of the learned branch's draft. `now`: their medians
+        self.seen = {"chain": [], "tree": [], "draft": [], "rest": [], "second": [second]}
+        self.now = {"chain": 1.0, "tree": 1.0, "draft": 1.0, "rest": 0.0, "second": second}
 
     def verify(self, n, branched):
         """The profiled seconds of verifying n nodes and the root (linear past the profile)."""
@@ -121,16 +123,19 @@ class TreeCost:
 
     def __call__(self, n, branched=True):
         now = self.now
+        # a branched verify not measured yet: as far off its profile as the chain's
+        ratio = now["tree"] if branched and self.seen["tree"] else now["chain"]
         return (now["rest"] + now["draft"] * (self.t_draft + self.t_node * n)
-                + now["verify"] * self.verify(n, branched))
+                + ratio * self.verify(n, branched))
 
     @property
     def second(self):
         return self.now["second"]
 
     def observe(self, n, drafting, verifying, branched):
-        self.keep("draft", drafting / max(self.t_draft + self.t_node * n, 1e-9))
-        self.keep("verify", verifying / self.verify(n, branched))
+        if drafting is not None:
+            self.keep("draft", drafting / max(self.t_draft + self.t_node * n, 1e-9))
+        self.keep("tree" if branched else "chain", verifying / self.verify(n, branched))
 
     def observe_rest(self, seconds):
         self.keep("rest", seconds)
