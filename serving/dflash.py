@@ -232,12 +232,11 @@ class BatchDSpark(BatchDFlash):
         """measured, asked before each batch (batched.BatchDrafter): plainly, start to end, where
         the batches drafted at this batch size made fewer tokens a second than plain decoding,
         with the benefit of the doubt to drafting (Widths.plain); and once at each batch size, to
-        time plain decoding's own step, where drafting is not clearly ahead (Widths.doubtful)."""
+        time plain decoding's own step."""
         if self.schedule != "measured" or B not in self.costs:
             return False  # a batch size not seen yet drafts: begin() profiles it
         plain = self.widths.plain(B, self.prior(B))
-        untimed = 0 not in self.widths.seconds.get(B, {})
-        return plain or (untimed and self.widths.doubtful(B, self.prior(B), self.cap))
+        return plain or 0 not in self.widths.seconds.get(B, {})
 
     def timed_plain(self, B, steps, seconds):
         """serving/batched.py timed plain decoding's own path at batch size B (the measured rule)."""

@@ -173,10 +173,6 @@ TIMES = 9
 # estimated rate is within EXPLORE_MARGIN of the best's. A width far behind is not tried: those
 # rounds would be lost, with no chance of winning them back within a short run
 EXPLORE_MARGIN = 0.1
-# a whole plain batch, to time plain decoding's own step at a batch size, is run only where
-# drafting's best estimated rate is within PLAIN_MARGIN of plain decoding's profiled one: where
-# drafting clearly wins, that batch's cost is never won back
-PLAIN_MARGIN = 1.25
 
 
 class Widths:
@@ -249,12 +245,6 @@ class Widths:
         i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
         near = widths[min(max(i, 0), len(widths) - 1)]
         return near if rate[near] >= (1 - EXPLORE_MARGIN) * rate[best] else best
-
-    def doubtful(self, B, prior, cap=None):
-        """Is drafting at batch size B close enough to plain decoding that plain decoding's own
-        step is worth timing (a whole plain batch)? By the rounds' estimates: the best width's
-        rate within PLAIN_MARGIN of a plain step's profiled one."""
-        return max(self.rates(B, prior, cap).values()) < PLAIN_MARGIN / self.estimate(B, 0, prior)
 
     def plain(self, B, prior):
         """Asked before each batch of B rows: decode it plainly? (The batch before at B is done.)"""

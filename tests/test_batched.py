@@ -238,10 +238,9 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     assert w.estimate(1, 0, steep) == 1.0  # a plain step is priced by plain steps only
 
 
-def test_the_measured_rule_explores_only_widths_that_may_win_and_times_plain_only_in_doubt():
+def test_the_measured_rule_explores_only_widths_that_may_win():
     """A neighbour width is tried now and then only where its estimate is within 10% of the
-    best's: rounds spent on one far behind are never won back. A plain batch is spent timing plain
-    decoding only where drafting's best rate is within 25% of plain decoding's."""
+    best's: rounds spent on one far behind are never won back."""
     for near in (False, True):
         w = Widths(8)
         for _ in range(50):
@@ -249,8 +248,6 @@ def test_the_measured_rule_explores_only_widths_that_may_win_and_times_plain_onl
         prior = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0 if not near else 0.55, 8: 1.0}  # near: 4 best
         chosen = {w.choose(1, prior) for _ in range(60)}
         assert chosen == ({8, 4} if near else {8}), (near, chosen)
-    assert not w.doubtful(1, {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # 9 tokens a step's time
-    assert w.doubtful(1, {0: 1.0, 1: 8.0, 2: 8.0, 4: 8.0, 8: 8.0})  # 9 tokens in 8 steps' time
 
 
 def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
