@@ -165,14 +165,7 @@ DECAY = 0.995  # per round: the survival counts of earlier text fade (a new batc
 # pseudo-batch at SPREAD / sqrt(B), as if a batch's rate were the mean of B prompts' with SPREAD
 # each (roughly what a CPU sweep measured at batch 2 to 32: docs/experiments.md)
 KEEP, SPREAD = 16, 0.4
-# a round's seconds at a width: the median of its last TIMES (its estimate before it was timed
-# counting as two of them at first), so one slow round (another process, a page fault) moves
-# nothing, and the host's speed can still change under a server
-TIMES = 9
-# exploring a neighbour width is worth its rounds only where it may be the better one: where its
-# estimated rate is within EXPLORE_MARGIN of the best's. A width far behind is not tried: those
-# rounds would be lost, with no chance of winning them back within a short run
-EXPLORE_MARGIN = 0.1
+RATE = 0.3  # running averages of round times: the host's speed can change under a server
 
 
 class Widths:
@@ -200,13 +193,11 @@ class Widths:
         self.reached = np.zeros(max_k)  # rows verified at width >= j whose first j - 1 survived
         self.passed = np.zeros(max_k)  # ... of them, rows whose draft j survived too
         self.seconds = {}  # batch size -> {width: measured seconds a round; 0: a plain step}
-        self.times = {}  # (batch size, width) -> its last TIMES rounds' seconds
         self.ratio = {}  # batch size -> {width: measured over profiled}
         # batch size -> the batch drafting there: [tokens committed, its start, its last commit]
         # (clock seconds); its last KEEP drafted batches' rates over plain decoding's; how many
         # batches it decided
         self.batch, self.drafted, self.decided = {}, {}, {}
-        self.warm = set()  # batch sizes whose first drafted batch is done
         self.rounds = 0
 
     def survivals(self):
@@ -243,29 +234,17 @@ class Widths:
         if self.rounds % EXPLORE_EVERY < EXPLORE_EVERY - EXPLORE_ROUNDS:
             return best
         i = widths.index(best) + (1 if self.rounds // EXPLORE_EVERY % 2 else -1)
-        near = widths[min(max(i, 0), len(widths) - 1)]
-        return near if rate[near] >= (1 - EXPLORE_MARGIN) * rate[best] else best
+        return widths[min(max(i, 0), len(widths) - 1)]
 
     def plain(self, B, prior):
         """Asked before each batch of B rows: decode it plainly? (The batch before at B is done.)"""
         self.end_batch(B, self.estimate(B, 0, prior))
         self.decided[B] = self.decided.get(B, 0) + 1
-        if self.rounds_lose(B, prior):
-            return True
         r = np.array(self.drafted.get(B, []))
         if not len(r):
             return False
         spread = np.sqrt((SPREAD ** 2 / B + ((r - r.mean()) ** 2).sum()) / len(r))
         return r.mean() + spread * np.sqrt(np.log(self.decided[B]) / len(r)) < 1
-
-    def rounds_lose(self, B, prior):
-        """Do the rounds drafted at B, timed, make fewer tokens a row a second at every width than
-        a plain step? Their rates leave out what a batch costs once (the drafter reading its
-        prompts, the slowest row's tail): a reading that favours drafting, so where even it loses,
-        drafting loses, with no whole batch to wait for (at batch 32 a short run has three)."""
-        if not any(w > 0 for w in self.seconds.get(B, {})):
-            return False
-        return max(self.rates(B, prior).values()) * self.estimate(B, 0, prior) < 1
 
     def started(self, B, now):
         """A batch of B rows starts drafting at clock `now`."""
@@ -273,26 +252,16 @@ class Widths:
 
     def end_batch(self, B, step):
         """The batch drafted at B, if any, joins the record: its tokens a row a second over a plain
-        step's (`step` seconds a step). Not the first at a batch size: its clock holds what runs
-        once (every width's first shapes, the caches the start-up profile left), and at batch 1 a
-        first batch at half its later rate turned drafting off for the next five."""
+        step's (`step` seconds a step)."""
         made, start, end = self.batch.pop(B, (0.0, 0.0, 0.0))
-        if end > start and B in self.warm:
+        if end > start:
             self.drafted[B] = (self.drafted.get(B, []) + [made / (B * (end - start)) * step])[-KEEP:]
-        elif end > start:
-            self.warm.add(B)
 
     def timed(self, B, w, seconds, prior):
         """A round at width w (0: a plain step, timed over a whole plain batch) at batch size B
         took `seconds`."""
         at, ratio = self.seconds.setdefault(B, {}), self.ratio.setdefault(B, {})
-        if (B, w) not in self.times:  # a round's estimate so far counts twice: one round is not
-            # enough to move it (a plain step's time is already the mean over a whole batch)
-            self.times[B, w] = [self.estimate(B, w, prior)] * 2 if w else []
-        seen = self.times[B, w]
-        seen.append(seconds)
-        del seen[:-TIMES]
-        at[w] = float(np.median(seen))
+        at[w] = seconds if w not in at else at[w] + RATE * (seconds - at[w])
         ratio[w] = at[w] / prior[w]
 
     def verified(self, B, w, counts, accepted, now):

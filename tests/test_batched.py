@@ -227,27 +227,10 @@ def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     assert w.choose(1, steep) == 2  # 1 + S1 + S2 = 3 tokens for 1.9: the most a second
     # measured seconds replace the prior; an untimed width is priced by the timed ones
     w = Widths(8)
-    w.timed(1, 2, 3.8, steep)  # twice what the profile said: one round is not enough ...
-    assert w.estimate(1, 2, steep) == 1.9
-    w.timed(1, 2, 3.8, steep)
-    w.timed(1, 2, 3.8, steep)  # ... three are
+    w.timed(1, 2, 3.8, steep)  # twice what the profile said
     assert w.estimate(1, 2, steep) == 3.8 and w.estimate(1, 4, steep) == 7.8
-    w.timed(1, 2, 50.0, steep)  # one slow round (another process) moves nothing
-    assert w.estimate(1, 2, steep) == 3.8
     assert w.estimate(2, 4, steep) == 7.8  # another batch size: the ratio measured anywhere
     assert w.estimate(1, 0, steep) == 1.0  # a plain step is priced by plain steps only
-
-
-def test_the_measured_rule_explores_only_widths_that_may_win():
-    """A neighbour width is tried now and then only where its estimate is within 10% of the
-    best's: rounds spent on one far behind are never won back."""
-    for near in (False, True):
-        w = Widths(8)
-        for _ in range(50):
-            w.verified(1, 8, [8], [8], 0.0)  # every draft kept: width 8 keeps 9 tokens, 4 keeps 5
-        prior = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0 if not near else 0.55, 8: 1.0}  # near: 4 best
-        chosen = {w.choose(1, prior) for _ in range(60)}
-        assert chosen == ({8, 4} if near else {8}), (near, chosen)
 
 
 def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
@@ -261,9 +244,6 @@ def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
     for B in (2, 32):
         assert not w.plain(B, flat)  # no batch drafted at this batch size yet
         w.timed(B, 0, 0.1, flat)  # a plain step: 10 tokens a row a second
-        w.started(B, 90.0)  # the first batch drafted at B: its one-time costs are not counted
-        w.verified(B, 8, [8] * B, [0] * B, 99.0)
-        assert not w.plain(B, flat) and B not in w.drafted
         w.started(B, 100.0)
         w.verified(B, 8, [8] * B, [0] * B, 100.5)  # a token a row, ...
         w.verified(B, 8, [8] * B, [6] * B, 101.0)  # ... then 7: 8 a row in 1 s
@@ -293,8 +273,7 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
 def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     """Where every drafted round costs far more than a plain step (here each propose also waits
     20 ms, against a plain step of a millisecond or two), the measured rule times plain decoding's
-    own step on one batch, drafts one, whose rounds, timed, lose to a plain step even before what
-    a batch costs once, then decodes whole batches on plain
+    own step on one batch, drafts one for evidence, then decodes whole batches on plain
     decoding's own path (the drafter sees none of their rounds); the tokens stay exact
     throughout. (Left to the tiny drafter's own speed the verdict hung on the host's timings: a
     drafted batch made about a third of plain decoding's rate on a quiet host, and once, on a
