@@ -52,6 +52,7 @@ from torch.nn import functional as F
 
 from draft_small import total_variation
 from draft_dflash import DFlash, DFlashDrafter, position_weights, soft_labels, training_states
+from tree import pays
 
 # -----------------------------------------------------------------------------
 # the network: a DFlash backbone + Markov head + confidence head
@@ -210,22 +211,22 @@ def ece(prob, outcome, bins=10):
 
 class Throughput:
     """The scheduler's rule, fed the prefix survivals a_1, a_2, ... in order: admit position l
-    while the expected throughput (1 + sum_{j<=l} a_j) / (t_draft + t_verify[l+1]) does not drop;
-    refuse (and stay refused) at the first drop. t_verify[m]: seconds for an m-token target
-    forward. The first position is always admitted: a round verifies at least one draft.
-    l: positions admitted so far; expected: 1 + their summed survival (expected tokens per
-    round); theta: the throughput at l."""
+    while it pays (tree.pays: the expected throughput (1 + sum_{j<=l} a_j) / (t_draft +
+    t_verify[l+1]) does not drop); refuse (and stay refused) at the first that does not.
+    t_verify[m]: seconds for an m-token target forward. The first position is always admitted: a
+    round verifies at least one draft. l: positions admitted so far; expected: 1 + their summed
+    survival (expected tokens per round)."""
 
     def __init__(self, t_draft, t_verify):
         self.t_draft, self.t_verify = t_draft, t_verify
-        self.l, self.expected, self.theta = 0, 1.0, 0.0
+        self.l, self.expected = 0, 1.0
 
     def admit(self, survival):
-        expected = self.expected + survival
-        theta = expected / (self.t_draft + self.t_verify[self.l + 2])
-        if self.l >= 1 and theta < self.theta:
+        seconds = self.t_draft + self.t_verify[self.l + 1]
+        more = self.t_draft + self.t_verify[self.l + 2]
+        if self.l >= 1 and not pays(self.expected, survival, seconds, more):
             return False
-        self.l, self.expected, self.theta = self.l + 1, expected, theta
+        self.l, self.expected = self.l + 1, self.expected + survival
         return True
 
 

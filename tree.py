@@ -213,9 +213,9 @@ def pays(expected, p, seconds, more_seconds):
     tokens in `seconds`; with it, `expected + p` in `more_seconds` (p: the chance the node is
     kept). It pays where tokens per second do not drop. Grown best-first, each next node's p is at
     most the last one's (a node is kept only if its parent is), so the first node that does not
-    pay ends the tree: more width would only cost more. The chain's length (DSpark's scheduler),
-    a tree's shape and a batch's width are this one question (serving/rules.py asks it per
-    batch)."""
+    pay ends the tree: more width would only cost more. The chain's length (DSpark's scheduler,
+    draft_dspark.Throughput, asks it too), a tree's shape and a batch's width are this one
+    question (serving/rules.py asks it per batch in its own vectorised form)."""
     return (expected + p) * seconds >= expected * more_seconds
 
 
