@@ -253,9 +253,8 @@ def load(args, stem="bench"):
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     check_outputs(args, stem)
-    build = data.load_build(args.out_dir)  # every data file checked
-    data.check_target(target_ckpt, build, args.out_dir)  # the target reads this build's tokens
-    enc = data.encoding_of(build)
+    # every data file checked, and the tokenizer the target was trained with
+    enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
     prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.sequence_len)
     fit_new_tokens(args, prompts, target.config.sequence_len)
     fit_sweep(args, prompts)

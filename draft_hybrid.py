@@ -40,6 +40,7 @@ import torch
 
 from draft_lookup import LookupDrafter
 from speculative import Drafter, k_for
+from tree import agreed
 
 # -----------------------------------------------------------------------------
 # the record: how each drafter's drafts fared, by the lookup's match length
@@ -103,9 +104,8 @@ class Record:
 def outcome(draft, ids):
     """(kept, tried) for a draft against the tokens the round confirmed: kept = how many of its
     first tokens equal them; tried = kept + 1 where the next one is known to differ, else kept."""
-    known = min(len(draft), len(ids))
-    kept = next((j for j in range(known) if draft[j] != ids[j]), known)
-    return kept, kept + (kept < known)
+    kept = agreed(draft, ids)
+    return kept, kept + (kept < min(len(draft), len(ids)))
 
 
 class Costs:

@@ -91,9 +91,8 @@ def main(argv=None):
     cpu_speed.enable()
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
-    build = data.load_build(a.out_dir)  # every data file checked
-    data.check_target(target_ckpt, build, a.out_dir)  # the target reads this build's tokens
-    enc = data.encoding_of(build)
+    # every data file checked, and the tokenizer the target was trained with
+    enc = data.encoding_of(data.load_build_for(target_ckpt, a.out_dir))
     drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
                            hybrid_with=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)

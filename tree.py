@@ -230,12 +230,16 @@ class Calibration:
         self.reached = [[0.0] * self.BINS for _ in range(2)]  # [best?][bin]: parent was kept
         self.kept = [[0.0] * self.BINS for _ in range(2)]     # ... and so was it
 
+    def cell(self, q, rank):
+        """(best candidate or runner-up, tenth of q): where a candidate is counted."""
+        return min(rank, 1), min(int(q * self.BINS), self.BINS - 1)
+
     def __call__(self, q, rank):
-        b, r = min(int(q * self.BINS), self.BINS - 1), min(rank, 1)
+        r, b = self.cell(q, rank)
         return (self.kept[r][b] + self.PRIOR * q) / (self.reached[r][b] + self.PRIOR)
 
     def observe(self, q, rank, kept):
-        b, r = min(int(q * self.BINS), self.BINS - 1), min(rank, 1)
+        r, b = self.cell(q, rank)
         self.reached[r][b] += 1
         self.kept[r][b] += kept
 
@@ -539,4 +543,5 @@ class Branches(TreeDrafter):
 
 def agreed(chain, ids):
     """How many of a chain's first tokens the round confirmed (ids: the tokens it kept)."""
-    return next((j for j, (a, b) in enumerate(zip(chain, ids)) if a != b), min(len(chain), len(ids)))
+    known = min(len(chain), len(ids))
+    return next((j for j in range(known) if chain[j] != ids[j]), known)

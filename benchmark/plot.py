@@ -135,9 +135,14 @@ def draw(results, path):
         for i, (_, view) in enumerate(rows):
             view(fig, grid[i].subgridspec(1, 2))  # each view: one panel, or two side by side
         fig.suptitle(title(results), fontsize=10)
-        with replacing(path) as tmp:  # format: the name's, not the temporary's
-            fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower())
+        save_figure(fig, path)
     return fig  # for the tests, which read what each panel shows
+
+
+def save_figure(fig, path):
+    """fig to path whole or not at all; the format is the name's, not the temporary's."""
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower())
 
 
 def draw_serving(results, path):
@@ -178,8 +183,7 @@ def draw_serving(results, path):
         left.legend(fontsize=8, ncol=2)
         fig.suptitle(title(results).replace("against plain decoding",
                                             "over a batch of requests"), fontsize=10)
-        with replacing(path) as tmp:  # format: the name's, not the temporary's
-            fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:].lower())
+        save_figure(fig, path)
     return fig
 
 

@@ -104,9 +104,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
-    build = data.load_build(args.out_dir)  # every data file checked
-    data.check_target(target_ckpt, build, args.out_dir)  # the target reads this build's tokens
-    enc = data.encoding_of(build)
+    # every data file checked, and the tokenizer the target was trained with
+    enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
     prompts = read_jsonl(args.prompts, enc)
     longest = max(len(p) for p in prompts)
     if longest >= target.config.sequence_len:

@@ -15,7 +15,7 @@ tokenizer kind:
 Every reader checks the files against data_meta.json: prepare_data (train.py, this file's
 command) rebuilds a damaged build with a one-line notice; load_build (bench.py, sample.py)
 refuses it with an error naming the file and the command that remakes it. A trained target and
-the build belong together by the tokenizer's hash, which the target records: check_target
+the build belong together by the tokenizer's hash, which the target records: load_build_for
 refuses a pair that does not (the target would read ids it never saw), and a rebuild whose
 tokenizer is not the target's is refused unless forced, whatever data_meta.json says.
 
@@ -35,9 +35,8 @@ import torch
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding,
-                                load_tokenizer, rank_file, ranks_hash, save_tokenizer,
-                                train_bpe)
+from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding, load_tokenizer,
+                                rank_file, ranks_hash, train_bpe)
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
@@ -299,13 +298,16 @@ def mismatch(target_ckpt: dict, build: dict, out_dir) -> str | None:
     return f"{why}; {remake(out, target_ckpt.get('data'))}"
 
 
-def check_target(target_ckpt: dict, build: dict, out_dir):
-    """A reader (bench.py, sample.py) refuses a target and a build that do not belong together,
-    before the first token: the target would read ids it was never trained on."""
+def load_build_for(target_ckpt: dict, out_dir) -> dict:
+    """load_build for a reader of the target too (bench.py, sample.py): a target and a build that
+    do not belong together are refused before the first token, since the target would read ids
+    it was never trained on."""
+    build = load_build(out_dir)
     why = mismatch(target_ckpt, build, out_dir)
     if why:
         raise DataError(f"{why}, or retrain the target and its drafters on this build with "
                         f"`python train.py --out-dir {shlex.quote(str(out_dir))} --force`")
+    return build
 
 
 def _keep_trained(out: pathlib.Path, want: dict, trained: str | None, force: bool):
@@ -330,9 +332,10 @@ def _keep_tokenizer(out: pathlib.Path, tok_hash: str, trained: str | None, force
     """The tokenizer a rebuild made, before anything is written: one that is not the one
     out/target.pt was trained with is refused unless force, whatever data_meta.json says."""
     if trained is not None and tok_hash != trained and not force:
-        raise DataError(f"{out / 'target.pt'} was trained with tokenizer {trained[:12] or 'unknown'}"
-                        f", and this build's would be {tok_hash[:12]}: pass --force to rebuild the "
-                        "data and retrain every stage, or pick another --out-dir")
+        raise DataError(f"{out / 'target.pt'} was trained with tokenizer "
+                        f"{trained[:12] or 'unknown'}, and this build's would be {tok_hash[:12]}: "
+                        "pass --force to rebuild the data and retrain every stage, or pick another "
+                        "--out-dir")
 
 
 def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
@@ -395,8 +398,9 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
         if len(ranks) + 1 < vocab_size:
             log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for "
                 f"{vocab_size}); using that")
-    if tokenizer != "gpt2":
-        tok_hash = hashlib.sha256(rank_file(ranks)).hexdigest()  # the file's, once written
+    if tokenizer != "gpt2":  # the file's bytes, hashed before anything in out/ changes
+        raw = rank_file(ranks)
+        tok_hash = hashlib.sha256(raw).hexdigest()
     _keep_tokenizer(out, tok_hash, trained, force)
     # only now, with the data read and checked, does out/ change; a half-finished rebuild
     # never looks complete: data_meta.json goes first and comes back last
@@ -407,7 +411,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
                         "pick another --out-dir") from None
     meta_path.unlink(missing_ok=True)
     if tokenizer != "gpt2":
-        save_tokenizer(ranks, tok_path)
+        atomic_write(tok_path, raw)
         enc = load_tokenizer(tok_path, want["pattern"])
 
     meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,

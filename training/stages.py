@@ -68,7 +68,8 @@ def train_target(tr):
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "data": tr.info["recipe"], "step": a.target_iters, "optimizer": cpu_tree(opt_state), "val_loss": val,
+                     "data": tr.info["recipe"], "step": a.target_iters,
+                     "optimizer": cpu_tree(opt_state), "val_loss": val,
                      "tokens_seen": a.target_iters * a.batch_size * a.block_size,
                      "settings": stage_settings(a, "target")},
                     tr.path("target"))
@@ -91,7 +92,8 @@ def import_target(tr):
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0, "init_from": a.init_from,
+                     "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
+                     "init_from": a.init_from,
                      "settings": stage_settings(a, "target")},
                     tr.path("target"))
     return val
