@@ -53,6 +53,14 @@ class GPTConfig:
     #                           checkpoint written before this field) or "gelu_new" (the tanh
     #                           approximation OpenAI's GPT-2 weights were trained with)
 
+    @property
+    def n_kv_head(self):  # heads of keys and values: every query head has its own here (llama.py
+        return self.n_head  # shares them between groups of query heads)
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
     def to_dict(self):
         d = asdict(self)
         if d["activation"] == "gelu":  # what a config without the field means: checkpoints and
@@ -87,10 +95,9 @@ class KVCache:
     """
 
     def __init__(self, config, batch_size=1, device="cpu", dtype=torch.float32):
-        hs = config.n_embd // config.n_head
         self.max_len = config.sequence_len
-        # (n_layer, B, nh, Tmax, hs)
-        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
+        # (n_layer, B, n_kv_head, Tmax, hs)
+        shape = (config.n_layer, batch_size, config.n_kv_head, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
@@ -121,6 +128,8 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     keys (a chunk after cached keys), aligned bottom-right; SDPA's own is_causal aligns
     top-left, which is the same only when Tq == Tk."""
     Tq, Tk = q.size(2), k.size(2)
+    if k.size(1) != q.size(1):  # grouped-query attention (llama.py): each K/V head serves a group
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     if is_causal:
         if mask is not None:
             raise ValueError("attention: give a mask or is_causal, not both")
@@ -144,11 +153,16 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x, kv=None, start=0, attn_mask=None):
+    def heads(self, qkv, pos=None):
+        """c_attn's output (B, T, 3C) -> q, k, v, each (B, nh, T, hs). GPT-2 needs no positions
+        here (wpe added them at the input); llama.py rotates q and k by them."""
+        B, T, C3 = qkv.size()
+        return (t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2)
+                for t in qkv.split(C3 // 3, dim=2))
+
+    def forward(self, x, kv=None, start=0, attn_mask=None, pos=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # each (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.heads(self.c_attn(x), pos)  # each (B, nh, T, hs)
         if kv is not None:
             # write the new K/V at their absolute positions, attend over [0, start + T): no more
             k_cache, v_cache = kv
@@ -158,7 +172,7 @@ class CausalSelfAttention(nn.Module):
         dp = self.dropout if self.training else 0.0
         # attn_mask None: plain causal self-attention over these T tokens only
         y = attention(q, k, v, attn_mask, attn_mask is None and T > 1, dp)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -185,8 +199,8 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, start=0, attn_mask=None):
-        x = x + self.attn(self.ln_1(x), kv, start, attn_mask)
+    def forward(self, x, kv=None, start=0, attn_mask=None, pos=None):
+        x = x + self.attn(self.ln_1(x), kv, start, attn_mask, pos)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -229,6 +243,10 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
+    def embed(self, idx, pos):
+        """Token ids (B, T) at positions pos -> the first layer's input (B, T, C)."""
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
     def new_cache(self, batch_size=1, device=None, dtype=None):
         """A KVCache for this model, on its device and in its dtype unless told."""
         p = self.lm_head.weight
@@ -261,7 +279,7 @@ class GPT(nn.Module):
                              f"{self.config.sequence_len}")
 
         pos = torch.arange(start, start + T, device=idx.device) if tree is None else start + tree[0]
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
+        x = self.embed(idx, pos)  # (B, T, C)
         # one-token steps need no mask; prefill from 0 uses is_causal; a chunk after a prefix
         # (the verify pass) needs the explicit rectangular causal mask; a tree brings its own
         chunk_after_prefix = cache is not None and start > 0 and T > 1 and tree is None
@@ -269,7 +287,7 @@ class GPT(nn.Module):
         hiddens = {0: x} if 0 in hidden_layers else {}
         for i, layer in enumerate(self.transformer.h):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, kv, start, mask)
+            x = layer(x, kv, start, mask, pos)
             if i + 1 in hidden_layers:
                 hiddens[i + 1] = x
         if cache is not None:

@@ -1,2 +1,3 @@
 """What bench.py measures and reports beyond the lesson: the prompt sets, the ablation rows, the
-serving sweep, the papers' figures, the tables, the JSON and the plot."""
+serving sweep, the papers' figures, the tables, the JSON and the plot; and a pretrained
+folder's forward cost (training/pretrained.py --cost)."""

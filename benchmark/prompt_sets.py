@@ -107,7 +107,7 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     over documents."""
     res = data.load_build(out_dir)  # every file checked against data_meta.json
     enc, eot = data.encoding_of(res), res["eot_id"]
-    val = np.fromfile(res["val_bin"], dtype=np.uint16).astype(np.int64)
+    val = np.fromfile(res["val_bin"], dtype=res["token_dtype"]).astype(np.int64)
     ends_nl = np.array([not enc.is_special_token(t)
                         and enc.decode_single_token_bytes(t).endswith(b"\n")
                         for t in range(enc.n_vocab)])

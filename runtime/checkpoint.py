@@ -20,6 +20,7 @@ from runtime import profiling
 from runtime.command import replacing
 from runtime.devices import check_dtype, synchronize
 from gpt import GPT, GPTConfig
+from llama import Llama, LlamaConfig
 from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from draft_eagle import Eagle, EagleConfig, EagleDrafter
@@ -114,11 +115,19 @@ def cpu_tree(obj):
     return obj
 
 
+def target_of(config):
+    """The target a checkpoint's config describes: llama.Llama where it names that family (a
+    Llama or Qwen folder's import), else gpt.GPT."""
+    if config.get("family") == LlamaConfig.family:
+        return Llama(LlamaConfig.from_dict(config))
+    return GPT(GPTConfig.from_dict(config))
+
+
 def load_target(path, device="cpu", dtype=torch.float32):
     """The trained target, in eval mode, plus its checkpoint dict (for the hashes)."""
     check_dtype(device, dtype)
     ckpt = load_checkpoint(path, "target")
-    model = GPT(GPTConfig.from_dict(ckpt["config"]))
+    model = target_of(ckpt["config"])
     try:
         model.load_state_dict(ckpt["state_dict"])
     except RuntimeError as e:

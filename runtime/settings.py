@@ -255,6 +255,8 @@ PRESETS = {
     "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
             "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
             "time is in docs/experiments.md)",
+    "gpu-small": "a 100M-1B Llama, Qwen or GPT-2 from --init-from on one consumer GPU: the gpt2 "
+                 "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
 }
 
 RUN = {
@@ -424,7 +426,7 @@ GROUPS = {  # --help's groups, in order: title -> settings table
 }
 SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
 # a preset that takes another's values where it names none of its own: preset -> the chain
-PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda")}
+PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"), "gpu-small": ("gpt2", "cuda")}
 
 
 def preset_values(preset):

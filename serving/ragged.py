@@ -29,10 +29,9 @@ class RaggedCache:
     near the end of it. Rollback is per row and O(1), like KVCache's: a list of new lengths."""
 
     def __init__(self, config, batch_size, device="cpu", dtype=torch.float32, slack=64):
-        hs = config.n_embd // config.n_head
         self.max_len, self.slack = config.sequence_len + slack, slack
-        # (n_layer, B, nh, Tmax, hs)
-        shape = (config.n_layer, batch_size, config.n_head, self.max_len, hs)
+        # (n_layer, B, n_kv_head, Tmax, hs)
+        shape = (config.n_layer, batch_size, config.n_kv_head, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * batch_size
@@ -136,15 +135,13 @@ def new_cache(model, batch_size, device=None, dtype=None):
 
 
 def attend(attn, x, kv, rag):
-    """gpt.CausalSelfAttention over a ragged batch: x, the real tokens packed, (N, C) (or
-    (B, T, C) with no padding); rag: where they are. The projections run on the packed rows; the
-    attention on the padded (B, nh, T, hs)."""
-    qkv = rag.unpack(attn.c_attn(x))  # (B, T, 3C)
-    B, T, C = qkv.size(0), qkv.size(1), qkv.size(2) // 3
-    q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
-               for t in qkv.split(C, dim=2))  # each (B, nh, T, hs)
-    k, v = rag.write(kv[0], k), rag.write(kv[1], v)  # (B, nh, L, hs)
-    y = attention(q, k, v, rag.mask).transpose(1, 2).reshape(B, T, C)
+    """gpt.CausalSelfAttention (or llama.py's) over a ragged batch: x, the real tokens packed,
+    (N, C) (or (B, T, C) with no padding); rag: where they are. The projections run on the packed
+    rows; the attention on the padded (B, nh, T, hs)."""
+    q, k, v = attn.heads(rag.unpack(attn.c_attn(x)), rag.pos)  # each (B, heads, T, hs)
+    B, T = q.size(0), q.size(2)
+    k, v = rag.write(kv[0], k), rag.write(kv[1], v)  # (B, n_kv_head, L, hs)
+    y = attention(q, k, v, rag.mask).transpose(1, 2).reshape(B, T, -1)
     return attn.resid_dropout(attn.c_proj(rag.pack(y)))
 
 
@@ -171,7 +168,7 @@ def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
         raise ValueError(f"sequence exceeds the context window of {window}")
     rag = Ragged(starts, counts, T, idx.device)
     pos = rag.pos.clamp_max(window - 1)  # a padding slot past the window: any position will do
-    x = rag.pack(model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(pos)))
+    x = rag.pack(model.embed(idx, pos))
     hiddens = {0: rag.unpack(x)} if 0 in hidden_layers else {}
     for i, lay in enumerate(model.transformer.h):
         x = layer(lay, x, (cache.k[i], cache.v[i]), rag)

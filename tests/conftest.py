@@ -49,6 +49,33 @@ def target():
     return tiny_gpt(0)
 
 
+# llama.py's family, as tiny targets: grouped K/V heads in both; Llama-3's rope scaling and
+# attention biases in one, Qwen3's q/k norms, a head_dim apart from n_embd / n_head and a tied
+# head in the other
+LLAMAS = {
+    "llama": dict(n_head=4, n_kv_head=2, head_dim=8, qkv_bias=True, proj_bias=True,
+                  rope_theta=500000.0, rope_scaling={
+                      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3": dict(n_head=4, n_kv_head=2, head_dim=16, qk_norm=True, tie_embeddings=True,
+                  rope_theta=1e6),
+}
+
+
+def tiny_llama(family, seed=0, vocab=VOCAB, sequence_len=96, scale=8.0):
+    """A tiny llama.Llama of LLAMAS[family], peaked as tiny_gpt's, its norms and biases moved
+    away from their init (so that a weight read into the wrong place shows)."""
+    from llama import Llama, LlamaConfig
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(sequence_len=sequence_len, vocab_size=vocab, n_layer=2, n_embd=32,
+                              n_hidden=64, **LLAMAS[family]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return speed_up(peaked(model, scale).double().eval())
+
+
 def make_small(target):
     """The classic drafter with random weights: it disagrees with the target often."""
     return DraftModel(tiny_gpt(1, n_layer=1, n_embd=16, vocab=target.config.vocab_size,

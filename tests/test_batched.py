@@ -17,7 +17,7 @@ from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpo
 from serving.batched import BatchSampler, generate_batched, generate_plain_batched
 from serving.drafters import PerRow
 from serving.drafters import batched as batched_twin
-from conftest import DRAFTER_FACTORIES, fit_mtp, tiny_gpt
+from conftest import DRAFTER_FACTORIES, fit_mtp
 from draft_dspark import DSparkDrafter
 from serving.ragged import RaggedCache
 from speculative import Sampler, generate_plain

@@ -16,7 +16,7 @@ from speculative import Sampler, generate_plain, generate_speculative
 from tree import TreeDrafter, generate_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON = ["gpt", "speculative", "tree", "draft_small", "draft_mtp", "draft_eagle", "draft_dflash",
+LESSON = ["gpt", "llama", "speculative", "tree", "draft_small", "draft_mtp", "draft_eagle", "draft_dflash",
           "draft_dspark", "draft_lookup", "draft_hybrid"]
 COMMANDS = ["train", "bench", "sample"]
 PACKAGES = ["runtime", "serving", "training", "benchmark"]

@@ -95,8 +95,8 @@ def test_the_folder_loads_with_gpt2s_own_logits(merges, tmp_path, weights):
     pretrained.write_folder(tiny_model(), merges, tmp_path, weights)
     assert os.listdir(tmp_path).count("pytorch_model.bin" if weights == "bin"
                                       else "model.safetensors") == 1
-    model, ranks = pretrained.load_folder(str(tmp_path))
-    assert model.config.activation == "gelu_new" and len(ranks) + 1 == VOCAB
+    model, given = pretrained.load_folder(str(tmp_path))
+    assert model.config.activation == "gelu_new" and len(given.ranks) + 1 == VOCAB
     hf = {k: v.double() for k, v in pretrained.read_weights(str(tmp_path)).items()}
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -184,7 +184,7 @@ def refused(tmp_path, corpus, folder, *extra):
 def test_a_folder_without_weights_is_refused(folder, corpus, tmp_path):
     d = copy_of(folder, tmp_path)
     os.remove(d / "model.safetensors")
-    assert "no weights (model.safetensors or pytorch_model.bin)" in refused(tmp_path, corpus, d)
+    assert "no weights (model.safetensors, its shards, or pytorch_model.bin)" in refused(tmp_path, corpus, d)
 
 
 def test_unreadable_weights_are_refused(folder, corpus, tmp_path):
@@ -194,7 +194,7 @@ def test_unreadable_weights_are_refused(folder, corpus, tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"model_type": "llama"}, "model_type 'llama', not 'gpt2'"),
+    ({"model_type": "mistral"}, "model_type 'mistral', not one of gpt2, llama, qwen2, qwen3"),
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"n_inner": 100}, "n_inner 100"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),

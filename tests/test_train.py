@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from runtime import checkpoint
-from training import data
 from training import tokenizer
 from runtime import devices
 from runtime import settings

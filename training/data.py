@@ -7,8 +7,10 @@ By default the corpus is the Python standard library that ships with the running
 files to out_dir and reuses them while they still match the data source, vocab size and
 tokenizer kind:
 
-    tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line)
-    train.bin, val.bin   uint16 token ids, every document followed by the EOT (end-of-text) id
+    tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line), or
+      or tokenizer.json  a Llama or Qwen folder's own (training/hf_folder.py), as it ships
+    train.bin, val.bin   token ids, every document followed by the EOT (end-of-text) id: uint16,
+                         or uint32 for a vocabulary beyond 65,536 (data_meta.json's token_bytes)
     data_meta.json       fingerprint, counts and each file's size and sha256, written last
                          (it marks a complete build, and vouches for the files)
 
@@ -24,6 +26,7 @@ tokenizer is not the target's is refused unless forced, whatever data_meta.json 
 import hashlib
 import json
 import pathlib
+from dataclasses import dataclass
 import shlex
 import sysconfig
 import time
@@ -35,6 +38,7 @@ import torch
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
+from training.hf_folder import HFTokenizer
 from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding, load_tokenizer,
                                 rank_file, ranks_hash, train_bpe)
 
@@ -142,10 +146,42 @@ _WHAT = {
 }
 
 
+@dataclass
+class Given:
+    """A pretrained model's tokenizer, for a build of its folder: tiktoken ranks and their split
+    pattern (a GPT-2 folder's vocab.json + merges.txt; kind 'pretrained'), or the bytes of a
+    tokenizer.json and the id that ends a document (kind 'hf')."""
+    folder: str
+    ranks: dict | None = None
+    pattern: str | None = None
+    json: bytes | None = None
+    eot: int | None = None
+
+    @property
+    def kind(self):
+        return "hf" if self.json is not None else "pretrained"
+
+    def fingerprint(self):
+        if self.json is None:
+            return ranks_hash(self.ranks)
+        return f"{hashlib.sha256(self.json).hexdigest()} eot {self.eot}"
+
+
+def tokenizer_file(kind: str) -> str | None:
+    """The file a build of this tokenizer kind keeps its tokenizer in (gpt2's is tiktoken's own)."""
+    return {"gpt2": None, "hf": "tokenizer.json"}.get(kind, "tokenizer.tiktoken")
+
+
+def token_dtype(meta: dict):
+    """The token files' integer type: uint16 unless the build recorded 4 bytes a token."""
+    return np.uint32 if meta.get("token_bytes") == 4 else np.uint16
+
+
 def _result(out: pathlib.Path, meta: dict) -> dict:
     # paths are rebuilt from out_dir on every call, so a build stays usable from another cwd
-    has_file = meta["tokenizer"] != "gpt2"
-    return {"tokenizer_path": str(out / "tokenizer.tiktoken") if has_file else "gpt2",
+    name = tokenizer_file(meta["tokenizer"])
+    return {"tokenizer_path": str(out / name) if name else "gpt2", "kind": meta["tokenizer"],
+            "token_dtype": np.dtype(token_dtype(meta)).name,  # "uint16" or "uint32"
             "pattern": meta.get("pattern", PAT),
             "tokenizer_hash": meta["tokenizer_hash"], "vocab_size": meta["vocab_size"],
             "train_bin": str(out / "train.bin"), "val_bin": str(out / "val.bin"),
@@ -156,10 +192,11 @@ def _result(out: pathlib.Path, meta: dict) -> dict:
 # -----------------------------------------------------------------------------
 # verifying a build: data_meta.json vouches for each file by its size and sha256
 
-BUILT = ("tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json")  # what a build writes
-# tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), or the ranks of a pretrained
-# model's folder (pretrained: train.py --init-from; training/pretrained.py reads them)
-KINDS = ("bpe", "gpt2", "pretrained")
+# what a build writes (one of the two tokenizer files, or neither)
+BUILT = ("tokenizer.tiktoken", "tokenizer.json", "train.bin", "val.bin", "data_meta.json")
+# tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), the ranks of a pretrained
+# GPT-2 folder (pretrained), or a Llama or Qwen folder's tokenizer.json (hf): train.py --init-from
+KINDS = ("bpe", "gpt2", "pretrained", "hf")
 # how a build was made, as a target records it: enough for remake() to name the command that
 # makes that build again
 RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
@@ -185,8 +222,7 @@ def read_meta(out: pathlib.Path) -> dict:
     try:
         meta = json.loads(path.read_bytes())
         files = _expected(meta)
-        tokenizer_file = {"tokenizer.tiktoken"} if meta["tokenizer"] != "gpt2" else set()
-        need = {"train.bin", "val.bin"} | tokenizer_file
+        need = {"train.bin", "val.bin"} | ({tokenizer_file(meta["tokenizer"])} - {None})
         ok = (all(type(meta[k]) is int for k in _META_INTS)
               and meta["tokenizer"] in KINDS
               and need <= set(files)
@@ -217,7 +253,7 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
 def remake(out: pathlib.Path, meta: dict | None = None) -> str:
     """The command that rebuilds out/'s data files, with the settings the build recorded (if
     known)."""
-    if meta and meta.get("tokenizer") == "pretrained":
+    if meta and meta.get("tokenizer") in ("pretrained", "hf"):
         return (f"rebuild it with `python train.py --init-from "
                 f"{shlex.quote(meta.get('tokenizer_source', 'DIR'))} --out-dir "
                 f"{shlex.quote(str(out))}`, passing the --data it was built with")
@@ -249,16 +285,18 @@ def load_build(out_dir) -> dict:
 def encoding_of(info: dict) -> tiktoken.Encoding:
     """The tokenizer of a build (prepare_data's or load_build's result; gpt2's has no file)."""
     path = info["tokenizer_path"]
+    if info.get("kind") == "hf":
+        return HFTokenizer(path, info["eot_id"])
     return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
 
 def _wanted(data, vocab_size, tokenizer, given) -> dict:
     """What a build records of how it was made; one recording other values is rebuilt."""
     source = "stdlib" if data is None else str(pathlib.Path(data).expanduser().resolve())
-    return {"format": FORMAT, "pattern": given[1] if given else PAT, "source": source,
+    return {"format": FORMAT, "pattern": given.pattern if given else PAT, "source": source,
             "fingerprint": _fingerprint(data),
             "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
-            "tokenizer": tokenizer, **({"given_ranks": ranks_hash(given[0])} if given else {})}
+            "tokenizer": tokenizer, **({"given_ranks": given.fingerprint()} if given else {})}
 
 
 def _changed(meta: dict, want: dict) -> list:
@@ -360,13 +398,14 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
                  verbose=True, given=None, force=False) -> dict:
-    """given: for tokenizer 'pretrained', (mergeable ranks, split pattern, their folder).
+    """given: for tokenizer 'pretrained' or 'hf', the folder's tokenizer (Given).
     force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
-    if tokenizer not in KINDS or (tokenizer == "pretrained") != (given is not None):
+    if tokenizer not in KINDS or (tokenizer in ("pretrained", "hf")) != (given is not None):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
     out = pathlib.Path(out_dir)
-    meta_path, tok_path = out / "data_meta.json", out / "tokenizer.tiktoken"
+    meta_path = out / "data_meta.json"
+    tok_path = out / (tokenizer_file(tokenizer) or "none")
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file, not a folder; pick another --out-dir")
     blocked = [out / n for n in BUILT if (out / n).is_dir()]
@@ -390,7 +429,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     if tokenizer == "gpt2":
         enc, tok_hash = get_encoding("gpt2"), "gpt2"
     elif given:
-        ranks = given[0]
+        ranks = given.ranks
     else:
         t0 = time.time()
         ranks = train_bpe(train_docs, vocab_size, verbose=verbose)
@@ -399,7 +438,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
             log(f"data: the corpus only supports {len(ranks) + 1} tokens (asked for "
                 f"{vocab_size}); using that")
     if tokenizer != "gpt2":  # the file's bytes, hashed before anything in out/ changes
-        raw = rank_file(ranks)
+        raw = given.json if tokenizer == "hf" else rank_file(ranks)
         tok_hash = hashlib.sha256(raw).hexdigest()
     _keep_tokenizer(out, tok_hash, trained, force)
     # only now, with the data read and checked, does out/ change; a half-finished rebuild
@@ -412,20 +451,22 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     meta_path.unlink(missing_ok=True)
     if tokenizer != "gpt2":
         atomic_write(tok_path, raw)
-        enc = load_tokenizer(tok_path, want["pattern"])
+        enc = (HFTokenizer(tok_path, given.eot) if tokenizer == "hf"
+               else load_tokenizer(tok_path, want["pattern"]))
 
     meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-            "val_docs_count": len(val_docs), **({"tokenizer_source": given[2]} if given else {})}
+            "val_docs_count": len(val_docs), **({"tokenizer_source": given.folder} if given else {}),
+            **({"token_bytes": 4} if enc.n_vocab > 1 << 16 else {})}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         # every document is followed by EOT, so documents are separated (nanoGPT style)
         encoded = enc.encode_batch(docs, allowed_special={EOT})
         ids = [t for doc in encoded for t in (*doc, enc.eot_token)]
-        atomic_write(out / f"{split}.bin", np.array(ids, dtype=np.uint16).tobytes())
+        atomic_write(out / f"{split}.bin", np.array(ids, dtype=token_dtype(meta)).tobytes())
         meta[f"n_{split}_tokens"] = len(ids)
     log(f"data: {meta['n_train_tokens']:,} train / {meta['n_val_tokens']:,} val tokens, "
         f"vocab {enc.n_vocab}")
     meta["files"] = {n: {"bytes": (out / n).stat().st_size, "sha256": file_sha256(out / n)}
-                     for n in BUILT[:3] if n != "tokenizer.tiktoken" or tokenizer != "gpt2"}
+                     for n in (tokenizer_file(tokenizer), "train.bin", "val.bin") if n}
     atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return _result(out, meta)
 
@@ -442,11 +483,12 @@ class Batches:
 
     def __init__(self, info, block_size, batch_size, seed):
         self.files = {"train": info["train_bin"], "val": info["val_bin"]}
+        self.dtype = info["token_dtype"]
         self.T, self.B, self.seed = block_size, batch_size, seed
         self.rows = None
 
     def get(self, split, step, device, B=None):
-        arr = np.memmap(self.files[split], dtype=np.uint16, mode="r")
+        arr = np.memmap(self.files[split], dtype=self.dtype, mode="r")
         if len(arr) <= self.T + 1:
             raise DataError(f"the {split} split has only {len(arr)} tokens; it needs more than "
                             f"{self.T + 1}: use more data or a smaller --block-size")

@@ -1,9 +1,10 @@
 """
-training/pretrained.py -- a pretrained GPT-2 from a Hugging Face folder on disk, as the target.
+training/pretrained.py -- a pretrained model from a Hugging Face folder on disk, as the target.
 
 gpt.py gave us the model and train.py trains it on the corpus; this file adds the other way a
-user gets a target: GPT-2 weights they already have. `python train.py --init-from DIR` reads
-the folder as the Hugging Face hub hands it out, with nothing downloaded:
+user gets a target: weights they already have. `python train.py --init-from DIR` reads the
+folder as the Hugging Face hub hands it out, with nothing downloaded. A GPT-2 folder is read
+here; a Llama, Qwen2 or Qwen3 folder (llama.py's model) by training/hf_folder.py. GPT-2's:
 
     config.json                 n_embd, n_layer, n_head, n_positions, vocab_size, and
                                 activation_function ("gelu_new": GPT-2's tanh-approximate GELU)
@@ -24,29 +25,29 @@ measures against the toy target's (docs/results.md: a real-sized target).
 
     python -m training.pretrained DIR                      # check a folder: what it holds, does it load
     python -m training.pretrained DIR --random small       # write a random GPT-2-small-shaped folder
+    python -m training.pretrained DIR --random smollm2-135m  # ... or SmolLM2-135M / Qwen3-0.6B-shaped
     python -m training.pretrained DIR --cost               # its forward cost at 1/8/16 tokens vs the toy
                                                   # (out/target.pt): docs/results.md
 """
 
 import argparse
+import dataclasses
 import json
 import os
-import statistics
 import struct
-import time
 
 import tiktoken.load
 import torch
 
-from runtime import cpu_speed
-from runtime.checkpoint import CheckpointError, load_drafter, load_target
+from benchmark.forward_cost import cost_models, report_cost
+from runtime.checkpoint import CheckpointError
 from runtime.command import atomic_write, replacing, run
+from training import hf_folder
+from training.data import Given
 from training.tokenizer import EOT
-from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
-from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from gpt import GPT, GELU, GPTConfig
-from runtime.profiling import profile_propose
-from runtime.settings import DFLASH, DSPARK, ArgumentParser, expand, number, number_list, path_arg
+from llama import Llama, LlamaConfig
+from runtime.settings import ArgumentParser, expand, number, number_list, path_arg
 
 # -----------------------------------------------------------------------------
 # config.json
@@ -58,17 +59,37 @@ SHAPES = {  # --random's shapes: GPT-2 small, and one the tests' pipeline runs i
     "small": dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024),
     "tiny": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64),
 }
+LLAMA_SHAPES = {  # --random's Llama-family shapes: (family, llama.LlamaConfig's fields)
+    "smollm2-135m": ("llama", dict(n_embd=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64,
+                                   n_hidden=1536, vocab_size=49152, sequence_len=8192,
+                                   rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)),
+    "qwen3-0.6b": ("qwen3", dict(n_embd=1024, n_layer=28, n_head=16, n_kv_head=8, head_dim=128,
+                                 n_hidden=3072, vocab_size=151936, sequence_len=40960,
+                                 rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                                 tie_embeddings=True)),
+    "llama-tiny": ("llama", dict(n_embd=32, n_layer=2, n_head=4, n_kv_head=2, head_dim=8,
+                                 n_hidden=64, vocab_size=256 + 64 + 1, sequence_len=64)),
+}
 # config.json fields that would make the model compute something gpt.GPT does not -> what it is
 OFF = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
        "add_cross_attention": False, "scale_attn_weights": True}
 
 
-def refuse(folder, why):
-    return CheckpointError(f"{folder} is not a GPT-2 folder train.py can use: {why}")
+refuse = hf_folder.refuse  # "DIR is not a model folder train.py can use: why"
 
 
 def read_config(folder):
-    """config.json -> gpt.GPTConfig (sequence_len = n_positions), after checking it is GPT-2's."""
+    """config.json -> gpt.GPTConfig (sequence_len = n_positions), after checking it is GPT-2's,
+    or llama.LlamaConfig for a Llama, Qwen2 or Qwen3 folder (training/hf_folder.py)."""
+    c = read_json(folder)
+    if c.get("model_type") in hf_folder.FAMILIES:
+        return hf_folder.read_llama_config(folder, c)
+    return read_gpt2_config(folder, c)
+
+
+def read_json(folder):
+    if not os.path.isdir(folder):
+        raise refuse(folder, "there is no such folder")
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
@@ -79,8 +100,13 @@ def read_config(folder):
         raise refuse(folder, f"its config.json is unreadable ({e})") from None
     if not isinstance(c, dict):
         raise refuse(folder, "its config.json is not a JSON object")
+    return c
+
+
+def read_gpt2_config(folder, c):
     if c.get("model_type") != "gpt2":
-        raise refuse(folder, f"config.json says model_type {c.get('model_type')!r}, not 'gpt2'")
+        raise refuse(folder, f"config.json says model_type {c.get('model_type')!r}, not one of "
+                     f"{', '.join(['gpt2', *hf_folder.FAMILIES])}")
     act = c.get("activation_function", "gelu_new")
     if act not in GELU:
         raise refuse(folder, f"config.json's activation_function {act!r} is not one of "
@@ -139,7 +165,7 @@ def write_safetensors(tensors, path):
     names = {v: k for k, v in DTYPES.items()}
     header, chunks, at = {}, [], 0
     for name, t in tensors.items():
-        raw = t.detach().cpu().contiguous().numpy().tobytes()
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
                         "data_offsets": [at, at + len(raw)]}
         chunks.append(raw)
@@ -150,17 +176,25 @@ def write_safetensors(tensors, path):
 
 
 def read_weights(folder):
-    """The folder's GPT-2 state dict (Hugging Face names), from whichever file it has."""
+    """The folder's state dict (Hugging Face names), from whichever file it has: one
+    model.safetensors, the shards its index names (model.safetensors.index.json), or
+    pytorch_model.bin."""
     st, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
+    index = st + ".index.json"
     try:
         if os.path.isfile(st):
             return read_safetensors(st)
+        if os.path.isfile(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return {k: v for shard in shards
+                    for k, v in read_safetensors(os.path.join(folder, shard)).items()}
         if os.path.isfile(binary):
             return torch.load(binary, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not that format, a pickle with code in it
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise refuse(folder, f"its weights are unreadable ({first})") from None
-    raise refuse(folder, "it has no weights (model.safetensors or pytorch_model.bin)")
+    raise refuse(folder, "it has no weights (model.safetensors, its shards, or pytorch_model.bin)")
 
 
 # -----------------------------------------------------------------------------
@@ -214,6 +248,26 @@ def byte_chars():
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
 
 
+def tokenizer_of(folder, cfg):
+    """The folder's tokenizer (data.Given), checked against the weights' vocabulary: a Llama or
+    Qwen folder's tokenizer.json (through the tokenizers package), else vocab.json + merges.txt
+    (GPT-2's byte-level BPE, by tiktoken). A padded embedding may hold more rows than the
+    tokenizer has tokens (Qwen's); GPT-2's holds exactly as many."""
+    if isinstance(cfg, LlamaConfig) and hf_folder.has_tokenizer_json(folder):
+        path = os.path.join(folder, "tokenizer.json")
+        eot = hf_folder.eos_of(folder, read_json(folder))
+        n = hf_folder.HFTokenizer(path, eot).n_vocab
+        given = Given(os.path.abspath(folder), json=open(path, "rb").read(), eot=eot)
+    else:
+        ranks, _ = read_ranks(folder)
+        n = len(ranks) + 1
+        given = Given(os.path.abspath(folder), ranks=ranks, pattern=GPT2_PAT)
+    if n > cfg.vocab_size or (isinstance(cfg, GPTConfig) and n != cfg.vocab_size):
+        raise refuse(folder, f"its tokenizer has {n} tokens, its weights' vocabulary "
+                     f"{cfg.vocab_size}")
+    return given
+
+
 def read_ranks(folder):
     """vocab.json + merges.txt -> (tiktoken mergeable ranks, the end-of-text id), checked."""
     merges, vocab = (os.path.join(folder, n) for n in ("merges.txt", "vocab.json"))
@@ -242,23 +296,24 @@ def read_ranks(folder):
 
 
 def load_folder(folder, sequence_len=None):
-    """(gpt.GPT in float32 and eval mode, tokenizer ranks) of a GPT-2 folder, every part checked.
-    sequence_len: keep only the first sequence_len positions (a shorter context than
-    n_positions)."""
+    """(the model in float32 and eval mode, its tokenizer as a data.Given) of a folder, every part
+    checked: gpt.GPT for GPT-2, llama.Llama for the Llama family. sequence_len: a shorter context
+    than the model's (GPT-2 keeps its first sequence_len positions; a Llama's cache is only
+    smaller)."""
     if not os.path.isdir(folder):
         raise refuse(folder, "there is no such folder")
     cfg = read_config(folder)
-    ranks, _ = read_ranks(folder)
-    if len(ranks) + 1 != cfg.vocab_size:
-        raise refuse(folder, f"its tokenizer has {len(ranks) + 1} tokens, its weights' vocabulary "
-                     f"{cfg.vocab_size}")
+    given = tokenizer_of(folder, cfg)
+    if sequence_len is not None and sequence_len > cfg.sequence_len:
+        raise CheckpointError(f"--block-size {sequence_len} is longer than {folder}'s context "
+                              f"window ({cfg.sequence_len} positions)")
+    if isinstance(cfg, LlamaConfig):
+        cfg = dataclasses.replace(cfg, sequence_len=sequence_len or cfg.sequence_len)
+        return hf_folder.to_llama(folder, cfg, read_weights(folder)), given
     model = to_gpt(folder, cfg, read_weights(folder))
     if sequence_len is not None and sequence_len != cfg.sequence_len:
-        if sequence_len > cfg.sequence_len:
-            raise CheckpointError(f"--block-size {sequence_len} is longer than {folder}'s context "
-                                  f"window (n_positions {cfg.sequence_len})")
         model = shorten(model, sequence_len)
-    return model, ranks
+    return model, given
 
 
 def shorten(model, sequence_len):
@@ -302,30 +357,51 @@ def synthetic_merges(n):
     return merges
 
 
-def write_folder(model, merges, folder, weights="safetensors"):
-    """A Hugging Face GPT-2 folder of model (config.json, the weights, vocab.json, merges.txt);
-    its vocabulary is the 256 bytes, then merges in order, then end-of-text."""
-    cfg = model.config
-    if 256 + len(merges) + 1 != cfg.vocab_size:
-        raise ValueError(f"{len(merges)} merges make {256 + len(merges) + 1} tokens, the model "
-                         f"has {cfg.vocab_size}")
-    os.makedirs(folder, exist_ok=True)
+def write_tokenizer_files(merges, folder):
+    """vocab.json + merges.txt of a byte-level BPE: the 256 bytes, then merges in order, then
+    end-of-text, whose id it returns."""
     chars = byte_chars()
     text = lambda tok: "".join(chars[b] for b in tok)  # noqa: E731
     order = sorted(range(256), key=lambda b: (chars[b] != chr(b), ord(chars[b])))
     vocab = {chars[b]: r for r, b in enumerate(order)}
     vocab.update({text(a + b): 256 + i for i, (a, b) in enumerate(merges)})
     vocab[EOT] = len(vocab)
-    files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
-             "merges.txt": "#version: 0.2\n" + "".join(f"{text(a)} {text(b)}\n" for a, b in merges),
-             "config.json": json.dumps({
-                 "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                 "activation_function": cfg.activation, "n_embd": cfg.n_embd,
-                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.sequence_len,
-                 "n_ctx": cfg.sequence_len, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
-                 "bos_token_id": len(vocab) - 1, "eos_token_id": len(vocab) - 1}, indent=2)}
-    for name, body in files.items():
-        atomic_write(os.path.join(folder, name), body)
+    atomic_write(os.path.join(folder, "vocab.json"), json.dumps(vocab, ensure_ascii=False))
+    atomic_write(os.path.join(folder, "merges.txt"),
+                 "#version: 0.2\n" + "".join(f"{text(a)} {text(b)}\n" for a, b in merges))
+    return vocab[EOT]
+
+
+def write_tokenizer_json(ranks, path, eot="<|endoftext|>"):
+    """A byte-level BPE tokenizer.json (the tokenizers package's format) of tiktoken-style ranks
+    with end-of-text after them: the tests' folders. Needs the package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    chars = byte_chars()
+    text = lambda tok: "".join(chars[b] for b in tok)  # noqa: E731
+    vocab = {text(t): r for t, r in ranks.items()}
+    merges = [(text(a), text(b)) for a, b in merges_of(ranks)]
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eot])
+    atomic_write(path, tok.to_str())
+    return json.loads(tok.to_str())["added_tokens"][0]["id"]
+
+
+def write_folder(model, merges, folder, weights="safetensors"):
+    """A Hugging Face GPT-2 folder of model (config.json, the weights, vocab.json, merges.txt)."""
+    cfg = model.config
+    if 256 + len(merges) + 1 != cfg.vocab_size:
+        raise ValueError(f"{len(merges)} merges make {256 + len(merges) + 1} tokens, the model "
+                         f"has {cfg.vocab_size}")
+    os.makedirs(folder, exist_ok=True)
+    eot = write_tokenizer_files(merges, folder)
+    atomic_write(os.path.join(folder, "config.json"), json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "activation_function": cfg.activation, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.sequence_len,
+        "n_ctx": cfg.sequence_len, "vocab_size": cfg.vocab_size, "layer_norm_epsilon": 1e-5,
+        "bos_token_id": eot, "eos_token_id": eot}, indent=2))
     sd = from_gpt(model)
     if weights == "safetensors":
         write_safetensors(sd, os.path.join(folder, "model.safetensors"))
@@ -334,89 +410,35 @@ def write_folder(model, merges, folder, weights="safetensors"):
             torch.save(sd, tmp)
 
 
+def write_llama_folder(model, merges, folder, family, dtype=torch.float32):
+    """A Hugging Face folder of a llama.Llama as `family` (hf_folder.FAMILIES) writes it:
+    config.json, model.safetensors (in dtype), and GPT-2-style vocab.json + merges.txt of
+    256 + len(merges) + 1 tokens, at most the model's vocabulary (the rest is padding)."""
+    hf_folder.check_family(folder, model.config, family)
+    if 256 + len(merges) + 1 > model.config.vocab_size:
+        raise ValueError(f"{len(merges)} merges make more tokens than the model's "
+                         f"{model.config.vocab_size}")
+    os.makedirs(folder, exist_ok=True)
+    eot = write_tokenizer_files(merges, folder)
+    atomic_write(os.path.join(folder, "config.json"),
+                 json.dumps(hf_folder.config_json(model, family, eot), indent=2))
+    sd = {k: v.to(dtype) for k, v in hf_folder.from_llama(model).items()}
+    write_safetensors(sd, os.path.join(folder, "model.safetensors"))
+
+
+def random_llama(shape, seed=0):
+    """(family, a llama.Llama of LLAMA_SHAPES[shape] with the family's initialisation)."""
+    family, fields = LLAMA_SHAPES[shape]
+    torch.manual_seed(seed)
+    return family, Llama(LlamaConfig(**fields)).eval()
+
+
 def random_gpt2(shape="small", vocab_size=50257, seed=0, activation="gelu_new"):
     """A GPT-2-shaped gpt.GPT with GPT-2's initialisation and no training."""
     s = SHAPES[shape]
     torch.manual_seed(seed)
     return GPT(GPTConfig(sequence_len=s["n_positions"], vocab_size=vocab_size, n_layer=s["n_layer"],
                          n_head=s["n_head"], n_embd=s["n_embd"], activation=activation)).eval()
-
-
-# -----------------------------------------------------------------------------
-# the forward cost: what a verify of T tokens costs next to one token, on this machine
-
-
-@torch.no_grad()
-def forward_ms(model, context, sizes, repeats):
-    """{T: median ms of one forward of T tokens after `context` cached positions}, batch 1; the
-    sizes interleaved in every repeat, so drift in the machine's speed hits them alike."""
-    cache = model.new_cache()
-    V = model.config.vocab_size
-    model(torch.randint(0, V, (1, context)), cache=cache)
-    times = {T: [] for T in sizes}
-    for _ in range(repeats + 1):  # the first round warms up (packed weights, allocator)
-        for T in sizes:
-            x = torch.randint(0, V, (1, T))
-            t0 = time.perf_counter()
-            model(x, cache=cache)
-            times[T].append(1000 * (time.perf_counter() - t0))
-            cache.rollback(context)
-    return {T: statistics.median(ts[1:]) for T, ts in times.items()}
-
-
-def block_drafters(target):
-    """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
-    (runtime/settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
-    random weights: what a draft costs does not depend on them."""
-    def value(settings, name):
-        return settings[name].value(("gpt2", "cuda"))
-    c = target.config
-    cfg = DFlashConfig(n_embd=c.n_embd, n_head=c.n_head,
-                       n_layer=value(DFLASH, "dflash_layers"), taps=default_taps(c.n_layer),
-                       block=value(DFLASH, "dflash_block"))
-    rank = value(DSPARK, "dspark_rank")
-    torch.manual_seed(0)
-    return {"dflash": cpu_speed.speed_up(DFlashDrafter(DFlash(cfg, target).eval())),
-            "dspark": cpu_speed.speed_up(DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank),
-                                                              target).eval(), schedule="full"))}
-
-
-def report_cost(models, context, sizes, repeats):
-    """Per target: ms of a forward at each size (and over one token's), then per block drafter
-    ms of a whole block's draft and the break-even tau of a round that drafts it and verifies
-    all of it: (verify + draft) / one step, the tokens a round must keep to pay. The forwards
-    are timed once, together, and both lines read the same medians."""
-    print(f"forward cost, batch 1, after {context} cached positions, float32, "
-          f"{torch.get_num_threads()} threads, median of {repeats}:")
-    for name, (m, drafters) in models.items():
-        verifies = sorted({d.max_k + 1 for d in drafters.values()} - set(sizes))
-        ms = forward_ms(m, context, [*sizes, *verifies], repeats)
-        one = ms[1] if 1 in ms else forward_ms(m, context, [1], repeats)[1]
-        cells = "  ".join(f"T={T}: {ms[T]:7.2f} ms ({ms[T] / one:.2f}x)" for T in sizes)
-        print(f"  {name:<34}{cells}")
-        for dname, d in drafters.items():
-            k = d.max_k
-            draft = 1000 * statistics.median(profile_propose(d, m, k, reps=5)
-                                             for _ in range(repeats // 5 or 1))
-            print(f"    {dname} draft of {k}: {draft:6.2f} ms ({draft / one:.2f} of a step); "
-                  f"a round of it pays above tau = {(ms[k + 1] + draft) / one:.2f}")
-
-
-def cost_models(model, toy_path):
-    """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
-    gpt2 preset's shape, and the toy target with its trained ones where they exist."""
-    cpu_speed.speed_up(model)
-    models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
-    if os.path.exists(toy_path):
-        try:
-            toy, ckpt = load_target(toy_path)
-        except CheckpointError as e:
-            raise CheckpointError(f"--toy: {e}") from None
-        out = os.path.dirname(os.path.abspath(toy_path))
-        drafters = {n: load_drafter(n, out, toy, ckpt) for n in ("dflash", "dspark")
-                    if os.path.exists(os.path.join(out, f"{n}.pt"))}
-        models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, drafters)
-    return models
 
 
 # -----------------------------------------------------------------------------
@@ -442,9 +464,11 @@ def build_parser():
                        description="Check, write or time a Hugging Face GPT-2 folder.")
     p.add_argument("folder", type=expand, help="the GPT-2 folder (config.json, weights, vocab.json, "
                    "merges.txt)")
-    p.add_argument("--random", choices=sorted(SHAPES), default=None,
+    p.add_argument("--random", choices=sorted(SHAPES) + sorted(LLAMA_SHAPES), default=None,
                    help="write a folder of random weights of this shape (small: GPT-2 small; "
-                   "tiny: the tests') instead of reading one (default: read)")
+                   "tiny and llama-tiny: the tests'; smollm2-135m and qwen3-0.6b: those models' "
+                   "shapes, in bfloat16 as the hub ships them) instead of reading one "
+                   "(default: read)")
     p.add_argument("--force", action="store_true",
                    help="with --random, write into a folder that already holds files, replacing "
                    "them (default: refuse)")
@@ -472,21 +496,52 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     if a.random:
         check_writable(a.folder, a.force)
-        vocab = 50257 if a.random == "small" else 256 + 64 + 1
-        write_folder(random_gpt2(a.random, vocab), synthetic_merges(vocab - 257), a.folder)
-        print(f"wrote a random GPT-2 ({a.random}: {SHAPES[a.random]}, vocab {vocab}) to "
-              f"{a.folder}")
-    model, ranks = load_folder(a.folder)
-    c = model.config
-    if a.cost and a.context + max(a.sizes) > c.sequence_len:
+        write_random(a.random, a.folder)
+    cfg = read_config(a.folder)
+    need = a.context + max(a.sizes) + 64  # --cost's cache: the context, a verify, block drafts
+    if a.cost and need - 64 > cfg.sequence_len:
         p.error(f"argument --context: {a.context} cached positions and a forward of "
-                f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of {c.sequence_len}")
-    print(f"{a.folder}: GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
-          f"{c.sequence_len}, {c.activation}, {model.num_params() / 1e6:.1f}M parameters; "
-          f"tokenizer {len(ranks) + 1} tokens")
+                f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of "
+                f"{cfg.sequence_len}")
+    # a Llama's cache is as long as its context: tens of thousands of positions for Qwen3. The
+    # check and --cost need only a short one
+    short = min(cfg.sequence_len, need) if isinstance(cfg, LlamaConfig) else None
+    model, given = load_folder(a.folder, short)
+    print(f"{a.folder}: {describe(model, cfg)}; tokenizer {n_tokens(given)} tokens")
     if a.cost:
         with torch.no_grad():
             report_cost(cost_models(model, a.toy), a.context, a.sizes, a.repeats)
+
+
+def write_random(shape, folder):
+    if shape in LLAMA_SHAPES:
+        family, model = random_llama(shape)
+        vocab = model.config.vocab_size
+        dtype = torch.bfloat16 if vocab > 1000 else torch.float32
+        write_llama_folder(model, synthetic_merges(vocab - 257), folder, family, dtype)
+        print(f"wrote a random {family} ({shape}, vocab {vocab}, {str(dtype)[6:]}) to {folder}")
+        return
+    vocab = 50257 if shape == "small" else 256 + 64 + 1
+    write_folder(random_gpt2(shape, vocab), synthetic_merges(vocab - 257), folder)
+    print(f"wrote a random GPT-2 ({shape}: {SHAPES[shape]}, vocab {vocab}) to {folder}")
+
+
+def describe(model, cfg):
+    """One line of what a folder's model is."""
+    c, m = model.config, f"{model.num_params() / 1e6:.1f}M parameters"
+    if isinstance(c, GPTConfig):
+        return (f"GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
+                f"{c.sequence_len}, {c.activation}, {m}")
+    return (f"Llama-family {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads sharing "
+            f"{c.n_kv_head} K/V heads of {c.head_dim}, MLP {c.n_hidden}, context "
+            f"{cfg.sequence_len}{', q/k norms' if c.qk_norm else ''}{', tied head' if c.tie_embeddings else ''}"
+            f", {m}")
+
+
+def n_tokens(given):
+    if given.json is not None:
+        return hf_folder.HFTokenizer(os.path.join(given.folder, "tokenizer.json"), given.eot).n_vocab
+    return len(given.ranks) + 1
 
 
 if __name__ == "__main__":

@@ -188,14 +188,13 @@ def prepare(args):
     rank. With --init-from the tokenizer is the folder's, else one trained here (or gpt2)."""
     given = None
     if args.init_from:
-        ranks, _ = pretrained.read_ranks(args.init_from)
-        given = (ranks, pretrained.GPT2_PAT, os.path.abspath(args.init_from))
+        given = pretrained.tokenizer_of(args.init_from, pretrained.read_config(args.init_from))
     else:
         keep_pretrained_build(args.out_dir)
     keep_trained_target(args)
     if args.world.main:
         info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size,
-                                    "pretrained" if given else args.tokenizer, True, given,
+                                    given.kind if given else args.tokenizer, True, given,
                                     force=args.force)
     ddp.barrier(args.world)
     return info if args.world.main else datamod.load_build(args.out_dir)  # read, never write
@@ -396,6 +395,7 @@ def preset_of(argv):
 
 def resolve_args(argv=None):
     args = build_parser(preset_of(argv)).parse_args(argv)
+    heads_given = args.dflash_heads is not None
     device = pick_device(args.device)
     args.preset = args.preset or device.split(":")[0]
     for name, value in preset_values(args.preset).items():
@@ -407,6 +407,8 @@ def resolve_args(argv=None):
     ddp.check_split(args.world, args.grad_accum, args.batch_size)
     if args.init_from:
         take_shape(args)
+        if args.preset == "gpu-small" and not heads_given:  # a width that splits as the target's
+            args.dflash_heads = args.n_head
     for _, phases, _ in STAGES.values():
         phases(args)  # the stages check their settings now, not after the stages before them
     return args
@@ -420,7 +422,7 @@ def take_shape(args):
         setattr(args, name, getattr(cfg, name))
     if args.block_size > cfg.sequence_len:
         raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
-                         f"context window (n_positions {cfg.sequence_len})")
+                         f"context window ({cfg.sequence_len} positions)")
 
 
 def check_out_dir(args):

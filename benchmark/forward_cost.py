@@ -1,0 +1,96 @@
+"""
+benchmark/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
+machine, and what that means for drafting: `python -m training.pretrained DIR --cost`.
+
+Speculative decoding pays where a verify of k + 1 tokens costs little more than one decode step
+and a draft costs little next to both. On a GPU that is the regime of every model the papers
+measure; on a CPU it depends on the model's size. These functions time it: a forward at each size
+after a cached context, and a block drafter's draft beside it, at the target's width and with
+random weights (what a draft costs does not depend on them). docs/results.md holds the tables.
+"""
+
+import os
+import statistics
+import time
+
+import torch
+
+from runtime import cpu_speed
+from runtime.checkpoint import CheckpointError, load_drafter, load_target
+from runtime.profiling import profile_propose
+from runtime.settings import DFLASH, DSPARK
+from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
+from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
+
+
+@torch.no_grad()
+def forward_ms(model, context, sizes, repeats):
+    """{T: median ms of one forward of T tokens after `context` cached positions}, batch 1; the
+    sizes interleaved in every repeat, so drift in the machine's speed hits them alike."""
+    cache = model.new_cache()
+    V = model.config.vocab_size
+    model(torch.randint(0, V, (1, context)), cache=cache)
+    times = {T: [] for T in sizes}
+    for _ in range(repeats + 1):  # the first round warms up (packed weights, allocator)
+        for T in sizes:
+            x = torch.randint(0, V, (1, T))
+            t0 = time.perf_counter()
+            model(x, cache=cache)
+            times[T].append(1000 * (time.perf_counter() - t0))
+            cache.rollback(context)
+    return {T: statistics.median(ts[1:]) for T, ts in times.items()}
+
+
+def block_drafters(target):
+    """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
+    (runtime/settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
+    random weights: what a draft costs does not depend on them."""
+    def value(settings, name):
+        return settings[name].value(("gpt2", "cuda"))
+    c = target.config
+    cfg = DFlashConfig(n_embd=c.n_embd, n_head=c.n_head,
+                       n_layer=value(DFLASH, "dflash_layers"), taps=default_taps(c.n_layer),
+                       block=value(DFLASH, "dflash_block"))
+    rank = value(DSPARK, "dspark_rank")
+    torch.manual_seed(0)
+    return {"dflash": cpu_speed.speed_up(DFlashDrafter(DFlash(cfg, target).eval())),
+            "dspark": cpu_speed.speed_up(DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank),
+                                                              target).eval(), schedule="full"))}
+
+
+def report_cost(models, context, sizes, repeats):
+    """Per target: ms of a forward at each size (and over one token's), then per block drafter
+    ms of a whole block's draft and the break-even tau of a round that drafts it and verifies
+    all of it: (verify + draft) / one step, the tokens a round must keep to pay. The forwards
+    are timed once, together, and both lines read the same medians."""
+    print(f"forward cost, batch 1, after {context} cached positions, float32, "
+          f"{torch.get_num_threads()} threads, median of {repeats}:")
+    for name, (m, drafters) in models.items():
+        verifies = sorted({d.max_k + 1 for d in drafters.values()} - set(sizes))
+        ms = forward_ms(m, context, [*sizes, *verifies], repeats)
+        one = ms[1] if 1 in ms else forward_ms(m, context, [1], repeats)[1]
+        cells = "  ".join(f"T={T}: {ms[T]:7.2f} ms ({ms[T] / one:.2f}x)" for T in sizes)
+        print(f"  {name:<34}{cells}")
+        for dname, d in drafters.items():
+            k = d.max_k
+            draft = 1000 * statistics.median(profile_propose(d, m, k, reps=5)
+                                             for _ in range(repeats // 5 or 1))
+            print(f"    {dname} draft of {k}: {draft:6.2f} ms ({draft / one:.2f} of a step); "
+                  f"a round of it pays above tau = {(ms[k + 1] + draft) / one:.2f}")
+
+
+def cost_models(model, toy_path):
+    """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
+    gpt2 preset's shape, and the toy target with its trained ones where they exist."""
+    cpu_speed.speed_up(model)
+    models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
+    if os.path.exists(toy_path):
+        try:
+            toy, ckpt = load_target(toy_path)
+        except CheckpointError as e:
+            raise CheckpointError(f"--toy: {e}") from None
+        out = os.path.dirname(os.path.abspath(toy_path))
+        drafters = {n: load_drafter(n, out, toy, ckpt) for n in ("dflash", "dspark")
+                    if os.path.exists(os.path.join(out, f"{n}.pt"))}
+        models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, drafters)
+    return models

@@ -1,0 +1,248 @@
+"""
+training/hf_folder.py -- a Llama, Qwen2 or Qwen3 model from a Hugging Face folder on disk, as the
+target (llama.py), with the tokenizer the folder ships.
+
+training/pretrained.py reads GPT-2 folders and is the command that checks, writes and times a
+folder; for a folder whose config.json names one of these families it calls this file:
+
+    config.json        model_type llama | qwen2 | qwen3 (SmolLM2 is a llama folder): the widths,
+                       heads and K/V heads, head_dim, rope_theta and the rope scaling Llama-3
+                       names, rms_norm_eps, tie_word_embeddings, the biases
+    model.safetensors  the weights, by the family's names (model.layers.0.self_attn.q_proj, ...),
+                       mapped onto llama.py's (transformer.h.0.attn.c_attn: q, k and v stacked)
+    tokenizer.json     read with the `tokenizers` package (optional: one error line names the
+                       install where it is missing); a folder with only GPT-2's vocab.json +
+                       merges.txt is read as training/pretrained.py reads GPT-2's, by tiktoken
+
+A folder of another architecture, or a config that asks for something llama.py does not compute
+(a sliding window, YaRN scaling, another activation), is refused in one line naming it.
+"""
+
+import os
+
+import torch
+
+from runtime.checkpoint import CheckpointError
+from llama import Llama, LlamaConfig
+
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")  # what llama.rope_frequencies computes
+
+
+def refuse(folder, why):
+    return CheckpointError(f"{folder} is not a model folder train.py can use: {why}")
+
+
+# -----------------------------------------------------------------------------
+# config.json -> llama.LlamaConfig
+
+
+def rope_of(folder, c):
+    """(rope_theta, rope_scaling or None) from a config in either layout: transformers 4's
+    rope_theta + rope_scaling, or 5's rope_parameters holding both."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ROPE_TYPES:
+        raise refuse(folder, f"config.json's rope scaling {kind!r} is not one of {ROPE_TYPES}")
+    if kind == "default":
+        return float(theta), None
+    need = ("factor",) if kind == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in need if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise refuse(folder, f"config.json's {kind} rope scaling lacks {missing[0]}")
+    return float(theta), {"rope_type": kind, **{k: scaling[k] for k in need}}
+
+
+def read_llama_config(folder, c):
+    """A parsed config.json of one of FAMILIES -> llama.LlamaConfig, sequence_len the model's
+    max_position_embeddings (pretrained.load_folder shortens it to --block-size)."""
+    family = c["model_type"]
+    if c.get("architectures", [FAMILIES[family]])[0] != FAMILIES[family]:
+        raise refuse(folder, f"config.json's architecture {c['architectures'][0]!r} is not "
+                     f"{FAMILIES[family]} (a causal language model)")
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "vocab_size", "max_position_embeddings")
+    missing = [k for k in need if type(c.get(k)) is not int or c[k] < 1]
+    if missing:
+        raise refuse(folder, f"config.json lacks a positive {missing[0]}")
+    odd = [f"hidden_act {c.get('hidden_act')!r}"] if c.get("hidden_act", "silu") != "silu" else []
+    odd += ["a sliding window"] if c.get("use_sliding_window") else []
+    odd += [f"pretraining_tp {c['pretraining_tp']}"] if c.get("pretraining_tp", 1) != 1 else []
+    if odd:
+        raise refuse(folder, f"config.json sets {', '.join(odd)}, which llama.py does not compute")
+    n_head = c["num_attention_heads"]
+    n_kv = c.get("num_key_value_heads") or n_head
+    head_dim = c.get("head_dim") or c["hidden_size"] // n_head
+    if n_head % n_kv:
+        raise refuse(folder, f"num_attention_heads {n_head} is not a multiple of "
+                     f"num_key_value_heads {n_kv}")
+    theta, scaling = rope_of(folder, c)
+    bias = bool(c.get("attention_bias", False))
+    return LlamaConfig(
+        sequence_len=c["max_position_embeddings"], vocab_size=c["vocab_size"],
+        n_layer=c["num_hidden_layers"], n_head=n_head, n_kv_head=n_kv, n_embd=c["hidden_size"],
+        head_dim=head_dim, n_hidden=c["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        qkv_bias=True if family == "qwen2" else bias, proj_bias=False if family == "qwen2" else bias,
+        mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
+        tie_embeddings=bool(c.get("tie_word_embeddings", family != "llama")))
+
+
+# -----------------------------------------------------------------------------
+# the family's weight names <-> llama.py's
+
+
+def names(cfg, i):
+    """llama.py's name -> the family's name(s) for layer i (q, k, v and gate, up are stacked)."""
+    hf, ours = f"model.layers.{i}.", f"transformer.h.{i}."
+    attn = [("q_proj", "k_proj", "v_proj")] + ([("q_norm",), ("k_norm",)] if cfg.qk_norm else [])
+    out = {ours + "ln_1.weight": [hf + "input_layernorm.weight"],
+           ours + "ln_2.weight": [hf + "post_attention_layernorm.weight"],
+           ours + "attn.c_attn.weight": [hf + f"self_attn.{p}.weight" for p in attn[0]],
+           ours + "attn.c_proj.weight": [hf + "self_attn.o_proj.weight"],
+           ours + "mlp.c_fc.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+           ours + "mlp.c_proj.weight": [hf + "mlp.down_proj.weight"]}
+    for norm in attn[1:]:
+        out[ours + f"attn.{norm[0]}.weight"] = [hf + f"self_attn.{norm[0]}.weight"]
+    if cfg.qkv_bias:
+        out[ours + "attn.c_attn.bias"] = [hf + f"self_attn.{p}.bias" for p in attn[0]]
+    if cfg.proj_bias:
+        out[ours + "attn.c_proj.bias"] = [hf + "self_attn.o_proj.bias"]
+    if cfg.mlp_bias:
+        out[ours + "mlp.c_fc.bias"] = [hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"]
+        out[ours + "mlp.c_proj.bias"] = [hf + "mlp.down_proj.bias"]
+    return out
+
+
+def name_map(cfg):
+    out = {"transformer.wte.weight": ["model.embed_tokens.weight"],
+           "transformer.ln_f.weight": ["model.norm.weight"]}
+    for i in range(cfg.n_layer):
+        out.update(names(cfg, i))
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = ["lm_head.weight"]
+    return out
+
+
+def to_llama(folder, cfg, hf):
+    """The family's state dict -> llama.Llama(cfg) in float32, every tensor accounted for: missing,
+    unexpected or misshapen ones are refused, and so is a separate lm_head where the config says
+    the head is tied (it would be silently ignored)."""
+    hf = dict(hf)
+    if cfg.tie_embeddings and "lm_head.weight" in hf:
+        if not torch.equal(hf.pop("lm_head.weight"), hf.get("model.embed_tokens.weight")):
+            raise refuse(folder, "config.json ties the output head to the embedding, but its "
+                         "lm_head.weight differs from it")
+    model = Llama(cfg)
+    want, sd = model.state_dict(), {}
+    wanted = {n for parts in name_map(cfg).values() for n in parts}
+    missing, extra = sorted(wanted - set(hf)), sorted(set(hf) - wanted)
+    if missing or extra:
+        raise refuse(folder, f"its weights {'lack ' + missing[0] if missing else 'hold ' + extra[0]}"
+                     f" ({len(missing)} missing, {len(extra)} unexpected)")
+    for ours, parts in name_map(cfg).items():
+        w = torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+        if w.shape != want[ours].shape:
+            raise refuse(folder, f"{parts[0]} and the rest of {ours} are {tuple(w.shape)}, "
+                         f"config.json implies {tuple(want[ours].shape)}")
+        sd[ours] = w.to(torch.float32)
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+def from_llama(model):
+    """llama.Llama -> the family's state dict (the inverse of to_llama)."""
+    cfg, sd = model.config, model.state_dict()
+    out = {}
+    for ours, parts in name_map(cfg).items():
+        sizes = {1: [sd[ours].size(0)],
+                 2: [cfg.n_hidden] * 2,
+                 3: [cfg.n_head * cfg.head_dim] + [cfg.n_kv_head * cfg.head_dim] * 2}[len(parts)]
+        out.update(zip(parts, (t.contiguous() for t in sd[ours].split(sizes))))
+    return out
+
+
+def config_json(model, family, eos):
+    """config.json for model as transformers writes one of `family`."""
+    c = model.config
+    rope = {"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}
+    return {"architectures": [FAMILIES[family]], "model_type": family, "hidden_size": c.n_embd,
+            "intermediate_size": c.n_hidden, "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+            "head_dim": c.head_dim, "max_position_embeddings": c.sequence_len,
+            "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+            "tie_word_embeddings": c.tie_embeddings, "attention_bias": c.proj_bias,
+            "mlp_bias": c.mlp_bias, "bos_token_id": eos, "eos_token_id": eos,
+            "torch_dtype": "float32", **rope}
+
+
+def check_family(folder, cfg, family):
+    """What `family`'s config.json can say of cfg: refuse a model the family's code would not
+    compute as llama.py does."""
+    qwen2 = (True, False)
+    if family == "qwen2" and (cfg.qkv_bias, cfg.proj_bias) != qwen2:
+        raise ValueError("a qwen2 folder has biases on q, k and v only")
+    if family != "qwen2" and cfg.qkv_bias != cfg.proj_bias:
+        raise ValueError(f"a {family} folder has attention biases on all four projections or none")
+    if cfg.qk_norm != (family == "qwen3"):
+        raise ValueError("q/k norms are Qwen3's, and every Qwen3 has them")
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer: tokenizer.json through the `tokenizers` package
+
+
+class HFTokenizer:
+    """A tokenizer.json as the few methods of a tiktoken.Encoding the project calls: encode,
+    encode_batch, decode, eot_token, n_vocab, is_special_token, decode_single_token_bytes. Special
+    tokens written in the text (the end-of-text mark) are encoded as themselves, as tiktoken does
+    with allowed_special."""
+
+    def __init__(self, path, eot_token):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise CheckpointError(f"{path} needs the tokenizers package: pip install tokenizers") \
+                from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the package raises its own exception type for bad files
+            raise CheckpointError(f"{path} is not a tokenizer the tokenizers package reads "
+                                  f"({str(e).splitlines()[0][:160]})") from None
+        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eot_token = eot_token
+        self.special = {t.content for t in self.tok.get_added_tokens_decoder().values()
+                        if t.special}
+
+    def encode(self, text, allowed_special=()):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts, allowed_special=()):
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def is_special_token(self, t):
+        return self.tok.id_to_token(t) in self.special
+
+    def decode_single_token_bytes(self, t):
+        return self.decode([t]).encode("utf-8", "surrogateescape")
+
+
+def eos_of(folder, c):
+    """The id that ends a document: config.json's eos_token_id (the first, if a list)."""
+    eos = c.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if type(eos) is not int or not 0 <= eos < c["vocab_size"]:
+        raise refuse(folder, f"config.json's eos_token_id {eos!r} is not a token of its vocabulary")
+    return eos
+
+
+def has_tokenizer_json(folder):
+    return os.path.isfile(os.path.join(folder, "tokenizer.json"))
