@@ -398,3 +398,17 @@ def test_the_model_runs_built_as_its_docstring_shows():
     assert runner.failures == 0 and runner.tries == 2
     logits, hidden = example.globs["logits"], example.globs["hidden"]
     assert logits.shape == (1, 10, 97) and sorted(hidden) == [1, 2]
+
+
+def test_the_device_check_of_the_recipe_runs_on_the_cpu(tmp_path, corpus):
+    """benchmark/your_model_check.sh, the recipe as one GPU check, in its CPU smoke version."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "SHAPE": "llama-tiny", "DEVICE": "cpu", "PRESET": "tiny", "STEPS": "8",
+           "BLOCK": "64", "DATA": corpus, "OUT": str(tmp_path / "o"), "PY": sys.executable}
+    p = subprocess.run(["bash", "benchmark/your_model_check.sh"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "every row exact" in p.stdout
+    rows = json.loads((tmp_path / "o" / "bench.json").read_text())["methods"]
+    assert set(rows) == {"ar", "dflash", "lookup"}
