@@ -20,6 +20,8 @@ three things added, all of which speculative decoding needs:
 That is all: many requests at once (serving/ragged.py, serving/batched.py) and the CPU's faster
 kernels (runtime/cpu_speed.py) are applied to this model from outside, the way gpt-fast's tp.py and
 quantize.py change its model.py.
+llama.py builds the other target, the Llama / Qwen family, on this file's classes: it replaces the
+norm, the attention's projections (heads()), the MLP and the input (embed()), and inherits the rest.
 
 Parameter names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ...), so a
 state_dict maps onto other GPT-2 implementations.

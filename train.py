@@ -4,7 +4,7 @@ train.py -- trains the target GPT, then every drafter for it, with one training 
     python train.py                      # everything, with the preset for this device
     python train.py --preset quick       # every drafter, far fewer steps: the lesson in minutes
     python train.py --only small --force # retrain one stage even though its checkpoint exists
-    python train.py --init-from DIR      # drafters for a pretrained GPT-2 (training/pretrained.py)
+    python train.py --init-from DIR      # drafters for your own model (docs/your_model.md)
     torchrun --standalone --nproc_per_node=N train.py   # the same run on N processes
 
 How a drafter learns, read in two places: its own file (draft_*.py) holds its network and its

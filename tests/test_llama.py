@@ -412,3 +412,24 @@ def test_the_device_check_of_the_recipe_runs_on_the_cpu(tmp_path, corpus):
     assert "every row exact" in p.stdout
     rows = json.loads((tmp_path / "o" / "bench.json").read_text())["methods"]
     assert set(rows) == {"ar", "dflash", "lookup"}
+
+
+def test_a_folder_with_a_tokenizer_json_trains_and_decodes_exactly(merges, corpus, tmp_path):
+    """The folder's tokenizer.json (the tokenizers package) encodes the corpus, and the build keeps
+    it: bench.py and sample.py read the same tokenizer back."""
+    pytest.importorskip("tokenizers")
+    d, out = tmp_path / "qwen3", tmp_path / "out"
+    pretrained.write_llama_folder(folder_model("qwen3"), merges, d, "qwen3")
+    pretrained.write_tokenizer_json(pretrained.read_ranks(str(d))[0], d / "tokenizer.json")
+    train.main(tiny_args(corpus, out, "--init-from", str(d)))
+    info = data.load_build(out)
+    assert info["kind"] == "hf" and (out / "tokenizer.json").read_bytes() == (
+        d / "tokenizer.json").read_bytes()
+    enc = data.encoding_of(info)
+    _, val_docs = data.load_documents(corpus)
+    ids = np.fromfile(info["val_bin"], dtype=info["token_dtype"])
+    assert enc.decode(ids) == "".join(doc + tokenizer.EOT for doc in val_docs)
+    res = bench.main(["--out-dir", str(out), "--n-prompts", "2", "--max-new-tokens", "10",
+                      "--prompt-len", "16", "--repeats", "1", "--sweep", "", "--plot", "",
+                      "--dtype", "float64", "--json", str(tmp_path / "b.json")])
+    assert all(r["exact_match"] == 1.0 for r in res["methods"].values())

@@ -232,7 +232,9 @@ class HFTokenizer:
         return self.tok.id_to_token(t) in self.special
 
     def decode_single_token_bytes(self, t):
-        return self.decode([t]).encode("utf-8", "surrogateescape")
+        # a token that is part of a character decodes to U+FFFD here, not to its bytes: enough
+        # for what reads it (benchmark/prompt_sets.py: which tokens end a line)
+        return self.decode([t]).encode("utf-8")
 
 
 def eos_of(folder, c):

@@ -33,7 +33,7 @@ from training.stages_mtp import mtp_phases, new_mtp, save_mtp, train_mtp
 
 # -----------------------------------------------------------------------------
 # the target's stage (with --mtp-mode joint, the MTP head trains alongside it; with --init-from
-# it is a pretrained GPT-2's, read from its folder instead)
+# it is a pretrained model's, read from its folder instead)
 
 
 def train_target(tr):
@@ -84,7 +84,7 @@ def import_target(tr):
     """out/target.pt from the --init-from folder (training/pretrained.py): the weights as they are,
     the context window cut to --block-size; its loss on the corpus's validation windows printed."""
     a = tr.args
-    # the token files are the folder's tokenizer's: prepare() rebuilds them when its ranks change
+    # the token files are the folder's tokenizer's: prepare() rebuilds them when it changes
     model = cpu_speed.speed_up(pretrained.load_folder(a.init_from, a.block_size)[0].to(tr.device))
     print(f"target: {model.num_params() / 1e6:.2f}M parameters from {a.init_from}, "
           f"{model.config}")

@@ -10,8 +10,8 @@ training-side twin of speculative.Drafter. Each stage writes out/<stage>.pt, and
 that checkpoint belongs to the current target and records the same settings (unless --force). A
 running phase saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds,
 atomically; batches come from generators seeded by the step, so a killed run resumes to the very
-same weights. With --init-from the target's stage reads a Hugging Face GPT-2 folder instead of
-training; under torchrun every stage trains data-parallel, one shard of each step's batch per
+same weights. With --init-from the target's stage reads a Hugging Face folder (GPT-2, Llama,
+Qwen2, Qwen3) instead of training; under torchrun every stage trains data-parallel, one shard of each step's batch per
 process (training/ddp.py).
 """
 
@@ -369,10 +369,10 @@ def build_parser(preset=None):
     first.add_argument("--data", type=path_arg("data"), default=None,
                        help="a text file or folder to train on (default: the Python stdlib)")
     first.add_argument("--init-from", type=path_arg("folder"), default=None,
-                       help="a Hugging Face GPT-2 folder (config.json, model.safetensors or "
-                       "pytorch_model.bin, vocab.json, merges.txt) as the target, whose tokenizer "
-                       "encodes the corpus and for which every drafter trains (default: none, "
-                       "train nanospec's own target)")
+                       help="a Hugging Face folder of a GPT-2, Llama, Qwen2 or Qwen3 model "
+                       "(config.json, model.safetensors, its tokenizer) as the target, whose "
+                       "tokenizer encodes the corpus and for which every drafter trains "
+                       "(docs/your_model.md; default: none, train nanospec's own target)")
     first.add_argument("--device", default="auto",
                        help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
     add_settings(p, GROUPS, PRESETS_OF.get(shown, shown))
