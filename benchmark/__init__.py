@@ -1,3 +1,2 @@
 """What bench.py measures and reports beyond the lesson: the prompt sets, the ablation rows, the
-serving sweep, the papers' figures, the tables, the JSON and the plot; and a pretrained
-folder's forward cost (training/pretrained.py --cost)."""
+serving sweep, the papers' figures, the tables, the JSON and the plot."""

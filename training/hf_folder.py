@@ -8,7 +8,7 @@ folder; for a folder whose config.json names one of these families it calls this
     config.json        model_type llama | qwen2 | qwen3 (SmolLM2 is a llama folder): the widths,
                        heads and K/V heads, head_dim, rope_theta and the rope scaling Llama-3
                        names, rms_norm_eps, tie_word_embeddings, the biases
-    model.safetensors  the weights, by the family's names (model.layers.0.self_attn.q_proj, ...),
+    model.safetensors  the weights (or its shards), by the family's names (model.layers.0.self_attn.q_proj, ...),
                        mapped onto llama.py's (transformer.h.0.attn.c_attn: q, k and v stacked)
     tokenizer.json     read with the `tokenizers` package (optional: one error line names the
                        install where it is missing); a folder with only GPT-2's vocab.json +

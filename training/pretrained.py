@@ -39,7 +39,7 @@ import struct
 import tiktoken.load
 import torch
 
-from benchmark.forward_cost import cost_models, report_cost
+from runtime.forward_cost import cost_models, report_cost
 from runtime.checkpoint import CheckpointError
 from runtime.command import atomic_write, replacing, run
 from training import hf_folder

@@ -1,5 +1,5 @@
 """
-benchmark/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
+runtime/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
 machine, and what that means for drafting: `python -m training.pretrained DIR --cost`.
 
 Speculative decoding pays where a verify of k + 1 tokens costs little more than one decode step
