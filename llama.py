@@ -151,8 +151,17 @@ class Attention(CausalSelfAttention):
         self.c_proj = nn.Linear(c.n_head * hd, c.n_embd, bias=c.proj_bias)
         if c.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(hd, c.norm_eps), RMSNorm(hd, c.norm_eps)
+        self.rope = c  # what rope_frequencies reads: the angles are computed again after a cast
         self.register_buffer("inv_freq", rope_frequencies(c), persistent=False)
         self.resid_dropout, self.dropout = nn.Identity(), 0.0
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .half(), .bfloat16() move the angles but keep them float32, as the family's
+        own code does: rounded to bfloat16 they would be off by radians a few thousand
+        positions in."""
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = rope_frequencies(self.rope).to(self.inv_freq.device)
+        return self
 
     def heads(self, qkv, pos):
         """c_attn's output (B, T, (nh + 2 nkv) hs) -> q (B, nh, T, hs), k and v (B, nkv, T, hs)."""

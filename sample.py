@@ -33,15 +33,24 @@ def show(enc, prompt_ids, trace, color):
         G, R, B, Z = "\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m"
     else:
         G, R, B, Z = "", "[", "{", ""
-    parts = [enc.decode(prompt_ids)]
+    ids, text = list(prompt_ids), [enc.decode(prompt_ids)]
+
+    def piece(new):
+        """The text `new` ids add, decoded with every id before them: a tokenizer may join a
+        token to the one before it (SentencePiece's leading spaces)."""
+        ids.extend(new)
+        whole = enc.decode(ids)
+        text.append(whole[len("".join(text)):])
+        return text[-1]
+    parts = [text[0]]
     for acc, tok, full in trace:
         if acc:
-            parts.append(G + enc.decode(acc) + Z)
+            parts.append(G + piece(acc) + Z)
         if full is None:  # a round with no draft (prompt lookup found no match): a plain step
-            parts.append(enc.decode([tok]))
+            parts.append(piece([tok]))
             continue
         close = (Z if color else ("}" if full else "]"))
-        parts.append((B if full else R) + enc.decode([tok]) + close)
+        parts.append((B if full else R) + piece([tok]) + close)
     return "".join(parts)
 
 

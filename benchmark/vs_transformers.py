@@ -27,6 +27,7 @@ from benchmark.prompt_sets import read_jsonl
 from runtime.command import run
 from runtime.checkpoint import CheckpointError, load_target
 from draft_lookup import LookupDrafter
+from gpt import GPTConfig
 from runtime.settings import ArgumentParser, number, path_arg
 from speculative import Sampler, generate_plain, generate_speculative
 
@@ -104,6 +105,10 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), "cpu")
+    if not isinstance(target.config, GPTConfig):
+        raise ValueError(f"{args.out_dir}/target.pt is a {type(target).__name__}: this comparison "
+                         "copies a GPT-2 target into transformers' GPT2LMHeadModel, and reads no "
+                         "other family")
     # every data file checked, and the tokenizer the target was trained with
     enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
     prompts = read_jsonl(args.prompts, enc)

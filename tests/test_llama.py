@@ -433,3 +433,100 @@ def test_a_folder_with_a_tokenizer_json_trains_and_decodes_exactly(merges, corpu
                       "--prompt-len", "16", "--repeats", "1", "--sweep", "", "--plot", "",
                       "--dtype", "float64", "--json", str(tmp_path / "b.json")])
     assert all(r["exact_match"] == 1.0 for r in res["methods"].values())
+
+
+# -----------------------------------------------------------------------------
+# the review's cases: half precision, defaults, older layouts, the guards
+
+
+def test_the_rotary_angles_stay_float32_in_half_precision():
+    model = tiny_llama("llama")
+    want = rope_frequencies(model.config)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        for m in model.to(dtype).modules():
+            if hasattr(m, "inv_freq"):
+                assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, want)
+
+
+def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it(folder):
+    c = json.loads((folder / "config.json").read_text())
+    c.pop("tie_word_embeddings")
+    assert not hf_folder.read_llama_config(str(folder), c).tie_embeddings
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_transformers_4s_config_layout_loads_the_same_model(family, tmp_path, merges):
+    """rope_theta and rope_scaling as transformers 4 wrote them, not 5's rope_parameters."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, **HF_CONFIGS[family])
+    torch.manual_seed(1)
+    theirs = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    pretrained.write_tokenizer_files(merges, tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    rope = c.pop("rope_parameters", None) or {"rope_theta": c.get("rope_theta", 10000.0)}
+    c["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        c["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    model, _ = pretrained.load_folder(str(tmp_path))
+    idx = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(idx)[0], theirs(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_a_tokenizer_json_adds_what_its_post_processor_adds(folder, tmp_path):
+    """A begin-of-text token, as Llama-3's tokenizer.json adds to every text: the build's
+    documents and every prompt start with it, as transformers' tokenizer encodes them."""
+    tokenizers = pytest.importorskip("tokenizers")
+    d = tmp_path / "m"
+    shutil.copytree(folder, d)
+    pretrained.write_tokenizer_json(pretrained.read_ranks(str(d))[0], d / "tokenizer.json")
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    bos = tok.token_to_id(tokenizer.EOT)  # the tests' folders have one special token
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{tokenizer.EOT} $A", special_tokens=[(tokenizer.EOT, bos)])
+    tok.save(str(d / "tokenizer.json"))
+    enc = hf_folder.HFTokenizer(d / "tokenizer.json", bos)
+    ids = enc.encode("def f(x):")
+    assert ids[0] == bos and ids[1:] == tok.encode("def f(x):", add_special_tokens=False).ids
+    assert enc.encode_batch(["def f(x):"]) == [ids]
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+    assert theirs("def f(x):")["input_ids"] == ids
+
+
+def test_a_sharded_folders_every_shard_names_its_weights(folder, tmp_path):
+    from training.stages import weights_id
+    d = tmp_path / "m"
+    shutil.copytree(folder, d)
+    sd = pretrained.read_weights(str(d))
+    names = sorted(sd)
+    half = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    for shard in set(half.values()):
+        pretrained.write_safetensors({n: sd[n] for n in names if half[n] == shard}, d / shard)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
+    os.remove(d / "model.safetensors")
+    before = weights_id(str(d))
+    assert "index" in before
+    w = sd[names[1]].clone()
+    w.view(-1)[0] += 1
+    pretrained.write_safetensors({n: (w if n == names[1] else sd[n]) for n in names
+                                  if half[n] == half[names[1]]}, d / half[names[1]])
+    assert weights_id(str(d)) != before  # a changed shard re-imports the target
+
+
+def test_a_run_that_forgot_init_from_keeps_a_tokenizer_json_build(corpus, tmp_path):
+    pytest.importorskip("tokenizers")
+    out = tmp_path / "out"
+    ranks = {bytes([b]): b for b in range(256)}
+    path = tmp_path / "tokenizer.json"
+    eot = pretrained.write_tokenizer_json(ranks, path)
+    data.prepare_data(out, corpus, tokenizer="hf", verbose=False,
+                      given=data.Given(str(tmp_path), json=path.read_bytes(), eot=eot))
+    with pytest.raises(SystemExit) as e:
+        train.cli(tiny_args(corpus, out, "--force"))
+    assert "pass --init-from" in str(e.value) and str(e.value).startswith("error: ")

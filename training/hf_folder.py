@@ -60,7 +60,7 @@ def read_llama_config(folder, c):
     """A parsed config.json of one of FAMILIES -> llama.LlamaConfig, sequence_len the model's
     max_position_embeddings (pretrained.load_folder shortens it to --block-size)."""
     family = c["model_type"]
-    if c.get("architectures", [FAMILIES[family]])[0] != FAMILIES[family]:
+    if (c.get("architectures") or [FAMILIES[family]])[0] != FAMILIES[family]:
         raise refuse(folder, f"config.json's architecture {c['architectures'][0]!r} is not "
                      f"{FAMILIES[family]} (a causal language model)")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,7 +88,7 @@ def read_llama_config(folder, c):
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         qkv_bias=True if family == "qwen2" else bias, proj_bias=False if family == "qwen2" else bias,
         mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.get("tie_word_embeddings", family != "llama")))
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)))  # transformers' default
 
 
 # -----------------------------------------------------------------------------
@@ -131,9 +131,10 @@ def to_llama(folder, cfg, hf):
     """The family's state dict -> llama.Llama(cfg) in float32, every tensor accounted for: missing,
     unexpected or misshapen ones are refused, and so is a separate lm_head where the config says
     the head is tied (it would be silently ignored)."""
-    hf = dict(hf)
-    if cfg.tie_embeddings and "lm_head.weight" in hf:
-        if not torch.equal(hf.pop("lm_head.weight"), hf.get("model.embed_tokens.weight")):
+    # older files carry the rotary angles as buffers: llama.py computes them from the config
+    hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings and "lm_head.weight" in hf and "model.embed_tokens.weight" in hf:
+        if not torch.equal(hf.pop("lm_head.weight"), hf["model.embed_tokens.weight"]):
             raise refuse(folder, "config.json ties the output head to the embedding, but its "
                          "lm_head.weight differs from it")
     model = Llama(cfg)
@@ -201,7 +202,9 @@ class HFTokenizer:
     """A tokenizer.json as the few methods of a tiktoken.Encoding the project calls: encode,
     encode_batch, decode, eot_token, n_vocab, is_special_token, decode_single_token_bytes. Special
     tokens written in the text (the end-of-text mark) are encoded as themselves, as tiktoken does
-    with allowed_special."""
+    with allowed_special, and a text gets what the tokenizer's own post-processor adds to every
+    text (Llama-3's and TinyLlama's begin-of-text token; Qwen's and SmolLM2's add nothing), as the
+    model saw its training documents and as transformers' tokenizer encodes a prompt."""
 
     def __init__(self, path, eot_token):
         try:
@@ -220,10 +223,10 @@ class HFTokenizer:
                         if t.special}
 
     def encode(self, text, allowed_special=()):
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(text).ids
 
     def encode_batch(self, texts, allowed_special=()):
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self.tok.encode_batch(texts)]
 
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -175,6 +175,23 @@ def write_safetensors(tensors, path):
     atomic_write(path, struct.pack("<Q", len(head)) + head + b"".join(chunks))
 
 
+def weight_files(folder):
+    """The names of the files that hold a folder's model: config.json and its weights (one file,
+    or the index and the shards it names), those that exist."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    shards = []
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = ["model.safetensors.index.json",
+                          *sorted(set(json.load(f)["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, AttributeError):
+            shards = ["model.safetensors.index.json"]  # read_weights names what is wrong
+    names = ["config.json", "model.safetensors", *shards, "pytorch_model.bin"]
+    found = [n for n in names if os.path.isfile(os.path.join(folder, n))]
+    return found[:2] if not shards else found[:1] + [n for n in found if n in shards]
+
+
 def read_weights(folder):
     """The folder's state dict (Hugging Face names), from whichever file it has: one
     model.safetensors, the shards its index names (model.safetensors.index.json), or

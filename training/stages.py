@@ -101,10 +101,9 @@ def import_target(tr):
 
 def weights_id(folder):
     """Which model a folder holds, for the target stage's settings: the sha256 of its config.json
-    and weights file (a pretrained target is re-read when either changes)."""
+    and weights (a pretrained target is re-read when any of them changes)."""
     h = hashlib.sha256()
-    names = [n for n in ("config.json", "model.safetensors", "pytorch_model.bin")
-             if os.path.isfile(os.path.join(folder, n))][:2]
+    names = pretrained.weight_files(folder)
     for name in names:
         with open(os.path.join(folder, name), "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):

@@ -207,7 +207,7 @@ def keep_pretrained_build(out_dir):
         meta = datamod.read_meta(out_dir)
     except datamod.DataError:
         return
-    if meta["tokenizer"] == "pretrained":
+    if meta["tokenizer"] in ("pretrained", "hf"):
         raise CheckpointError(f"{out_dir} holds the token files and target of the pretrained "
                               f"model in {meta.get('tokenizer_source', '?')}: pass --init-from "
                               "with it, or pick another --out-dir")
