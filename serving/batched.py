@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from serving import ragged
-from speculative import Sampler, Stats, check_k, tokens_allowed
+from speculative import (Sampler, Stats, check_k, generate_plain, generate_speculative,
+                         tokens_allowed)
 
 # -----------------------------------------------------------------------------
 # sampling, one row at a time but in one pass: a Sampler per row (its own seed and generator)
@@ -184,6 +185,11 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, 
     steps in."""
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
+    if len(prompts) == 1:  # one request: the batch-1 loop's own path (generate_batched's reason)
+        out = generate_plain(model, prompts[0], max_new_tokens, sampler.rows[0])
+        for _ in range(len(out) - 1):
+            stats is not None and stats.record_plain(1)
+        return [out]
     P = [len(p) for p in prompts]
     cache = cache or ragged.new_cache(model, len(prompts))
     cache.reset()
@@ -245,6 +251,11 @@ class BatchDrafter:
         for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k"):
             setattr(self, name, getattr(drafter, name))
         self.budget = getattr(drafter, "budget", [])
+        self.single = drafter
+
+    def one_request(self):
+        """The batch-1 drafter that decodes a batch of one (generate_batched)."""
+        return self.single
 
     def plain_batch(self, B):
         return False  # a drafter without a rule of its own drafts every batch
@@ -306,6 +317,13 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     check_k(drafter, k)
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
+    if len(prompts) == 1:
+        # one request: the batch-1 loop itself, with the drafter the twin was made from. The
+        # ragged cache, the packing and the batch rule's bookkeeping only cost there (the batched
+        # path ran 5% behind the batch-1 loop at B = 1); plain decoding takes its batch-1 path too
+        out, one = generate_speculative(target, drafter.one_request(), prompts[0], max_new_tokens,
+                                        k, sampler.rows[0])
+        return [out], BatchStats.of_one(one, k)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
     stats = BatchStats(B, k)
     plain = drafter.plain_batch(B)  # the drafter's rule: no draft pays at this batch size
@@ -385,6 +403,20 @@ class BatchStats(Stats):
                 self.verify_tokens += c + 1
                 self.slots += width
                 self.given[c] += 1
+
+    @classmethod
+    def of_one(cls, stats, k):
+        """A batch-1 run's speculative.Stats as a batch of one's: the same counts, each round's
+        verify as wide as its drafts + 1 (no padding), given[l] from the rounds that drafted l."""
+        b = cls(1, k)
+        for name in ("tokens", "target_forwards", "rounds", "draft_time", "verify_time"):
+            setattr(b, name, getattr(stats, name))
+        b.drafted_at, b.accepted_at = list(stats.drafted_at), list(stats.accepted_at)
+        b.batches = stats.rounds
+        b.verify_tokens = b.slots = sum(stats.drafted_at) + stats.rounds
+        at = [stats.rounds, *stats.drafted_at, 0]  # rounds that drafted at least l
+        b.given = [at[l] - at[l + 1] for l in range(k + 1)]
+        return b
 
     def record_plain(self, rows):
         """One plain step of `rows` active rows: what record() counts for it, nothing drafted,

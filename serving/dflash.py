@@ -11,6 +11,7 @@ serving sweep runs (one width a round, or whole batches decoded plainly); the ru
 they read are serving/rules.py's.
 """
 
+import copy
 import time
 
 import numpy as np
@@ -193,6 +194,15 @@ class BatchDSpark(BatchDFlash):
         self.costs = {}  # batch size -> (CostTable, t_draft, seconds of a plain step)
         self.priors = {}  # batch size -> what they say a round costs at each width (prior)
         self.new_account()
+
+    def one_request(self):
+        """The batch-1 DSpark that decodes a batch of one: its own scheduler (the throughput rule
+        that asks tree.pays), or every draft where this twin verifies all it drafts (full)."""
+        if self.schedule != "full":
+            return self.single
+        one = copy.copy(self.single)
+        one.schedule = "full"
+        return one
 
     def new_account(self):
         """What it learns as it runs, from nothing: the measured rule's numbers (Widths), the

@@ -20,7 +20,7 @@ from serving.drafters import batched as batched_twin
 from conftest import DRAFTER_FACTORIES, fit_mtp
 from draft_dspark import DSparkDrafter
 from serving.ragged import RaggedCache
-from speculative import Sampler, generate_plain
+from speculative import Sampler, generate_plain, generate_speculative
 
 
 def ragged_prompts(n, vocab, seed=0, window=None):
@@ -318,3 +318,21 @@ def test_bad_batches_are_one_clear_error(target):
     with pytest.raises(ValueError, match="prompt 1 of the batch"):
         generate_batched(target, d, [[1, 2], []], 4, 2, s)
     assert math.isfinite(generate_batched(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
+    """One request is decoded by the batch-1 loop itself, with the drafter its twin was made
+    from (and plain decoding by plain decoding's): the same tokens, the same rounds, and the
+    batch's counts of them."""
+    p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
+    ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
+    assert generate_plain_batched(target, [p], 30, BatchSampler(mode, 1, 0.9, None, 3)) == [ref]
+    for name in ("small", "mtp", "eagle", "dflash", "dspark", "lookup"):
+        d = batched_drafter(name, target, 1)
+        out, st = generate_batched(target, d, [p], 30, 4, BatchSampler(mode, 1, 0.9, None, 3))
+        _, one = generate_speculative(target, d.one_request(), p, 30, 4,
+                                      Sampler(mode, 0.9, None, 3))
+        assert out == [ref], name
+        assert (st.rounds, st.tau, st.accepted_at) == (one.rounds, one.tau, one.accepted_at)
+        assert sum(st.given) == st.rounds == st.batches and st.padding == 0.0
