@@ -308,15 +308,20 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # a self-check you can run by hand (the real proofs live in tests/test_gpt.py)
 
+@torch.no_grad()
+def cache_check(model):
+    """Max |cached - uncached| logit difference over 40 random tokens: one full forward against
+    a 20-token prefill then 20 one-token steps (llama.py runs it too)."""
+    idx = torch.randint(0, model.config.vocab_size, (1, 40))
+    full, _, _ = model(idx)
+    cache = model.new_cache()
+    parts = [model(idx[:, :20], cache=cache)[0]]
+    parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
+    return (torch.cat(parts, 1) - full).abs().max().item()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     cfg = GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)
-    model = GPT(cfg).double().eval()
-    idx = torch.randint(0, 97, (1, 40))
-    with torch.no_grad():
-        full, _, _ = model(idx)
-        cache = model.new_cache()
-        parts = [model(idx[:, :20], cache=cache)[0]]  # a 20-token prefill, then 20 one-token steps
-        parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
-    err = (torch.cat(parts, 1) - full).abs().max().item()
+    err = cache_check(GPT(cfg).double().eval())
     print(f"max |cached - uncached| logit difference in float64: {err:.2e}")

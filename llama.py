@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import GPT, CausalSelfAttention, Layer
+from gpt import GPT, CausalSelfAttention, Layer, cache_check
 
 # -----------------------------------------------------------------------------
 # config
@@ -47,7 +47,8 @@ class LlamaConfig:
     n_head: int = 8           # query heads
     n_kv_head: int = 4        # key/value heads: n_head / n_kv_head query heads share each
     n_embd: int = 256         # width
-    head_dim: int = 32        # usually n_embd / n_head; Qwen3 sets it apart (0.6B: 1024 wide, 16 x 128)
+    head_dim: int = 32        # usually n_embd / n_head; Qwen3 sets it apart (0.6B: 1024 wide,
+    #                           16 heads of 128)
     n_hidden: int = 704       # the MLP's inner width (intermediate_size)
     rope_theta: float = 10000.0     # the base of RoPE's wavelengths
     rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "llama3", "factor", ...}
@@ -250,12 +251,5 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     cfg = LlamaConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                       head_dim=8, n_hidden=64, qk_norm=True)
-    model = Llama(cfg).double().eval()
-    idx = torch.randint(0, 97, (1, 40))
-    with torch.no_grad():
-        full, _, _ = model(idx)
-        cache = model.new_cache()
-        parts = [model(idx[:, :20], cache=cache)[0]]  # a 20-token prefill, then 20 one-token steps
-        parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 40)]
-    err = (torch.cat(parts, 1) - full).abs().max().item()
+    err = cache_check(Llama(cfg).double().eval())
     print(f"max |cached - uncached| logit difference in float64: {err:.2e}")

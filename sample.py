@@ -33,16 +33,16 @@ def show(enc, prompt_ids, trace, color):
         G, R, B, Z = "\033[32m", "\033[31;1m", "\033[34;1m", "\033[0m"
     else:
         G, R, B, Z = "", "[", "{", ""
-    ids, text = list(prompt_ids), [enc.decode(prompt_ids)]
+    ids, shown = list(prompt_ids), [enc.decode(prompt_ids)]  # shown: the whole text so far
 
     def piece(new):
         """The text `new` ids add, decoded with every id before them: a tokenizer may join a
         token to the one before it (SentencePiece's leading spaces)."""
         ids.extend(new)
         whole = enc.decode(ids)
-        text.append(whole[len("".join(text)):])
-        return text[-1]
-    parts = [text[0]]
+        added, shown[0] = whole[len(shown[0]):], whole
+        return added
+    parts = [shown[0]]
     for acc, tok, full in trace:
         if acc:
             parts.append(G + piece(acc) + Z)

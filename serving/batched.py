@@ -187,8 +187,9 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, 
     allowed = check_prompts(model, prompts, max_new_tokens)
     if len(prompts) == 1:  # one request: the batch-1 loop's own path (generate_batched's reason)
         out = generate_plain(model, prompts[0], max_new_tokens, sampler.rows[0])
-        for _ in range(len(out) - 1):
-            stats is not None and stats.record_plain(1)
+        if stats is not None:
+            for _ in range(len(out) - 1):  # one plain step a token after the prefill's
+                stats.record_plain(1)
         return [out]
     P = [len(p) for p in prompts]
     cache = cache or ragged.new_cache(model, len(prompts))

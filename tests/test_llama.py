@@ -27,6 +27,7 @@ from runtime.checkpoint import load_target
 from serving.batched import BatchSampler, generate_batched
 from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, ragged_prompts
+from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
 from training import data, hf_folder, pretrained, tokenizer
 
@@ -190,8 +191,9 @@ HF_CONFIGS = {  # transformers' own configs, rope scaling and every switch inclu
 }
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
-def test_transformers_own_model_computes_the_same_logits(family, tmp_path, merges):
+def their_folder(family, folder, merges):
+    """transformers' own model of `family` (HF_CONFIGS), random weights moved off their init,
+    written to `folder` by transformers with the tests' tokenizer beside it."""
     transformers = pytest.importorskip("transformers")
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("the configs here are transformers 5's (rope_parameters)")
@@ -204,8 +206,14 @@ def test_transformers_own_model_computes_the_same_logits(family, tmp_path, merge
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(0.2 * torch.randn_like(p))
-    theirs.save_pretrained(tmp_path)
-    pretrained.write_tokenizer_files(merges, tmp_path)
+    theirs.save_pretrained(folder)
+    pretrained.write_tokenizer_files(merges, folder)
+    return theirs
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_transformers_own_model_computes_the_same_logits(family, tmp_path, merges):
+    theirs = their_folder(family, tmp_path, merges)
     model, _ = pretrained.load_folder(str(tmp_path))
     assert model.config.rope_scaling == (None if family != "llama" else {
         k: v for k, v in HF_CONFIGS["llama"]["rope_parameters"].items() if k != "rope_theta"})
@@ -249,14 +257,6 @@ def test_rope_scaling_stretches_only_the_long_wavelengths():
 
 # -----------------------------------------------------------------------------
 # refusals: one error line naming what is wrong
-
-
-def refused(tmp_path, corpus, folder, *extra):
-    with pytest.raises(SystemExit) as e:
-        train.cli(tiny_args(corpus, tmp_path / "out", "--init-from", str(folder), *extra))
-    msg = str(e.value)
-    assert msg.startswith("error: ") and "\n" not in msg, msg
-    return msg
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -457,15 +457,7 @@ def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_transformers_4s_config_layout_loads_the_same_model(family, tmp_path, merges):
     """rope_theta and rope_scaling as transformers 4 wrote them, not 5's rope_parameters."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.AutoConfig.for_model(
-        family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, **HF_CONFIGS[family])
-    torch.manual_seed(1)
-    theirs = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    theirs.save_pretrained(tmp_path)
-    pretrained.write_tokenizer_files(merges, tmp_path)
+    theirs = their_folder(family, tmp_path, merges)
     c = json.loads((tmp_path / "config.json").read_text())
     rope = c.pop("rope_parameters", None) or {"rope_theta": c.get("rope_theta", 10000.0)}
     c["rope_theta"] = rope.pop("rope_theta")

@@ -156,6 +156,7 @@ class Given:
     pattern: str | None = None
     json: bytes | None = None
     eot: int | None = None
+    n_vocab: int = 0  # its tokens, end-of-text included
 
     @property
     def kind(self):
@@ -197,6 +198,7 @@ BUILT = ("tokenizer.tiktoken", "tokenizer.json", "train.bin", "val.bin", "data_m
 # tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), the ranks of a pretrained
 # GPT-2 folder (pretrained), or a Llama or Qwen folder's tokenizer.json (hf): train.py --init-from
 KINDS = ("bpe", "gpt2", "pretrained", "hf")
+FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model's folder gives (Given.kind)
 # how a build was made, as a target records it: enough for remake() to name the command that
 # makes that build again
 RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
@@ -253,7 +255,7 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
 def remake(out: pathlib.Path, meta: dict | None = None) -> str:
     """The command that rebuilds out/'s data files, with the settings the build recorded (if
     known)."""
-    if meta and meta.get("tokenizer") in ("pretrained", "hf"):
+    if meta and meta.get("tokenizer") in FOLDER_KINDS:
         return (f"rebuild it with `python train.py --init-from "
                 f"{shlex.quote(meta.get('tokenizer_source', 'DIR'))} --out-dir "
                 f"{shlex.quote(str(out))}`, passing the --data it was built with")
@@ -401,7 +403,7 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
     """given: for tokenizer 'pretrained' or 'hf', the folder's tokenizer (Given).
     force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
-    if tokenizer not in KINDS or (tokenizer in ("pretrained", "hf")) != (given is not None):
+    if tokenizer not in KINDS or (tokenizer in FOLDER_KINDS) != (given is not None):
         raise DataError(f"Unknown tokenizer {tokenizer!r}; use 'bpe' (trained here) or 'gpt2'.")
     out = pathlib.Path(out_dir)
     meta_path = out / "data_meta.json"
@@ -455,7 +457,8 @@ def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="
                else load_tokenizer(tok_path, want["pattern"]))
 
     meta = {**want, "tokenizer_hash": tok_hash, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-            "val_docs_count": len(val_docs), **({"tokenizer_source": given.folder} if given else {}),
+            "val_docs_count": len(val_docs),
+            **({"tokenizer_source": given.folder} if given else {}),
             **({"token_bytes": 4} if enc.n_vocab > 1 << 16 else {})}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         # every document is followed by EOT, so documents are separated (nanoGPT style)

@@ -8,7 +8,8 @@ folder; for a folder whose config.json names one of these families it calls this
     config.json        model_type llama | qwen2 | qwen3 (SmolLM2 is a llama folder): the widths,
                        heads and K/V heads, head_dim, rope_theta and the rope scaling Llama-3
                        names, rms_norm_eps, tie_word_embeddings, the biases
-    model.safetensors  the weights (or its shards), by the family's names (model.layers.0.self_attn.q_proj, ...),
+    model.safetensors  the weights (or its shards), by the family's names
+                       (model.layers.0.self_attn.q_proj, ...),
                        mapped onto llama.py's (transformer.h.0.attn.c_attn: q, k and v stacked)
     tokenizer.json     read with the `tokenizers` package (optional: one error line names the
                        install where it is missing); a folder with only GPT-2's vocab.json +
@@ -86,7 +87,8 @@ def read_llama_config(folder, c):
         n_layer=c["num_hidden_layers"], n_head=n_head, n_kv_head=n_kv, n_embd=c["hidden_size"],
         head_dim=head_dim, n_hidden=c["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        qkv_bias=True if family == "qwen2" else bias, proj_bias=False if family == "qwen2" else bias,
+        qkv_bias=True if family == "qwen2" else bias,
+        proj_bias=False if family == "qwen2" else bias,
         mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
         tie_embeddings=bool(c.get("tie_word_embeddings", False)))  # transformers' default
 
@@ -97,18 +99,18 @@ def read_llama_config(folder, c):
 
 def names(cfg, i):
     """llama.py's name -> the family's name(s) for layer i (q, k, v and gate, up are stacked)."""
-    hf, ours = f"model.layers.{i}.", f"transformer.h.{i}."
-    attn = [("q_proj", "k_proj", "v_proj")] + ([("q_norm",), ("k_norm",)] if cfg.qk_norm else [])
+    hf, ours, qkv = f"model.layers.{i}.", f"transformer.h.{i}.", ("q_proj", "k_proj", "v_proj")
     out = {ours + "ln_1.weight": [hf + "input_layernorm.weight"],
            ours + "ln_2.weight": [hf + "post_attention_layernorm.weight"],
-           ours + "attn.c_attn.weight": [hf + f"self_attn.{p}.weight" for p in attn[0]],
+           ours + "attn.c_attn.weight": [hf + f"self_attn.{p}.weight" for p in qkv],
            ours + "attn.c_proj.weight": [hf + "self_attn.o_proj.weight"],
            ours + "mlp.c_fc.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
            ours + "mlp.c_proj.weight": [hf + "mlp.down_proj.weight"]}
-    for norm in attn[1:]:
-        out[ours + f"attn.{norm[0]}.weight"] = [hf + f"self_attn.{norm[0]}.weight"]
+    if cfg.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            out[ours + f"attn.{norm}.weight"] = [hf + f"self_attn.{norm}.weight"]
     if cfg.qkv_bias:
-        out[ours + "attn.c_attn.bias"] = [hf + f"self_attn.{p}.bias" for p in attn[0]]
+        out[ours + "attn.c_attn.bias"] = [hf + f"self_attn.{p}.bias" for p in qkv]
     if cfg.proj_bias:
         out[ours + "attn.c_proj.bias"] = [hf + "self_attn.o_proj.bias"]
     if cfg.mlp_bias:
@@ -182,7 +184,7 @@ def config_json(model, family, eos):
             "torch_dtype": "float32", **rope}
 
 
-def check_family(folder, cfg, family):
+def check_family(cfg, family):
     """What `family`'s config.json can say of cfg: refuse a model the family's code would not
     compute as llama.py does."""
     qwen2 = (True, False)

@@ -175,21 +175,27 @@ def write_safetensors(tensors, path):
     atomic_write(path, struct.pack("<Q", len(head)) + head + b"".join(chunks))
 
 
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: which shard holds each tensor
+
+
+def shards(folder):
+    """The shard files the folder's index names, in order."""
+    with open(os.path.join(folder, INDEX)) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
+
+
 def weight_files(folder):
-    """The names of the files that hold a folder's model: config.json and its weights (one file,
-    or the index and the shards it names), those that exist."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    shards = []
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(index):
+    """The names of the files that hold a folder's model, those that exist: config.json and the
+    weights read_weights reads (one file, or the index and the shards it names)."""
+    has = lambda name: os.path.isfile(os.path.join(folder, name))  # noqa: E731
+    weights = next((n for n in ("model.safetensors", INDEX, "pytorch_model.bin") if has(n)), None)
+    names = ["config.json", *([weights] if weights else [])]
+    if weights == INDEX:
         try:
-            with open(index) as f:
-                shards = ["model.safetensors.index.json",
-                          *sorted(set(json.load(f)["weight_map"].values()))]
+            names += shards(folder)
         except (OSError, ValueError, KeyError, AttributeError):
-            shards = ["model.safetensors.index.json"]  # read_weights names what is wrong
-    names = ["config.json", "model.safetensors", *shards, "pytorch_model.bin"]
-    found = [n for n in names if os.path.isfile(os.path.join(folder, n))]
-    return found[:2] if not shards else found[:1] + [n for n in found if n in shards]
+            pass  # read_weights names what is wrong
+    return [n for n in names if has(n)]
 
 
 def read_weights(folder):
@@ -197,14 +203,11 @@ def read_weights(folder):
     model.safetensors, the shards its index names (model.safetensors.index.json), or
     pytorch_model.bin."""
     st, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
-    index = st + ".index.json"
     try:
         if os.path.isfile(st):
             return read_safetensors(st)
-        if os.path.isfile(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return {k: v for shard in shards
+        if os.path.isfile(os.path.join(folder, INDEX)):
+            return {k: v for shard in shards(folder)
                     for k, v in read_safetensors(os.path.join(folder, shard)).items()}
         if os.path.isfile(binary):
             return torch.load(binary, map_location="cpu", weights_only=True)
@@ -274,11 +277,12 @@ def tokenizer_of(folder, cfg):
         path = os.path.join(folder, "tokenizer.json")
         eot = hf_folder.eos_of(folder, read_json(folder))
         n = hf_folder.HFTokenizer(path, eot).n_vocab
-        given = Given(os.path.abspath(folder), json=open(path, "rb").read(), eot=eot)
+        with open(path, "rb") as f:
+            given = Given(os.path.abspath(folder), json=f.read(), eot=eot, n_vocab=n)
     else:
         ranks, _ = read_ranks(folder)
         n = len(ranks) + 1
-        given = Given(os.path.abspath(folder), ranks=ranks, pattern=GPT2_PAT)
+        given = Given(os.path.abspath(folder), ranks=ranks, pattern=GPT2_PAT, n_vocab=n)
     if n > cfg.vocab_size or (isinstance(cfg, GPTConfig) and n != cfg.vocab_size):
         raise refuse(folder, f"its tokenizer has {n} tokens, its weights' vocabulary "
                      f"{cfg.vocab_size}")
@@ -317,9 +321,7 @@ def load_folder(folder, sequence_len=None):
     checked: gpt.GPT for GPT-2, llama.Llama for the Llama family. sequence_len: a shorter context
     than the model's (GPT-2 keeps its first sequence_len positions; a Llama's cache is only
     smaller)."""
-    if not os.path.isdir(folder):
-        raise refuse(folder, "there is no such folder")
-    cfg = read_config(folder)
+    cfg = read_config(folder)  # refuses a folder that is not there
     given = tokenizer_of(folder, cfg)
     if sequence_len is not None and sequence_len > cfg.sequence_len:
         raise CheckpointError(f"--block-size {sequence_len} is longer than {folder}'s context "
@@ -431,7 +433,7 @@ def write_llama_folder(model, merges, folder, family, dtype=torch.float32):
     """A Hugging Face folder of a llama.Llama as `family` (hf_folder.FAMILIES) writes it:
     config.json, model.safetensors (in dtype), and GPT-2-style vocab.json + merges.txt of
     256 + len(merges) + 1 tokens, at most the model's vocabulary (the rest is padding)."""
-    hf_folder.check_family(folder, model.config, family)
+    hf_folder.check_family(model.config, family)
     if 256 + len(merges) + 1 > model.config.vocab_size:
         raise ValueError(f"{len(merges)} merges make more tokens than the model's "
                          f"{model.config.vocab_size}")
@@ -515,16 +517,16 @@ def main(argv=None):
         check_writable(a.folder, a.force)
         write_random(a.random, a.folder)
     cfg = read_config(a.folder)
-    need = a.context + max(a.sizes) + 64  # --cost's cache: the context, a verify, block drafts
-    if a.cost and need - 64 > cfg.sequence_len:
+    need = a.context + max(a.sizes)  # --cost's: the cached context and the widest forward
+    if a.cost and need > cfg.sequence_len:
         p.error(f"argument --context: {a.context} cached positions and a forward of "
                 f"{max(a.sizes)} tokens do not fit in {a.folder}'s context window of "
                 f"{cfg.sequence_len}")
     # a Llama's cache is as long as its context: tens of thousands of positions for Qwen3. The
-    # check and --cost need only a short one
-    short = min(cfg.sequence_len, need) if isinstance(cfg, LlamaConfig) else None
+    # check and --cost need only a short one (64 more: room for a block drafter's verify)
+    short = min(cfg.sequence_len, need + 64) if isinstance(cfg, LlamaConfig) else None
     model, given = load_folder(a.folder, short)
-    print(f"{a.folder}: {describe(model, cfg)}; tokenizer {n_tokens(given)} tokens")
+    print(f"{a.folder}: {describe(model, cfg)}; tokenizer {given.n_vocab} tokens")
     if a.cost:
         with torch.no_grad():
             report_cost(cost_models(model, a.toy), a.context, a.sizes, a.repeats)
@@ -549,16 +551,10 @@ def describe(model, cfg):
     if isinstance(c, GPTConfig):
         return (f"GPT-2 {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads, context "
                 f"{c.sequence_len}, {c.activation}, {m}")
+    extras = [x for x, on in ((", q/k norms", c.qk_norm), (", tied head", c.tie_embeddings)) if on]
     return (f"Llama-family {c.n_layer} layers x {c.n_embd} wide, {c.n_head} heads sharing "
             f"{c.n_kv_head} K/V heads of {c.head_dim}, MLP {c.n_hidden}, context "
-            f"{cfg.sequence_len}{', q/k norms' if c.qk_norm else ''}{', tied head' if c.tie_embeddings else ''}"
-            f", {m}")
-
-
-def n_tokens(given):
-    if given.json is not None:
-        return hf_folder.HFTokenizer(os.path.join(given.folder, "tokenizer.json"), given.eot).n_vocab
-    return len(given.ranks) + 1
+            f"{cfg.sequence_len}{''.join(extras)}, {m}")
 
 
 if __name__ == "__main__":

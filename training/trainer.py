@@ -11,8 +11,8 @@ that checkpoint belongs to the current target and records the same settings (unl
 running phase saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds,
 atomically; batches come from generators seeded by the step, so a killed run resumes to the very
 same weights. With --init-from the target's stage reads a Hugging Face folder (GPT-2, Llama,
-Qwen2, Qwen3) instead of training; under torchrun every stage trains data-parallel, one shard of each step's batch per
-process (training/ddp.py).
+Qwen2, Qwen3) instead of training; under torchrun every stage trains data-parallel, one shard of
+each step's batch per process (training/ddp.py).
 """
 
 import math
@@ -207,7 +207,7 @@ def keep_pretrained_build(out_dir):
         meta = datamod.read_meta(out_dir)
     except datamod.DataError:
         return
-    if meta["tokenizer"] in ("pretrained", "hf"):
+    if meta["tokenizer"] in datamod.FOLDER_KINDS:
         raise CheckpointError(f"{out_dir} holds the token files and target of the pretrained "
                               f"model in {meta.get('tokenizer_source', '?')}: pass --init-from "
                               "with it, or pick another --out-dir")
