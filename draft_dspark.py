@@ -51,7 +51,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from draft_small import total_variation
-from draft_dflash import DFlash, DFlashDrafter, position_weights, soft_labels, training_states
+from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, position_weights, soft_labels,
+                          training_states)
+from speculative import Declaration
 from tree import pays
 
 # -----------------------------------------------------------------------------
@@ -295,6 +297,26 @@ def markov_chain(spark, base, prev, draw, table=None, markov=True):
     return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
 
 
+def host_greedy_chain(table):
+    """markov_chain's twin for greedy drafting on a CPU: the same float adds and the same
+    first-maximum argmax, so the same tokens (tested), in numpy over the table's own memory (no
+    copy), without four small torch ops a step (docs/experiments.md: DSpark: greedy chain on the
+    host). table: the (V, V) Markov table -> chain(base_logits (k, V), prev token) -> (k,)
+    tokens; None where the table is not a float table on the CPU (or there is none)."""
+    if not (torch.is_tensor(table) and table.device.type == "cpu"
+            and table.dtype in (torch.float32, torch.float64)):
+        return None
+    host = table.detach().numpy()
+
+    def chain(base_logits, prev):
+        toks = []
+        for u in base_logits.numpy():
+            prev = int((u + host[prev]).argmax())
+            toks.append(prev)
+        return torch.tensor(toks, device=base_logits.device)
+    return chain
+
+
 class DSparkDrafter(DFlashDrafter):
     """DFlash's drafter (self.net: the DFlash network, DSpark's backbone) plus the Markov head and
     the scheduler (self.spark: the whole DSpark network).
@@ -304,21 +326,30 @@ class DSparkDrafter(DFlashDrafter):
                     last two are the paper's ablations.
     t_draft         seconds of the rest of a round (drafting, commit, the loop), and
     t_verify        t_verify[m], seconds of an m-token verify: what the scheduler weighs.
-                    runtime/profiling.py measures them on the device in use. None: no device
+                    registry/profiles.py measures them on the device in use. None: no device
                     measured, and every verify length costs the same (a large target on a GPU,
                     where a verify is bound by reading the weights), so the rule verifies every
                     draft. measured: whether the rounds keep measuring t_draft (measure_round).
-    greedy_chain    a faster drop-in for markov_chain when drafting greedily
-                    (runtime/cpu_speed.py sets one on a CPU), or None
+    greedy_chain    markov_chain's twin for greedy drafting on a CPU (host_greedy_chain), or
+                    None: the Markov table is not on the CPU, or does not fit
     sync            waits for the device before scoring is timed (None: a CPU)
     mean_verify_len the drafts sent to verification, per round
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
+    a tiny random target in float64, DFlash's backbone at block 8, a rank-8 Markov head.
 
+        >>> from gpt import GPT, GPTConfig
         >>> from draft_dflash import DFlashConfig
-        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
-        >>> drafter = DSparkDrafter(DSpark(cfg, DSparkConfig(rank=8), target))
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> cfg = DFlashConfig(n_embd=32, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = DSparkDrafter(DSpark(cfg, DSparkConfig(rank=8), target).double().eval())
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "dspark"
 
@@ -345,7 +376,9 @@ class DSparkDrafter(DFlashDrafter):
         V = spark.w2.size(1)
         fits = V * V * spark.w2.element_size() <= MARKOV_TABLE_BYTES
         self.markov_table = spark.markov_table() if fits else None  # (V, V) or None
-        self.greedy_chain, self.sync = None, None
+        # on a CPU a greedy draft runs the chain on the host: markov_chain's tokens, fewer ops
+        self.greedy_chain = host_greedy_chain(self.markov_table)
+        self.sync = None
 
     def reset_account(self):
         """Counts from zero: drafts verified, rounds, rounds whose drafts were scored (each one
@@ -453,3 +486,23 @@ class DSparkDrafter(DFlashDrafter):
         # the rounds since its last were another drafter's: its next round starts the clock anew
         self._last = None
         DFlashDrafter.commit(self, new.numel() - 1, new, hidden)
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
+# in train.py, its stage, is training/stages_dspark.py)
+
+
+def from_config(config, target):
+    """The DSpark network for out/dspark.pt's config: its backbone's (DFlash's) and its own."""
+    return DSpark(DFlashConfig.from_dict(config["backbone"]), DSparkConfig(**config["dspark"]),
+                  target)
+
+
+DRAFTER = Declaration(
+    name="dspark",
+    network=from_config,
+    drafter=lambda spark, target: DSparkDrafter(spark),
+    pairs=True,
+    trees=True,
+)

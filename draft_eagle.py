@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss
+from speculative import Declaration
 
 # -----------------------------------------------------------------------------
 # config and network
@@ -64,6 +65,13 @@ class EagleConfig(MTPConfig):
         c = gpt_config
         return cls(n_embd=c.n_embd, n_head=c.n_head, n_modules=1, sequence_len=c.sequence_len,
                    bias=c.bias, taps=list(taps or default_taps(c.n_layer)))
+
+    def fitted(self, target_config):
+        """MTP's check, and the layers it fuses must be the target's."""
+        if not all(1 <= t <= target_config.n_layer for t in self.taps):
+            raise RuntimeError(f"{type(self).__name__} {self} does not fit the target "
+                               f"{target_config}")
+        return super().fitted(target_config)
 
 
 class Eagle(nn.Module):
@@ -90,10 +98,20 @@ class Eagle(nn.Module):
 class EagleDrafter(MTPDrafter):
     """MTPDrafter over the fused features: the same cache, recursion and commit.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson),
+    on a tiny random target in float64 whose two layers it fuses (1, 2, 2):
 
-        >>> drafter = EagleDrafter(Eagle(EagleConfig.for_target(target.config)), target)
+        >>> from gpt import GPT, GPTConfig
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> net = Eagle(EagleConfig.for_target(target.config)).double().eval()
+        >>> drafter = EagleDrafter(net, target)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "eagle"
     # the best of a bench sweep over k (docs/experiments.md: EAGLE-3: k), greedy and coupled
@@ -111,7 +129,7 @@ class EagleDrafter(MTPDrafter):
 # -----------------------------------------------------------------------------
 # how it learns: MTP's loss (distillation + the text's tokens, draft_mtp.step_loss) over the
 # unrolled steps, each weighted beta^(j-1); with one step it is plain teacher forcing, the ablation
-# (training/stages.py runs it in train.py's loop)
+# (training/stages_eagle.py runs it in train.py's loop)
 
 
 def eagle_loss(net, target, w, t_logits, hid, anchors, steps=3, beta=0.6, distill=1.0):
@@ -124,3 +142,15 @@ def eagle_loss(net, target, w, t_logits, hid, anchors, steps=3, beta=0.6, distil
     h = net.features({t: hid[t][:, :-1] for t in taps}).to(hid[taps[0]].dtype)  # (B, T, d)
     return recursion_loss(net.mods[0], target, h, w, t_logits[:, :-1], distill, steps, beta,
                           anchors)
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
+# in train.py, its stage, is training/stages_eagle.py)
+
+DRAFTER = Declaration(
+    name="eagle",
+    network=lambda config, target: Eagle(EagleConfig.from_dict(config).fitted(target.config)),
+    drafter=EagleDrafter,
+    pairs=True,
+)

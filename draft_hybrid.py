@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from draft_lookup import LookupDrafter
-from speculative import Drafter, k_for
+from speculative import Declaration, Drafter, k_for
 from tree import agreed
 
 # -----------------------------------------------------------------------------
@@ -182,17 +182,26 @@ class HybridDrafter(Drafter):
     """Prompt lookup and a learned drafter behind one interface, each round's drafter and length
     chosen by the rule above over `choices` (both drafters; bench's ablation weighs the lookup
     alone, to show how much of the gain the rule's length brings).
-    costs: (t_verify, the learned drafter's round) as profiling.profile_hybrid measures them on
-    the device in use; then the rounds fit them as they run. None: no device measured, so every
-    round costs the same and the rule weighs expected tokens alone (t_verify and start_cost may be
-    set by hand, then reset_record(), as the tests do).
+    costs: (t_verify, the learned drafter's round) as registry/profiles.py measures them on the
+    device in use (here or later: measured()); then the rounds fit them as they run. None: no
+    device measured, so every round costs the same and the rule weighs expected tokens alone
+    (t_verify and start_cost may be set by hand, then reset_record(), as the tests do).
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
+    a tiny random target in float64, and DFlash as the learned half.
 
+        >>> from gpt import GPT, GPTConfig
         >>> from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
-        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
-        >>> drafter = HybridDrafter(DFlashDrafter(DFlash(cfg, target)), target)
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> cfg = DFlashConfig(n_embd=32, n_head=2, taps=[1, 2], block=8)
+        >>> drafter = HybridDrafter(DFlashDrafter(DFlash(cfg, target).double().eval()), target)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "hybrid"
     default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
@@ -206,10 +215,7 @@ class HybridDrafter(Drafter):
         # no costs: a verify of any length costs 1, drafting nothing (no device measured)
         self.t_verify = [0.0] + [1.0] * (LOOKUP_MAX + 1)
         self.start_cost = {"lookup": 0.0, "learned": 0.0}
-        self.measure = costs is not None  # fit the costs to the rounds as they run
-        if costs is not None:
-            # where its round cost starts before rounds measure it
-            self.t_verify, self.start_cost["learned"] = costs
+        self.measure = False  # fit the costs to the rounds as they run (measured())
         # the tokens and target states the learned drafter has not seen yet (miss), copied into
         # buffers made once: kept as views of each verify's output, they made every forward
         # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
@@ -218,6 +224,15 @@ class HybridDrafter(Drafter):
         self.missed = {t: torch.empty(1, tc.sequence_len, tc.n_embd, device=w.device, dtype=w.dtype)
                        for t in self.hidden_layers}
         self.missed_ids = torch.empty(tc.sequence_len, dtype=torch.long, device=w.device)
+        self.reset_record()
+        if costs is not None:
+            self.measured(costs)
+
+    def measured(self, costs):
+        """Start from costs measured on the device in use (registry/profiles.py), and fit
+        them to the rounds as they run: costs = (t_verify, the learned drafter's round)."""
+        self.t_verify, self.start_cost["learned"] = costs
+        self.measure = True
         self.reset_record()
 
     def reset_record(self):
@@ -316,3 +331,15 @@ class HybridDrafter(Drafter):
     def lookup_share(self):
         """The share of rounds the lookup drafted."""
         return self.rounds["lookup"] / max(1, sum(self.rounds.values()))
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it). No network of
+# its own: it is built around a learned drafter, DSpark unless told (--hybrid-with), and loads
+# that one's checkpoint.
+
+DRAFTER = Declaration(
+    name="hybrid",
+    drafter=lambda learned, target: HybridDrafter(learned, target),
+    partner="dspark",
+)

@@ -27,7 +27,7 @@ a follower, so a lookup and an update cost microseconds whatever the length of t
 import torch
 import torch.nn.functional as F
 
-from speculative import Drafter
+from speculative import Declaration, Drafter
 
 # -----------------------------------------------------------------------------
 
@@ -35,10 +35,19 @@ from speculative import Drafter
 class LookupDrafter(Drafter):
     """Drafts by copying what followed the text's last n-gram where it occurred before.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson),
+    beside a tiny random target in float64, on a prompt that repeats itself:
 
+        >>> from gpt import GPT, GPTConfig
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
         >>> drafter = LookupDrafter(target.config.vocab_size)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "lookup"
     # its drafts cost nothing to make, so a long one pays whenever the text repeats; 10 is among
@@ -120,3 +129,12 @@ class LookupDrafter(Drafter):
         self.seq.extend(ids)
         self._index(start)
 
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it). No network,
+# so no checkpoint and no stage: it is built for the target's vocabulary.
+
+DRAFTER = Declaration(
+    name="lookup",
+    drafter=lambda network, target: LookupDrafter(target.config.vocab_size),
+)

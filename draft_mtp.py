@@ -49,7 +49,7 @@ from torch.nn import functional as F
 
 from gpt import Layer, GPTConfig, KVCache, attention, chunk_mask
 from draft_small import total_variation
-from speculative import Drafter
+from speculative import Declaration, Drafter
 
 # -----------------------------------------------------------------------------
 # config
@@ -79,6 +79,14 @@ class MTPConfig:
     def layer_config(self):
         return GPTConfig(sequence_len=self.sequence_len, n_layer=1, n_head=self.n_head,
                          n_embd=self.n_embd, bias=self.bias)
+
+    def fitted(self, target_config):
+        """This config, checked to fit the target whose states it reads and whose embedding and
+        head it shares (width, heads, context): a checkpoint made for another target is refused."""
+        c = target_config
+        if (self.n_embd, self.n_head, self.sequence_len) != (c.n_embd, c.n_head, c.sequence_len):
+            raise RuntimeError(f"{type(self).__name__} {self} does not fit the target {c}")
+        return self
 
 
 # -----------------------------------------------------------------------------
@@ -312,10 +320,21 @@ class MTPDrafter(Drafter):
         just became 'all but the last' go into H[0], to be eaten by the next propose.
     H[m][i] keeps module m's output at index i (H[0] = the target's states): module m+1 reads it.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
+    two chained modules, so that k = 4 drafts with both and then recursively, on a tiny random
+    target in float64.
 
-        >>> drafter = MTPDrafter(MTP(MTPConfig.for_target(target.config, n_modules=2)), target)
+        >>> from gpt import GPT
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> mtp = MTP(MTPConfig.for_target(target.config, n_modules=2)).double().eval()
+        >>> drafter = MTPDrafter(mtp, target)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "mtp"
     # trained on the target's own text, the module's acceptance decays slowly by position, so deep
@@ -388,9 +407,24 @@ class MTPDrafter(Drafter):
             draft(h_last, S + j - 1)
         return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
 
+    def fresh(self):
+        return type(self)(self.mtp, self.target)  # caches and states of its own
+
     def commit(self, n, new, hidden):
         S = self.seq.numel()
         for m, c in enumerate(self.caches, start=1):
             c.rollback(max(0, min(c.length, S - m)))  # keep exact entries 0..S-1-m, drop the rest
         self.H[0, S - 1:S + n] = self.features(hidden)[0]  # h_{S-1} .. h_{S+n-1}
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
+# in train.py, its stage, is training/stages_mtp.py)
+
+DRAFTER = Declaration(
+    name="mtp",
+    network=lambda config, target: MTP(MTPConfig.from_dict(config).fitted(target.config)),
+    drafter=MTPDrafter,
+    pairs=True,
+)

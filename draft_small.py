@@ -21,7 +21,8 @@ first appears (total_variation: why).
 import torch
 import torch.nn.functional as F
 
-from speculative import Drafter
+from gpt import GPT, GPTConfig
+from speculative import Declaration, Drafter
 
 # -----------------------------------------------------------------------------
 # the drafter
@@ -35,13 +36,21 @@ class DraftModel(Drafter):
     confirmed prefix plus d1..dn; with n == k it keeps d1..d_{k-1} and d_k is fed, together
     with the target's token, at the start of the next propose.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
+    a tiny random target, in float64 as the tests prove exactness, and a tinier drafter.
 
+        >>> import torch
         >>> from gpt import GPT, GPTConfig
-        >>> small = GPT(GPTConfig(sequence_len=target.config.sequence_len, n_layer=1, n_head=2,
-        ...                       n_embd=16, vocab_size=target.config.vocab_size))
-        >>> drafter = DraftModel(small)
+        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> small = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=1, n_head=2, n_embd=16))
+        >>> drafter = DraftModel(small.double().eval())
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_speculative(target, drafter, prompt, 12, 4, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     name = "small"
     # k: the best of a bench sweep on the CPU preset (docs/experiments.md: Small model: k)
@@ -78,6 +87,9 @@ class DraftModel(Drafter):
         self.cache.rollback(S + min(n, k_minus_1))
         self.seq = torch.cat([self.seq, new.to(self.seq.device)])
 
+    def fresh(self):
+        return DraftModel(self.model)  # a cache of its own
+
 
 # -----------------------------------------------------------------------------
 # how it learns: distillation, and the term every drafter's loss shares
@@ -108,3 +120,15 @@ def total_variation(logq, p):
     unlike cross-entropy, spends nothing on tokens neither model would pick. It raised every
     drafter's tau (docs/experiments.md: Loss: CE + TV)."""
     return 0.5 * (logq.float().exp() - p.float()).abs().sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
+# in train.py, its stage, is training/stages_small.py)
+
+DRAFTER = Declaration(
+    name="small",
+    network=lambda config, target: GPT(GPTConfig.from_dict(config)),  # a GPT of its own
+    drafter=lambda model, target: DraftModel(model),
+    pairs=True,
+)

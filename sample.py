@@ -13,15 +13,16 @@ then tau and the acceptance by draft position.
 import os
 import sys
 
+from registry import drafters as registry
+from registry.profiles import profile_tree
 from runtime import cpu_speed
-from training import data
-from training import tokenizer
+from runtime.checkpoint import CheckpointError
 from runtime.command import run
-from runtime.checkpoint import DRAFTERS, HYBRID_WITH, CheckpointError, load_drafter, load_target
 from runtime.devices import pick_device, synchronize
-from runtime.profiling import profile_tree
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
+from training import data, tokenizer
+from training.target import load_target
 from tree import BlockTree, generate_tree
 
 
@@ -59,17 +60,17 @@ def build_parser():
                                    "drafted and kept.")
     p.add_argument("--prompt", default="def parse(",
                    help="the text to continue (default: %(default)r)")
-    p.add_argument("--method", default="small",
-                   help=f"drafter: {', '.join(DRAFTERS)} (default: small)")
+    p.add_argument("--method", default=registry.names()[0],
+                   help=f"drafter: {', '.join(registry.names())} (default: %(default)s)")
     p.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: the drafter's own)")
-    p.add_argument("--hybrid-with", default=HYBRID_WITH,
-                   help="with --method hybrid: the learned drafter it pairs with prompt lookup "
-                   "(default: %(default)s)")
+    p.add_argument("--hybrid-with", default=registry.default_partner(),
+                   help="with --method hybrid: the learned drafter it pairs with prompt lookup, "
+                   f"one of {', '.join(registry.partners())} (default: %(default)s)")
     p.add_argument("--tree", type=number(int, 0), default=0,
-                   help="with --method dflash or dspark: verify a token tree of at most this many "
-                   "nodes, sized each round by what it is expected to keep and costs here "
-                   "(tree.py; default: 0, a chain)")
+                   help=f"with --method {' or '.join(registry.tree_drafters())}: verify a token "
+                   "tree of at most this many nodes, sized each round by what it is expected to "
+                   "keep and costs here (tree.py; default: 0, a chain)")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=96,
                    help="how many tokens to generate (default: %(default)s)")
     add_sampling_flags(p)
@@ -85,9 +86,9 @@ def build_parser():
 
 def check_tree(a):
     """--tree's pairings, before anything loads."""
-    if a.tree and a.method not in ("dflash", "dspark"):
-        raise ValueError(f"--tree grows a block drafter's tree: use it with --method dflash or "
-                         f"dspark, not {a.method}")
+    if a.tree and not registry.entry(a.method).declared.trees:
+        raise ValueError(f"--tree grows a block drafter's tree: use it with --method "
+                         f"{' or '.join(registry.tree_drafters())}, not {a.method}")
     if a.tree and a.sampling == "rejection":
         raise ValueError("--tree keeps greedy and coupled sampling exact; rejection sampling over "
                          "a tree needs a multi-candidate rule (SpecInfer's) that is not built: use "
@@ -102,8 +103,8 @@ def main(argv=None):
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)
     # every data file checked, and the tokenizer the target was trained with
     enc = data.encoding_of(data.load_build_for(target_ckpt, a.out_dir))
-    drafter = load_drafter(a.method, a.out_dir, target, target_ckpt, device, sampling=a.sampling,
-                           hybrid_with=a.hybrid_with)
+    drafter = registry.load_drafter(a.method, a.out_dir, target, target_ckpt, device,
+                                    sampling=a.sampling, partner=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     ids = tokenizer.encode(enc, a.prompt)
     trace = []

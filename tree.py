@@ -246,7 +246,7 @@ class Calibration:
 
 def same_cost(n, branched=True):
     """The cost model of no measurement: every round costs the same, so every node pays and a
-    tree grows to its cap. runtime/profiling.py measures a device's (TreeCost): a round of n
+    tree grows to its cap. registry/profiles.py measures a device's (TreeCost): a round of n
     nodes costs more branched than as a chain, whose verify takes the causal mask's kernels."""
     return 1.0
 
@@ -267,17 +267,28 @@ class BlockTree(TreeDrafter):
     branch, and no tree at all (a plain step) is allowed. Where the tree comes out a chain, the
     next rounds are the drafter's own chain rounds, at the chain's cost (own_chain), until a
     watch round grows a tree again. Each round reports its timings to the cost (TreeDrafter's
-    clock; runtime/profiling.TreeCost corrects its start-up profile by them).
+    clock; registry/profiles.TreeCost corrects its start-up profile by them).
     Without a cost, the fixed shape: `nodes` every round, the drafter's own chain first (each
     node's best candidate, from the root), so the tree keeps at least what the chain would; then
     best-first by cumulative log-probability (EAGLE-2). chain=False: best-first from the start.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A tree's rounds on their own, run as written (tests/test_layout.py runs every example of the
+    lesson): DFlash's tree on a tiny random target in float64, sized as if every node cost the
+    same (same_cost).
 
+        >>> from gpt import GPT, GPTConfig
         >>> from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
-        >>> cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, taps=[1, 2], block=8)
-        >>> drafter = BlockTree(DFlashDrafter(DFlash(cfg, target)), nodes=12, cost=same_cost)
+        >>> from speculative import Sampler, generate_plain
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> cfg = DFlashConfig(n_embd=32, n_head=2, taps=[1, 2], block=8)
+        >>> chain = DFlashDrafter(DFlash(cfg, target).double().eval())
+        >>> drafter = BlockTree(chain, nodes=12, cost=same_cost)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_tree(target, drafter, prompt, 12, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     WATCH = 8
 
@@ -452,13 +463,22 @@ class Branches(TreeDrafter):
     tokens. A round where the learned drafter does not draft costs what the lookup's own round
     costs: it does not even catch up on it until it drafts again.
 
-    Built on its own (tests/test_layout.py runs this with a tiny GPT as `target`, then a round
-    against plain decoding):
+    A tree's rounds on their own, run as written (tests/test_layout.py runs every example of the
+    lesson): the lookup's branch and an MTP head's, on a tiny random target in float64.
 
+        >>> from gpt import GPT, GPTConfig
         >>> from draft_lookup import LookupDrafter
         >>> from draft_mtp import MTP, MTPConfig, MTPDrafter
-        >>> mtp = MTPDrafter(MTP(MTPConfig.for_target(target.config)), target)
+        >>> from speculative import Sampler, generate_plain
+        >>> _ = torch.manual_seed(0)
+        >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
+        ...                        n_embd=32)).double().eval()
+        >>> mtp = MTPDrafter(MTP(MTPConfig.for_target(target.config)).double().eval(), target)
         >>> drafter = Branches(LookupDrafter(target.config.vocab_size), mtp, 6, 3)
+        >>> prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
+        >>> out, stats = generate_tree(target, drafter, prompt, 12, greedy)
+        >>> out == generate_plain(target, prompt, 12, greedy), stats.rounds > 0
+        (True, True)
     """
     PRIOR, MATCHES = 1.0, 8  # the record's hopeful start; match lengths apart, 0..MATCHES
 

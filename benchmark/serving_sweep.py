@@ -26,8 +26,8 @@ import torch
 
 from benchmark.ablations import batch_variants
 from benchmark.report import Progress
+from registry.drafters import batched
 from serving.batched import BatchSampler, generate_batched, generate_plain_batched
-from serving.drafters import batched
 from runtime.profiling import timed
 from serving.ragged import new_cache
 from speculative import Sampler, generate_plain

@@ -25,10 +25,11 @@ import torch
 from training import data
 from benchmark.prompt_sets import read_jsonl
 from runtime.command import run
-from runtime.checkpoint import CheckpointError, load_target
+from runtime.checkpoint import CheckpointError
 from draft_lookup import LookupDrafter
 from gpt import GPTConfig
 from runtime.settings import ArgumentParser, number, path_arg
+from training.target import load_target
 from speculative import Sampler, generate_plain, generate_speculative
 
 # -----------------------------------------------------------------------------

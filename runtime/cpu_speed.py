@@ -76,36 +76,15 @@ def modules_of(obj):
 
 
 def speed_up(*objs):
-    """Turn every nn.Linear of these models or drafters into a PackedLinear, in place, and give a
-    DSpark drafter on a CPU its greedy chain on the host; returns the first. A Linear with one
-    output column stays torch's own: there the packed product is the slower one
-    (docs/experiments.md: DSpark: confidence head)."""
+    """Turn every nn.Linear of these models or drafters into a PackedLinear, in place; returns the
+    first. A Linear with one output column stays torch's own: there the packed product is the
+    slower one (docs/experiments.md: DSpark: confidence head)."""
     for obj in objs:
         for top in modules_of(obj):
             for m in top.modules():
                 if type(m) is nn.Linear and m.out_features > 1:
                     m.__class__ = PackedLinear
-        table = getattr(obj, "markov_table", None)
-        if (torch.is_tensor(table) and table.device.type == "cpu"
-                and table.dtype in (torch.float32, torch.float64)):
-            obj.greedy_chain = host_greedy_chain(table)
     return objs[0] if objs else None
-
-
-def host_greedy_chain(table):
-    """draft_dspark.markov_chain for greedy drafting on a CPU, in numpy over the same memory (no
-    copy): the same float adds and the same first-maximum argmax, so the same tokens (tested),
-    without four small torch ops a step (docs/experiments.md: DSpark: greedy chain on the host).
-    table: the (V, V) Markov table -> chain(base_logits (k, V), prev token) -> (k,) tokens."""
-    host = table.detach().numpy()
-
-    def chain(base_logits, prev):
-        toks = []
-        for u in base_logits.numpy():
-            prev = int((u + host[prev]).argmax())
-            toks.append(prev)
-        return torch.tensor(toks, device=base_logits.device)
-    return chain
 
 
 # -----------------------------------------------------------------------------

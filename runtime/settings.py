@@ -1,18 +1,20 @@
 """
-runtime/settings.py -- every setting in its one home, and the command lines' shared flag helpers.
+runtime/settings.py -- the command lines' shared flag helpers, and settings written once.
 
-train.py's settings are tables: one per stage, each setting with its value in every preset (cpu, the
-full run; quick; tiny, the tests'; cuda; mps; gpt2), its type and its help. train.py gathers them
-into its flags and presets; training/stages.py reads them. The helpers check a flag's value where it
-is parsed (a number in range, a path of the right kind), so a bad one is one line, 'error: argument
---flag: ...', before anything loads. The sampling flags are shared by sample.py and bench.py. """
+A value is checked where it is parsed (a number in range, a path of the right kind), so a bad one is
+one line, 'error: argument --flag: ...', before anything loads. A training setting is a field of a
+settings dataclass (setting(): its default, its help, what each preset changes), declared where it
+is used: each stage's beside its code (training/stages_*.py), the run's in training/; train.py
+makes its flags from them (training/flags.py). The sampling flags are shared by sample.py and
+bench.py.
+"""
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 
 DEFAULT_VOCAB = 4096  # BPE vocabulary size, end-of-text included (training/data.py)
 
@@ -121,51 +123,69 @@ def path_arg(kind):
     return parse
 
 
-@dataclass
-class Setting:
-    """One training setting in its one home: its value in every preset, its type and its help.
-    Each drafter's file lists its own (SETTINGS) beside the code that uses them; train.py gathers
-    them into its presets and flags. Adding a setting touches that table and the code using it."""
-    default: object       # the cpu preset's value (the base every other preset changes)
-    help: str
-    type: object = None   # the argparse type; None: from the default's (a count >= 1, a rate > 0)
-    choices: list = None
-    presets: dict = None  # {preset: value} where a preset differs from the cpu preset's
-
-    def value(self, preset):
-        """The value in `preset`, or a chain of them (("gpt2", "cuda"): gpt2's where it names
-        one, else cuda's), else the cpu preset's."""
-        for p in (preset if isinstance(preset, tuple) else (preset,)):
-            if p in (self.presets or {}):
-                return self.presets[p]
-        return self.default
-
-    def flag_type(self):
-        """The argparse type: its own, else from its default's (a count >= 1, a rate > 0)."""
-        if self.type is not None or self.choices is not None:
-            return self.type or str
-        return {int: number(int, 1), float: number(float, above=0)}.get(type(self.default), str)
+# -----------------------------------------------------------------------------
+# settings: the fields of a settings dataclass, each with its default, its help and what each
+# preset changes; a stage's settings are one such class (training/stage.py), and train.py's flags
+# are made from them
 
 
 def setting(default, help, type=None, choices=None, **presets):
-    """Setting(...), written the way the tables read: setting(1000, "steps", tiny=6, cuda=2000)."""
-    return Setting(default, help, type, choices, presets)
+    """One field of a settings dataclass, in its one home, written the way it reads:
+    `iters: int = setting(1000, "steps", tiny=6, cuda=2000)`. default: the cpu preset's value (the
+    base every other preset changes); type: the flag's argparse type (None: from the default's, a
+    count >= 1 or a rate > 0); presets: {preset: value} where a preset differs from the cpu
+    preset's: a preset names only what it changes."""
+    return dataclasses.field(default=default, metadata={"help": help, "type": type,
+                                                         "choices": choices, "presets": presets})
 
 
-def add_settings(parser, groups, preset):
-    """One flag per setting (--dflash-iters for dflash_iters), in one argparse group per table
-    ({title: {name: Setting}}), each help showing the value `preset` gives it. The flags default
-    to None, so a caller can tell a value given from one to take from the preset."""
-    for title, table in groups.items():
-        group = parser.add_argument_group(title)
-        for name, s in table.items():
-            value = s.value(preset)
-            shown = preset[0] if isinstance(preset, tuple) else preset
-            where = f", preset {shown}" if s.presets else ""
-            group.add_argument("--" + name.replace("_", "-"), type=s.flag_type(),
-                               choices=s.choices, default=None,
-                               help=f"{s.help} (default: {'none' if value is None else value}"
-                               f"{where})")
+def value_in(f, preset):
+    """A setting's value in `preset`, or in a chain of them (("gpt2", "cuda"): gpt2's where it
+    names one, else cuda's), else its default (the cpu preset's)."""
+    for p in (preset if isinstance(preset, tuple) else (preset,)):
+        if p in f.metadata["presets"]:
+            return f.metadata["presets"][p]
+    return f.default
+
+
+def flag_type(f):
+    """A setting's argparse type: its own, else from its default's (a count >= 1, a rate > 0)."""
+    m = f.metadata
+    if m["type"] is not None or m["choices"] is not None:
+        return m["type"] or str
+    return {int: number(int, 1), float: number(float, above=0)}.get(type(f.default), str)
+
+
+def settings_of(cls, prefix=""):
+    """[(name, field)] of a settings dataclass: name is the flag's without the dashes, prefixed
+    (the dflash stage's `block` is dflash_block, its flag --dflash-block); a trailing underscore
+    (a field named like a Python keyword, `lambda_`) is not part of it."""
+    return [((f"{prefix}_" if prefix else "") + f.name.rstrip("_"), f)
+            for f in dataclasses.fields(cls)]
+
+
+def preset_values(cls, prefix, preset):
+    """{name: value} of a settings dataclass in one preset."""
+    return {name: value_in(f, preset) for name, f in settings_of(cls, prefix)}
+
+
+def add_settings(group, cls, prefix, preset):
+    """One flag per field of a settings dataclass (--dflash-iters for the dflash stage's iters),
+    each help showing the value `preset` gives it. The flags default to None, so that a caller can
+    tell a value given from one to take from the preset."""
+    shown = preset[0] if isinstance(preset, tuple) else preset
+    for name, f in settings_of(cls, prefix):
+        value = value_in(f, preset)
+        where = f", preset {shown}" if f.metadata["presets"] else ""
+        group.add_argument("--" + name.replace("_", "-"), type=flag_type(f),
+                           choices=f.metadata["choices"], default=None,
+                           help=f"{f.metadata['help']} (default: "
+                           f"{'none' if value is None else value}{where})")
+
+
+def read_settings(cls, prefix, values):
+    """The settings dataclass filled from {name: value} (a parsed command line's names)."""
+    return cls(**{f.name: values[name] for name, f in settings_of(cls, prefix)})
 
 
 def number_list(kind=int, lo=1):
@@ -240,195 +260,3 @@ def parse_args(parser, argv=None):
     if a.temperature is None:
         a.temperature = DEFAULT_TEMPERATURE
     return a
-
-
-# -----------------------------------------------------------------------------
-# the settings tables: the run, the target, every stage, then each drafter's
-
-
-PRESETS = {
-    "cpu": "the full run, sized for 2 CPU cores (docs/results.md: Training)",
-    "quick": "every drafter, far fewer steps: the lesson in minutes on a CPU",
-    "tiny": "seconds: a smoke run of the whole pipeline (the tests use it)",
-    "cuda": "one consumer GPU: wider, deeper, longer (never run yet: its time is unknown)",
-    "mps": "Apple GPUs: the cuda preset",
-    "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
-            "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
-            "time is in docs/experiments.md)",
-    "gpu-small": "a 100M-1B Llama, Qwen or GPT-2 from --init-from on one consumer GPU: the gpt2 "
-                 "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
-}
-
-RUN = {
-    "vocab_size": setting(DEFAULT_VOCAB, "BPE vocabulary size, end-of-text included",
-                          type=number(int, 257, 65536)),
-    "tokenizer": setting("bpe", "train our own BPE, or use tiktoken's gpt2 if it loads",
-                         choices=["bpe", "gpt2"]),
-    "seed": setting(1337, "seed for initialisation and batch sampling",
-                    type=number(int, 0, 2**32 - 1)),
-    "bf16": setting("auto", "bfloat16 autocast: auto = where this device measurably runs it "
-                    "faster", choices=["auto", "on", "off"]),
-    "threads": setting(None, "torch CPU threads (none: torch's choice)", type=number(int, 1)),
-    "log_interval": setting(25, "steps between progress lines"),
-    # the drafters are judged by tau in bench.py, not by this loss on corpus text
-    "eval_interval": setting(2500, "steps between validation losses (the last step always has "
-                             "one)"),
-    "ckpt_interval": setting(60.0, "seconds between resume checkpoints", type=number(float, 0)),
-    "grad_accum": setting(1, "micro-steps per optimizer step in each process: the global batch "
-                          "is split into processes x this many equal shards (less memory, the "
-                          "same step)"),
-}
-TARGET = {
-    "n_layer": setting(6, "target: transformer blocks", cuda=8, tiny=2),
-    "n_head": setting(8, "target: attention heads per block", tiny=2),
-    "n_embd": setting(256, "target: model width", cuda=512, tiny=32),
-    "target_iters": setting(1300, "target: optimizer steps", cuda=4000, quick=120, tiny=30),
-    "target_lr": setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3),
-}
-SHARED = {
-    "block_size": setting(256, "context window (target and drafters; with --init-from at most "
-                          "the model's, whose first positions are kept)", cuda=512, tiny=64),
-    "batch_size": setting(8, "sequences per optimizer step (every stage; under torchrun the "
-                          "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4),
-    "warmup": setting(60, "linear warmup steps before the cosine decay (every stage)",
-                      type=number(int, 0), cuda=200, quick=20, tiny=5),
-}
-DISTILL = {
-    "gen_seqs": setting(1024, "sequences the target writes once (out/distill.pt) for every "
-                        "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=128,
-                        tiny=8),
-    "gen_sampled": setting(0.25, "share of them sampled at --gen-temperature instead of greedy "
-                           "(so drafters see sampled text too)", type=number(float, 0, 1)),
-    "gen_temperature": setting(0.8, "temperature of the sampled share (the papers regenerate at "
-                               "about 0.7)"),
-    "feature_cache": setting(1, "1: run the target over the distillation set once and keep its "
-                             "logits and states in host memory (bfloat16); 0: every step",
-                             type=number(int, 0, 1), cuda=0),
-}
-
-SMALL = {
-    "small_layers": setting(1, "small: number of blocks", cuda=2, gpt2=4),
-    "small_embd": setting(128, "small: width", cuda=256, gpt2=384, tiny=16),
-    "small_heads": setting(4, "small: attention heads", gpt2=6, tiny=2),
-    "small_iters": setting(500, "small: optimizer steps", cuda=2000, gpt2=6000, quick=60,
-                           tiny=10),
-    "small_lr": setting(3e-3, "small: peak learning rate", cuda=2e-3),
-    "small_distill": setting(1.0, "small: weight of the KL-to-target loss (1 = pure "
-                             "distillation, 0 = the text's own tokens only)",
-                             type=number(float, 0, 1)),
-    "small_text": setting("gen", "small: training text, 'gen' (the distillation set the "
-                          "target wrote) or 'data' (the corpus)", choices=["gen", "data"]),
-}
-
-MTP = {
-    "mtp_mode": setting("posthoc", "mtp: 'joint' (the target trains with L_main + lambda*L_mtp "
-                        "and writes mtp.pt too) or 'posthoc' (the head trains on the frozen "
-                        "target)", choices=["joint", "posthoc"]),
-    "mtp_modules": setting(1, "mtp: chained MTP modules D (DeepSeek-V3: 1); deeper drafts reuse "
-                           "the last one"),
-    "mtp_lambda": setting(0.3, "mtp: weight of the MTP loss in joint mode (DeepSeek-V3: 0.3)",
-                          type=number(float, 0)),
-    "mtp_iters": setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=60,
-                         tiny=10),
-    "mtp_lr": setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3),
-    "mtp_distill": setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
-                           "distribution of the token after next (1 = pure distillation, 0 = "
-                           "the text's own tokens only)", type=number(float, 0, 1)),
-    "mtp_text": setting("gen", "mtp: posthoc training text, 'gen' (the distillation set the "
-                        "target wrote) or 'data' (the corpus)", choices=["gen", "data"]),
-    "mtp_unroll": setting(4, "mtp: posthoc, draft steps the one module is unrolled over in "
-                          "training, each fed its own last output (FastMTP); 1 = depth 1 only, "
-                          "DeepSeek-V3's", type=number(int, 1), tiny=3),
-    "mtp_anchors": setting(32, "mtp: posthoc, positions per training sequence at which steps 2.. "
-                           "are unrolled (step 1 trains at every position)", type=number(int, 1),
-                           tiny=8),
-    "mtp_beta": setting(0.6, "mtp: posthoc, weight decay of the unrolled steps' losses, "
-                        "beta^(j-1) (FastMTP: 0.6)", type=number(float, above=0)),
-}
-
-EAGLE = {
-    "eagle_iters": setting(2000, "eagle: optimizer steps", gpt2=6000, quick=60, tiny=10),
-    "eagle_lr": setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3),
-    "eagle_unroll": setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
-                            "training-time test); 1 = teacher forcing only", tiny=3),
-    "eagle_anchors": setting(32, "eagle: positions per training sequence at which steps 2.. are "
-                             "unrolled (step 1 trains at every position)", tiny=8),
-    "eagle_beta": setting(0.8, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
-                          "(EAGLE-3's code: 0.8)"),
-    "eagle_distill": setting(0.5, "eagle: weight of the KL to the target's distribution (1 = "
-                             "pure distillation, 0 = the text's own tokens only)",
-                             type=number(float, 0, 1)),
-    "eagle_taps": setting("auto", "eagle: the three target layers fused, e.g. '2,4,6' ('auto': "
-                          "a third, two thirds and the last)"),
-}
-
-DFLASH = {
-    "dflash_layers": setting(2, "dflash: draft layers (the paper: 5 at 8B scale)",
-                             cuda=3, gpt2=4, tiny=1),
-    "dflash_heads": setting(8, "dflash: attention heads (its width is the target's)", gpt2=12,
-                            tiny=2),
-    "dflash_block": setting(16, "dflash and dspark: the block they draft with, anchor + "
-                            "block-1 masks (so up to block-1 drafts a round)",
-                            type=number(int, 2), quick=8),
-    "dflash_gamma": setting(3.0, "dflash and dspark: position weight decay, w_k = "
-                            "exp(-(k-1)/gamma) (the paper: 4 at block 8, 7 at 16)", cuda=7.0),
-    "dflash_anchors": setting(8, "dflash and dspark: random anchors (blocks) per training "
-                              "sequence at the full block", cuda=32, quick=16, tiny=4),
-    "dflash_iters": setting(1000, "dflash: steps at the full block, after the narrow phase "
-                            "(DFlash trains --dflash-narrow-iters + these in all)",
-                            cuda=2000, gpt2=6000, quick=400, tiny=6),
-    "dflash_lr": setting(1e-3, "dflash: peak learning rate at the full block",
-                         quick=2e-3, tiny=3e-3),
-    "dflash_narrow_block": setting(8, "dflash: the block of the narrow phase it trains first",
-                                   type=number(int, 2)),
-    "dflash_narrow_anchors": setting(16, "dflash: anchors per training sequence in the narrow "
-                                     "phase", tiny=4),
-    "dflash_narrow_iters": setting(5000, "dflash: steps at --dflash-narrow-block before the "
-                                   "full block (0: no narrow phase)", type=number(int, 0),
-                                   cuda=0, quick=0, tiny=8),
-    "dflash_narrow_lr": setting(2e-3, "dflash: peak learning rate of the narrow phase",
-                                tiny=3e-3),
-    "dflash_text": setting("gen", "dflash and dspark: training text, 'gen' (the distillation set "
-                           "the target wrote) or 'data' (the corpus); soft labels from the "
-                           "target either way", choices=["gen", "data"]),
-    "dflash_taps": setting("auto", "dflash and dspark: target layers read as context, e.g. "
-                           "'1,2,3,4,5' ('auto': every block but the last)"),
-}
-
-DSPARK = {
-    "dspark_rank": setting(256, "dspark: rank r of the Markov head W1[x] W2 (the paper's 256)",
-                           tiny=8),
-    "dspark_iters": setting(1000, "dspark: optimizer steps of its own", cuda=2000, gpt2=4000,
-                            quick=120, tiny=8),
-    "dspark_lr": setting(2e-3, "dspark: peak learning rate", cuda=1e-3, tiny=3e-3),
-    "dspark_init": setting("dflash", "dspark: 'dflash' (the backbone starts from DFlash's own "
-                           "training dspark_iters steps before its end, so both drafters get "
-                           "the same number of steps) or 'scratch'", choices=["dflash", "scratch"]),
-    "dspark_calib_seqs": setting(32, "dspark: held-out target continuations for the confidence "
-                                 "calibration (0: none)", type=number(int, 0),
-                                 cuda=256, quick=16, tiny=4),
-    "dspark_sampled_iters": setting(400, "dspark: steps of its sampling weights, a copy "
-                                    "fine-tuned on the sampled share of the distillation set, "
-                                    "which bench.py and sample.py draft with when sampling "
-                                    "(0: none)", type=number(int, 0), cuda=800, quick=20, tiny=4),
-    "dspark_sampled_block": setting(5, "dspark: the block those steps train, anchor included "
-                                    "(what a sampled round drafts is its first slots)",
-                                    type=number(int, 2), tiny=3),
-    "dspark_sampled_anchors": setting(16, "dspark: anchors per sequence in those steps",
-                                      cuda=32, tiny=4),
-}
-
-GROUPS = {  # --help's groups, in order: title -> settings table
-    "the run": RUN, "target": TARGET, "every stage": SHARED,
-    "the distillation set (training/distill.py)": DISTILL,
-    "small (draft_small.py)": SMALL, "mtp (draft_mtp.py)": MTP, "eagle (draft_eagle.py)": EAGLE,
-    "dflash (draft_dflash.py)": DFLASH, "dspark (draft_dspark.py)": DSPARK,
-}
-SETTINGS = {name: s for table in GROUPS.values() for name, s in table.items()}
-# a preset that takes another's values where it names none of its own: preset -> the chain
-PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"), "gpu-small": ("gpt2", "cuda")}
-
-
-def preset_values(preset):
-    """{setting: value} of one preset."""
-    return {name: s.value(PRESETS_OF.get(preset, preset)) for name, s in SETTINGS.items()}

@@ -246,6 +246,12 @@ class BatchDrafter:
     sampled_k = None
     budget = []
 
+    @classmethod
+    def takes(cls, drafter):
+        """Whether this twin batches that batch-1 drafter (registry.drafters.batched asks; where
+        it does not, the drafter runs row by row, serving.drafters.PerRow)."""
+        return True
+
     def __init__(self, drafter):
         """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
         its name, the target layers it reads, its k and its training record."""

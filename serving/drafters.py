@@ -1,6 +1,5 @@
 """
-serving/drafters.py -- the batched twins of the network drafters, and the one place that knows
-which twin batches which drafter.
+serving/drafters.py -- the batched twins of the network drafters, and the twin any drafter has.
 
 serving/batched.py runs the draft-then-verify loop over B requests, each at its own length; a
 drafter there is a batched.BatchDrafter. Any batch-1 drafter can be batched row by row (PerRow,
@@ -10,54 +9,14 @@ the same bookkeeping as their batch-1 selves, one more axis:
   BatchMTP     draft_mtp.MTPDrafter (and EAGLE-3's): one module over a ragged batch
   BatchDFlash, BatchDSpark (serving/dflash.py): DFlash's and DSpark's, one block forward a
                round for every row, and DSpark's rules over the whole batch
+Which twin batches which drafter is said once, in the drafter's line of registry/drafters.py.
 """
-
-import copy
 
 import torch
 
 from serving import ragged
 from serving.batched import BatchDrafter, Confirmed
-from serving.dflash import BatchDFlash, BatchDSpark
-from draft_dflash import DFlashDrafter
-from draft_dspark import DSparkDrafter
-from draft_hybrid import HybridDrafter
-from draft_mtp import MTPDrafter, lm_logits
-from draft_small import DraftModel
-
-# -----------------------------------------------------------------------------
-# which twin batches which drafter
-
-
-def batched(drafter, **options):
-    """The batched twin of a batch-1 drafter: a native one where its network has one, else one
-    copy of it per row (PerRow). options: the twin's own (BatchDSpark's schedule)."""
-    if isinstance(drafter, HybridDrafter):
-        raise NotImplementedError("the hybrid drafts one request at a time (batch 1)")
-    if isinstance(drafter, DSparkDrafter):
-        return BatchDSpark(drafter, **options)
-    if isinstance(drafter, DFlashDrafter):
-        return BatchDFlash(drafter)
-    if isinstance(drafter, MTPDrafter) and drafter.mtp.config.n_modules == 1:
-        return BatchMTP(drafter)  # a deeper stack: row by row
-    if isinstance(drafter, DraftModel):
-        return BatchSmall(drafter)
-    return PerRow(drafter)
-
-
-def fresh(drafter):
-    """A copy of a batch-1 drafter with state of its own (caches, sequence) and the same weights:
-    one per row in PerRow."""
-    if isinstance(drafter, DFlashDrafter):
-        c = copy.copy(drafter)
-        c.new_caches()
-        return c
-    if isinstance(drafter, MTPDrafter):
-        return type(drafter)(drafter.mtp, drafter.target)
-    if isinstance(drafter, DraftModel):
-        return DraftModel(drafter.model)
-    return copy.copy(drafter)
-
+from draft_mtp import lm_logits
 
 class PerRow(BatchDrafter):
     """Any batch-1 Drafter batched the simple way: one copy of it per row (fresh), each
@@ -72,7 +31,7 @@ class PerRow(BatchDrafter):
     def begin(self, seqs, hidden):
         self.device = seqs[0].device
         while len(self.rows) < len(seqs):
-            self.rows.append(fresh(self.proto))
+            self.rows.append(self.proto.fresh())  # state of its own, the same weights
         self.rows = self.rows[:len(seqs)]
         for r, (d, s) in enumerate(zip(self.rows, seqs)):
             d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})
@@ -156,8 +115,12 @@ class BatchMTP(BatchDrafter):
     the module recurses on its own outputs, every row at once, a row that wants fewer drafts
     getting zero tokens. Bookkeeping per row exactly as MTPDrafter's (its docstring)."""
 
+    @classmethod
+    def takes(cls, drafter):
+        return drafter.mtp.config.n_modules == 1  # a deeper stack: row by row
+
     def __init__(self, drafter):
-        if drafter.mtp.config.n_modules != 1:
+        if not self.takes(drafter):
             raise ValueError("BatchMTP batches a one-module MTP head; wrap a deeper one in "
                              "PerRow")
         super().__init__(drafter)

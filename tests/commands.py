@@ -18,17 +18,18 @@ import torch
 
 import bench
 import sample
+import train
 from benchmark import vs_transformers
 from conftest import tiny_args
-from training import data, pretrained, trainer
+from training import data, pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARSERS = {"train.py": trainer.build_parser, "bench.py": bench.build_parser,
+PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
            "sample.py": sample.build_parser, "training/data.py": data.build_parser,
            "training/pretrained.py": pretrained.build_parser,
            "benchmark/vs_transformers.py": vs_transformers.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
-CHECKPOINTS = ["target.pt", "small.pt", "mtp.pt", "eagle.pt", "dflash.pt", "dspark.pt"]
+CHECKPOINTS = [f"{stage}.pt" for stage in train.STAGES]  # the target's, every learned drafter's
 
 
 def run(script, *argv):

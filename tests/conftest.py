@@ -1,6 +1,11 @@
-"""Shared fixtures: a tiny float64 target and a factory for every drafter, so that each
-equivalence test runs over all of them (add a new drafter to DRAFTER_FACTORIES)."""
+"""Shared fixtures: a tiny float64 target, and every registered drafter for it, so that each
+equivalence test runs over all of them. The list is the registry's (registry/drafters.py); each
+drafter's test file (tests/test_<name>.py) says how the shared tests build it for a target,
+drafter_for(target) (fitted a few steps where it has weights, so that it agrees with the target
+some of the time), and may add VARIANTS, {variant: factory}, run by the shared tests too as
+"<name>-<variant>"."""
 
+import importlib
 import os
 import shutil
 import sys
@@ -13,10 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime import cpu_speed  # noqa: E402
 from training import data  # noqa: E402
 import train  # noqa: E402
+from registry import drafters as registry  # noqa: E402
 from runtime.cpu_speed import speed_up  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from draft_small import DraftModel  # noqa: E402
-from draft_hybrid import HybridDrafter  # noqa: E402
 
 VOCAB = 64
 
@@ -76,32 +80,6 @@ def tiny_llama(family, seed=0, vocab=VOCAB, sequence_len=96, scale=8.0):
     return speed_up(peaked(model, scale).double().eval())
 
 
-def make_small(target):
-    """The classic drafter with random weights: it disagrees with the target often."""
-    return DraftModel(tiny_gpt(1, n_layer=1, n_embd=16, vocab=target.config.vocab_size,
-                               sequence_len=target.config.sequence_len))
-
-
-def make_self(target):
-    """The target drafting for itself: every draft must be accepted (greedy)."""
-    return DraftModel(target)
-
-
-_MTP_FITTED = {}
-
-
-def fit_mtp(target, n_modules=2, steps=30):
-    """A random MTP head, then a few Adam steps distilling the target on its own samples: it
-    now agrees with the target SOME of the time (a purely random head never does), so the
-    shared tests walk through full acceptance, partial acceptance and rejection alike."""
-    key = (id(target), n_modules, steps)
-    if key not in _MTP_FITTED:
-        # a test may call this inside inference_mode
-        with torch.inference_mode(False), torch.enable_grad():
-            _MTP_FITTED[key] = _fit_mtp(target, n_modules, steps)
-    return _MTP_FITTED[key]
-
-
 def target_text(target, seed, length):
     """16 sequences the target writes itself (sampled from 4 random tokens): what a drafter
     should learn to predict."""
@@ -127,155 +105,49 @@ def adam_fit(net, loss_fn, steps, target):
     return net.eval()
 
 
-def _fit_mtp(target, n_modules, steps):
-    from draft_mtp import MTP, MTPConfig, mtp_loss
-    torch.manual_seed(2)
-    mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
-    last = target.config.n_layer
-    x = target_text(target, 2, 44)
-    with torch.no_grad():
-        logits, _, hid = target(x[:, :-1], hidden_layers=(last,))
-
-    def loss_fn():
-        return mtp_loss(mtp, target, hid[last], x[:, :-1], x[:, 1:], logits, distill=1.0)
-    return adam_fit(mtp, loss_fn, steps, target)
-
-
-def make_mtp(target):
-    """Two chained MTP modules, so k >= 3 exercises the chain AND the recursive reuse of the last
-    one."""
-    from draft_mtp import MTPDrafter
-    return speed_up(MTPDrafter(fit_mtp(target), target))
-
-
-_EAGLE_FITTED = {}
-
-
-def fit_eagle(target, unroll=3, steps=30):
-    """An EAGLE-3 head (draft_eagle.Eagle, fusing the tiny target's layers 1, 2, 2), fitted as
-    fit_mtp's is, with its training-time test unrolled over `unroll` steps."""
-    key = (id(target), unroll, steps)
-    if key not in _EAGLE_FITTED:
+def fitted(cache, key, fit):
+    """fit() once per key: a drafter's network fitted for one target, kept for every test (a test
+    may call this inside inference_mode; fitting needs gradients)."""
+    if key not in cache:
         with torch.inference_mode(False), torch.enable_grad():
-            from draft_eagle import Eagle, EagleConfig, eagle_loss
-            from draft_mtp import unroll_anchors
-            torch.manual_seed(5)
-            net = Eagle(EagleConfig.for_target(target.config)).double()
-            x = target_text(target, 5, 44)
-            with torch.no_grad():
-                logits, _, hid = target(x, hidden_layers=sorted(set(net.config.taps)))
-            anchors = unroll_anchors(16, x.size(1) - 1, unroll, 8, torch.Generator().manual_seed(0),
-                                     x.device)
-            _EAGLE_FITTED[key] = adam_fit(net, lambda: eagle_loss(
-                net, target, x, logits, hid, anchors, unroll, 0.8, 1.0), steps, target)
-    return _EAGLE_FITTED[key]
+            cache[key] = fit()
+    return cache[key]
 
 
-def make_eagle(target):
-    from draft_eagle import EagleDrafter
-    return speed_up(EagleDrafter(fit_eagle(target), target))
+# -----------------------------------------------------------------------------
+# every registered drafter, built for a target as its own test file says
 
 
-_BLOCK_FITTED = {}
+def own_tests(name):
+    """A registered drafter's own test file, tests/test_<name>.py."""
+    return importlib.import_module(f"test_{name}")
 
 
-def fit_block_drafter(target, kind, steps=40, shift=0):
-    """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers:
-    random weights, then a few Adam steps on the target's own samples, so it agrees with the
-    target some of the time and the loop sees full, partial and no acceptance. shift 0 is what
-    train.py builds (the mask slots predict), at block 9; shift 1 (the anchor slot predicts too)
-    at block 8. Either way it drafts up to 8, so the shared tests' k = 1..8 are all allowed."""
-    key = (id(target), kind, steps, shift)
-    if key not in _BLOCK_FITTED:
-        # callers may be in no-grad or inference mode
-        with torch.inference_mode(False), torch.enable_grad():
-            _BLOCK_FITTED[key] = _fit_block_drafter(target, kind, steps, shift)
-    return _BLOCK_FITTED[key]
+def drafter_names():
+    """The drafters the shared tests run: every registered one, then its test file's VARIANTS."""
+    names = registry.names()
+    return names + [f"{n}-{v}" for n in names for v in getattr(own_tests(n), "VARIANTS", {})]
 
 
-def _fit_block_drafter(target, kind, steps, shift):
-    from draft_dflash import DFlash, DFlashConfig, dflash_loss
-    from draft_dspark import DSpark, DSparkConfig, dspark_loss
-    torch.manual_seed(3)
-    cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2],
-                       block=9 - shift, shift=shift)
-    if kind == "dspark":
-        net, loss_fn = DSpark(cfg, DSparkConfig(rank=8), target).double(), dspark_loss
-    else:
-        net, loss_fn = DFlash(cfg, target).double(), dflash_loss
-    x = target_text(target, 3, 40)
-    with torch.no_grad():
-        logits, _, hid = target(x, hidden_layers=cfg.taps)
-    # every third position
-    anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)
-    return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps, target)
+def make(name, target):
+    """Drafter `name` (a registered drafter, or "<drafter>-<variant>") for this target, as its
+    test file builds it."""
+    if name in registry.names():
+        return own_tests(name).drafter_for(target)
+    drafter, variant = name.split("-", 1)
+    return own_tests(drafter).VARIANTS[variant](target)
 
 
-def make_dflash(target, shift=0):
-    from draft_dflash import DFlashDrafter
-    return speed_up(DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift)))
+def within(drafter, k):
+    """k, or the most tokens this drafter drafts a round where that is fewer (a shared test asks
+    every drafter for the same k)."""
+    return min(k, drafter.max_k or k)
 
 
-def make_dspark(target, shift=0):
-    """DSpark with its Markov head and the throughput scheduler on. At load it profiles the real
-    device (profiling.profile_dspark); here it gets a fixed latency table instead (an m-token
-    verify costs 1 + 0.5·m draft times: dear enough that it verifies ~4 of 8 drafts), so which
-    prefix it verifies -- and with it every test over it -- is deterministic. The CPU speed-ups
-    as the loader gives them (cpu_speed.speed_up): greedy drafting takes the chain on the host."""
-    from draft_dspark import DSparkDrafter
-    d = speed_up(DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto"))
-    d.t_draft, d.t_verify = 1.0, [0.0] + [1.0 + 0.5 * m for m in range(1, d.max_k + 2)]
-    return d
-
-
-def make_lookup(target):
-    """Prompt lookup: the tiny target's peaked distributions make it repeat itself, so some rounds
-    find an n-gram to copy and others draft nothing at all; the tests see both."""
-    from draft_lookup import LookupDrafter
-    return LookupDrafter(target.config.vocab_size)
-
-
-def make_hybrid(target, learned=None, script=None):
-    """Prompt lookup and a learned drafter (DFlash unless given) under the hybrid's rule, with a
-    fixed cost model instead of the profile and the timed rounds (a verify of m tokens costs
-    1 + 0.05 m, a learned draft 0.5, a lookup 0.01), so its choices are deterministic. script:
-    a cycle of choices instead of the rule (ScriptedHybrid), so that rounds switch drafters for
-    certain."""
-    from draft_hybrid import HybridDrafter, LOOKUP_MAX
-    learned = learned or make_dflash(target)
-    d = ScriptedHybrid(learned, target, script) if script else HybridDrafter(learned, target)
-    d.t_verify = [0.0] + [1.0 + 0.05 * m for m in range(1, LOOKUP_MAX + 2)]
-    d.start_cost = {"lookup": 0.01, "learned": 0.5}
-    d.reset_record()
-    return d
-
-
-class ScriptedHybrid(HybridDrafter):
-    """The hybrid with a fixed cycle of choices ('lookup' / 'learned', one round each) instead
-    of its rule."""
-
-    def __init__(self, learned, target, script):
-        super().__init__(learned, target)
-        self.script, self.turn = script, 0
-
-    def choose(self, m, copied, k_learned, sampler):
-        who = self.script[self.turn % len(self.script)]
-        self.turn += 1
-        return who, (len(copied) if who == "lookup" else k_learned)
-
-
-def make_hybrid_switch(target):
-    return make_hybrid(target, script=["lookup", "learned", "learned", "lookup", "lookup"])
-
-
-DRAFTER_FACTORIES = {"small": make_small, "self": make_self, "mtp": make_mtp, "eagle": make_eagle,
-                     "dflash": make_dflash, "dspark": make_dspark, "lookup": make_lookup,
-                     "hybrid": make_hybrid, "hybrid-switch": make_hybrid_switch}
-
-
-@pytest.fixture(params=sorted(DRAFTER_FACTORIES))
-def drafter_name(request):
-    return request.param
+def pytest_generate_tests(metafunc):
+    """A test that takes `drafter_name` runs over every drafter (drafter_names)."""
+    if "drafter_name" in metafunc.fixturenames:
+        metafunc.parametrize("drafter_name", drafter_names())
 
 
 # -----------------------------------------------------------------------------

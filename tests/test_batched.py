@@ -1,6 +1,4 @@
-"""Many requests at once (serving/batched.py), for every drafter in conftest.DRAFTER_FACTORIES: in
-float64
-every row of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with
+"""Many requests at once (serving/batched.py), for every registered drafter: in float64 every row of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with
 rows that finish early and rows that start at the edge of the context window; native batched
 drafters equal the per-row reference; rejection sampling gives every row the target's
 distribution; DSpark's batch rules cut, skip and stay exact; bad batches are one clear error."""
@@ -16,11 +14,14 @@ from serving import ragged
 from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpolate
 from serving.batched import BatchSampler, generate_batched, generate_plain_batched
 from serving.drafters import PerRow
-from serving.drafters import batched as batched_twin
-from conftest import DRAFTER_FACTORIES, fit_mtp
+from conftest import make, within
 from draft_dspark import DSparkDrafter
+from draft_mtp import MTPDrafter
+from registry import drafters as registry
+from registry.drafters import batched as batched_twin
 from serving.ragged import RaggedCache
 from speculative import Sampler, generate_plain, generate_speculative
+from test_mtp import fit_mtp
 
 
 def ragged_prompts(n, vocab, seed=0, window=None):
@@ -46,12 +47,17 @@ def fixed_costs(drafter, B):
     return drafter
 
 
+def batches(name):
+    """Whether the registered drafter `name` (or a variant of it) has a batched form."""
+    return registry.BY_NAME[name.split("-")[0]].batched is not None
+
+
 def batched_drafter(name, target, B):
-    if name.startswith("hybrid"):
+    one = make(name, target)
+    if not batches(name):
         with pytest.raises(NotImplementedError, match="one request at a time"):
-            batched_twin(DRAFTER_FACTORIES[name](target))
-        pytest.skip("the hybrid drafts one request at a time (serving.drafters.batched says so)")
-    one = DRAFTER_FACTORIES[name](target)
+            batched_twin(one)
+        pytest.skip(f"{name} drafts one request at a time (its registry line says so)")
     # DSpark's batched twin under the rule that pays in the serving sweep
     # (benchmark/serving_sweep.py)
     options = {"schedule": "measured"} if isinstance(one, DSparkDrafter) else {}
@@ -125,11 +131,27 @@ def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k)
     prompts = ragged_prompts(5, target.config.vocab_size, seed=k, window=window)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
     d = batched_drafter(drafter_name, target, len(prompts))
-    out, stats = generate_batched(target, d, prompts, 30, k, BatchSampler(mode, 5, 0.9, None, 11))
+    out, stats = generate_batched(target, d, prompts, 30, within(d, k),
+                                  BatchSampler(mode, 5, 0.9, None, 11))
     for r, (o, want) in enumerate(zip(out, ref)):
         assert o == want, f"row {r} diverged"
     assert stats.tokens == sum(len(o) for o in out)
     assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12)
+
+
+def natively_batched(target):
+    """(name, batch-1 drafter) of every registered drafter whose line names a batched twin of its
+    own, as the shared tests build it (DSpark verifying its whole block, the rule its batch-1
+    self shares with its twin), and the one-module MTP head BatchMTP batches (the shared
+    tests' has two)."""
+    for e in registry.DRAFTERS:
+        if e.batched not in (PerRow, None):
+            one = make(e.name, target)
+            if isinstance(one, DSparkDrafter):
+                one.schedule = "full"
+            if e.batched.takes(one):
+                yield e.name, one
+    yield "mtp1", MTPDrafter(fit_mtp(target, n_modules=1), target)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
@@ -137,11 +159,8 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
     """The batched twins draft exactly what one batch-1 copy per row drafts: same tokens, same
     draft lengths, in rejection mode too (each row's generator moves as in its own run)."""
     prompts = ragged_prompts(4, target.config.vocab_size, seed=5)
-    factories = {**DRAFTER_FACTORIES, "mtp1": lambda t: __import__("draft_mtp").MTPDrafter(
-        fit_mtp(t, n_modules=1), t)}
-    for name in ("small", "mtp1", "eagle", "dflash"):
-        one = factories[name](target)
-        native = batched_twin(one)
+    for name, one in natively_batched(target):
+        native = batched_twin(one, **({"schedule": "full"} if name == "dspark" else {}))
         assert not isinstance(native, PerRow), name
         runs = [generate_batched(target, d, prompts, 24, 3, BatchSampler(mode, 4, 0.9, None, 2))
                 for d in (native, PerRow(one))]
@@ -263,7 +282,7 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
     from serving.dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.sequence_len)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
-    d = fixed_costs(BatchDSpark(DRAFTER_FACTORIES["dspark"](target), schedule), 4)
+    d = fixed_costs(BatchDSpark(make("dspark", target), schedule), 4)
     out, stats = generate_batched(target, d, prompts, 30, 6, BatchSampler(mode, 4, 0.8, None, 5))
     assert out == ref
     if schedule == "full":
@@ -280,7 +299,7 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     busy one, the rule drafted a batch again.)"""
     from serving.dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
-    d = BatchDSpark(DRAFTER_FACTORIES["dspark"](target), "measured")
+    d = BatchDSpark(make("dspark", target), "measured")
     d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)
     propose = d.propose
 
@@ -314,7 +333,7 @@ def test_bad_batches_are_one_clear_error(target):
         generate_plain_batched(target, [[1] * window, [1]], 4, s)
     with pytest.raises(ValueError, match="seeds for a batch"):
         BatchSampler("coupled", 3, seeds=[1, 2])
-    d = batched_twin(DRAFTER_FACTORIES["dflash"](target))
+    d = batched_twin(make("dflash", target))
     with pytest.raises(ValueError, match="prompt 1 of the batch"):
         generate_batched(target, d, [[1, 2], []], 4, 2, s)
     assert math.isfinite(generate_batched(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)
@@ -328,10 +347,11 @@ def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
     p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
     ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
     assert generate_plain_batched(target, [p], 30, BatchSampler(mode, 1, 0.9, None, 3)) == [ref]
-    for name in ("small", "mtp", "eagle", "dflash", "dspark", "lookup"):
+    for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, target, 1)
-        out, st = generate_batched(target, d, [p], 30, 4, BatchSampler(mode, 1, 0.9, None, 3))
-        _, one = generate_speculative(target, d.one_request(), p, 30, 4,
+        k = within(d, 4)
+        out, st = generate_batched(target, d, [p], 30, k, BatchSampler(mode, 1, 0.9, None, 3))
+        _, one = generate_speculative(target, d.one_request(), p, 30, k,
                                       Sampler(mode, 0.9, None, 3))
         assert out == [ref], name
         assert (st.rounds, st.tau, st.accepted_at) == (one.rounds, one.tau, one.accepted_at)

@@ -14,7 +14,7 @@ from training import data
 from training import tokenizer
 from benchmark import plot
 from benchmark import prompt_sets
-from runtime.checkpoint import DRAFTERS
+from registry.drafters import names
 from speculative import Stats
 
 
@@ -31,7 +31,7 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
     for key in ("device", "dtype", "threads", "torch", "k", "sampling", "methods", "sweep",
                 "references"):
         assert key in saved
-    assert {"ar", *DRAFTERS, "mtp-k1", "dspark-nomarkov", "hybrid-m4", "dspark-tree",
+    assert {"ar", *names(), "mtp-k1", "dspark-nomarkov", "hybrid-m4", "dspark-tree",
             "dflash-tree", "two-branch"} <= set(saved["methods"])
     assert saved["methods"]["dspark-tree-fixed"]["nodes"] == 20 and saved["verify_ms_by_tokens"]
     assert saved["methods"]["dspark-tree"]["nodes"] == 32  # a sized tree's cap
@@ -66,12 +66,12 @@ def test_the_default_bench_is_the_headline_in_the_same_schema(trained, tmp_path,
                       "--dtype", "float64", "--json", str(tmp_path / "b.json"), "--plot", ""])
     saved = json.loads((tmp_path / "b.json").read_text())
     assert set(saved) == TOP_KEYS and saved["full"] is False and saved["repeats"] == 1
-    assert list(out["methods"]) == ["ar", *DRAFTERS]  # no variants, no mtp-k1
+    assert list(out["methods"]) == ["ar", *names()]  # no variants, no mtp-k1
     assert saved["sweep"] == {} and "oracle" not in saved["methods"]["hybrid"]
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
     printed = capsys.readouterr().out
     assert "pass 1/1, prompt 2/2: ar " in printed and "left" in printed
-    assert all(f"loaded {n} in " in printed for n in DRAFTERS)
+    assert all(f"loaded {n} in " in printed for n in names())
 
 
 def test_full_with_the_serving_sweep_is_one_error(trained):

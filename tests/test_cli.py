@@ -13,12 +13,13 @@ import sys
 import pytest
 
 import bench
-from training import data
 import sample
-from training import trainer
+import train
+from registry import drafters as registry
+from training import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARSERS = {"train.py": trainer.build_parser, "bench.py": bench.build_parser,
+PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
            "sample.py": sample.build_parser, "training/data.py": data.build_parser}
 
 
@@ -85,8 +86,9 @@ def test_a_seeded_random_sweep_of_values(capsys):
 def test_a_method_list_names_each_known_method_once():
     parse = bench.build_parser().parse_args
     assert parse(["--methods", "ar, dspark"]).methods == ["ar", "dspark"]
+    unknown = "ar," + "x".join(registry.names())  # no drafter is named so: no name is made up
     for bad, why in [("ar,ar", "twice"), ("", "is empty"), (",", "is empty"),
-                     ("ar,medusa", "'medusa'")]:
+                     (unknown, repr(unknown[3:]))]:
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
             parse(["--methods", bad])
         assert err.getvalue().startswith("error: argument --methods") and why in err.getvalue()

@@ -16,12 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime import checkpoint
 from training import ddp
 import train
-from runtime.checkpoint import load_target
 from gpt import GPT, GPTConfig
+from registry.drafters import load_drafter
 from tests.conftest import tiny_args
+from training.stage import Fit
+from training.target import load_target
+
+LEARNED = [name for name in train.STAGES if name != "target"]  # every drafter that trains
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -73,10 +76,13 @@ class OneStep:
 
     def __init__(self, world, accum, out_dir):
         self.world, self.rows, self.losses = world, None, []
-        self.args = types.SimpleNamespace(warmup=0, grad_accum=accum, batch_size=8,
-                                          out_dir=out_dir, ckpt_interval=float("inf"),
-                                          eval_interval=1, log_interval=1)
+        self.run = types.SimpleNamespace(warmup=0, grad_accum=accum, batch_size=8,
+                                         out_dir=out_dir, ckpt_interval=float("inf"),
+                                         eval_interval=1, log_interval=1)
         self.clock = self
+
+    def lr_flag(self, name):
+        return "--lr"
 
     def set_rows(self, rows):
         self.rows = rows
@@ -103,8 +109,8 @@ def one_step(world, accum, out_dir):
     def loss_fn(step):
         r = tr.rows if tr.rows is not None else slice(None)
         return model(x[r], y[r])[1]
-    train.fit(tr, "step", model, loss_fn, lambda: 0.0, steps=1, lr=1e-2, fingerprint={},
-              tokens_per_step=1)
+    train.fit(tr, Fit("step", model, loss_fn, lambda: 0.0, steps=1, lr=1e-2, fingerprint={},
+                      tokens_per_step=1))
     return tr.losses[0], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -175,8 +181,8 @@ def test_torchrun_trains_the_tiny_preset_and_its_checkpoints_load(two_process_ru
     assert "2 processes (torchrun)" in so
     assert so.count("train.py finished") == 1  # rank 0 alone prints
     target, ckpt = load_target(str(out / "target.pt"))
-    for name in ("small", "mtp", "eagle", "dflash", "dspark"):
-        d = checkpoint.load_drafter(name, str(out), target, ckpt, "cpu", torch.float32)
+    for name in LEARNED:
+        d = load_drafter(name, str(out), target, ckpt, "cpu", torch.float32)
         assert d is not None
     assert not [f for f in os.listdir(out) if ".tmp" in f or f.endswith(".resume.pt")]
 
@@ -205,7 +211,7 @@ def test_a_failed_rank_ends_the_run_in_one_line_and_the_rerun_resumes_exactly(
 # every stage's loss: the mean over a step's shards is the whole batch's (its anchors included)
 
 
-@pytest.mark.parametrize("stage", ["small", "mtp", "eagle", "dflash", "dspark"])
+@pytest.mark.parametrize("stage", LEARNED)
 def test_the_shards_of_a_stages_step_make_the_whole_batchs_loss(trained, corpus, tmp_path,
                                                                   monkeypatch, stage):
     """Each stage's loss_fn, as train.py's loop calls it: with the rows of --grad-accum 2's (or
@@ -214,10 +220,10 @@ def test_the_shards_of_a_stages_step_make_the_whole_batchs_loss(trained, corpus,
     out = shutil.copytree(trained, tmp_path / "out")
     seen = []
 
-    def fit(self, name, module, loss_fn, *rest, **kw):  # record the phase, train nothing
-        seen.append((self, name, module, loss_fn))
+    def fit(tr, phase):  # record the phase, train nothing
+        seen.append((tr, phase.name, phase.module, phase.loss))
         return float("nan"), {}
-    monkeypatch.setattr(train.Trainer, "fit", fit)
+    monkeypatch.setattr(train, "fit", fit)
     train.main(tiny_args(corpus, out, "--only", stage, "--force", "--bf16", "off"))
     assert seen
     for tr, name, module, loss_fn in seen:
@@ -226,7 +232,7 @@ def test_the_shards_of_a_stages_step_make_the_whole_batchs_loss(trained, corpus,
             whole = loss_fn(3).item()
             parts = []
             for micro in range(2):
-                tr.set_rows(ddp.shard(ddp.World(), 2, tr.args.batch_size, micro))
+                tr.set_rows(ddp.shard(ddp.World(), 2, tr.run.batch_size, micro))
                 parts.append(loss_fn(3).item())
             tr.set_rows(None)
         assert abs(sum(parts) / 2 - whole) < 1e-5 * max(1.0, abs(whole)), (name, parts, whole)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from runtime import settings
-from runtime.checkpoint import load_target
-from conftest import DRAFTER_FACTORIES, tiny_args, tiny_gpt
+from conftest import make, tiny_args, tiny_gpt, within
+from training.target import load_target
 from runtime.devices import check_dtype, pick_device, synchronize
 from draft_small import DraftModel
 from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,
@@ -106,16 +106,16 @@ def test_float32_keyed_noise_is_exact_gumbel():
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_float32_sampling_keeps_coupled_decoding_token_identical(target, drafter_name, temperature):
     """The path MPS takes (sampling in float32), run on the CPU: still token-identical."""
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     f32 = functools.partial(Sampler, dtype=torch.float32)
     for seed, p in enumerate([[1, 2, 3], [5], [9, 8, 7, 6, 5, 4]]):
         ref = generate_plain(target, p, 30, f32("coupled", temperature, None, seed))
-        out, _ = generate_speculative(target, drafter, p, 30, 4,
+        out, _ = generate_speculative(target, drafter, p, 30, within(drafter, 4),
                                       f32("coupled", temperature, None, seed))
         assert out == ref
         assert out != generate_plain(target, p, 30, Sampler("coupled", temperature, None, seed + 1))
         top = generate_plain(target, p, 30, f32("coupled", temperature, 5, seed))
-        assert generate_speculative(target, drafter, p, 30, 4,
+        assert generate_speculative(target, drafter, p, 30, within(drafter, 4),
                                     f32("coupled", temperature, 5, seed))[0] == top
 
 
@@ -123,7 +123,7 @@ def test_float32_rejection_sampling_has_the_target_distribution(target8):
     from test_speculative import chi2_critical, chi_square, empirical_pairs, exact_pair_distribution
     prompt, n = [1, 5, 2], 3000
     expected = exact_pair_distribution(target8, prompt, 1.0) * n
-    counts = empirical_pairs(target8, DRAFTER_FACTORIES["small"](target8), prompt, n,
+    counts = empirical_pairs(target8, make("small", target8), prompt, n,
                              functools.partial(Sampler, dtype=torch.float32))
     stat, dof = chi_square(counts.view(-1), expected.view(-1))
     assert stat < chi2_critical(dof), f"chi-square {stat:.1f} over {dof} dof"
@@ -183,9 +183,9 @@ CALLS = ("begin", "propose", "commit")
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
 def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     if drafter_name == "dspark":
-        # its greedy chain on the host (greedy_chain, cpu_speed.host_greedy_chain) runs only
+        # its greedy chain on the host (greedy_chain, draft_dspark.host_greedy_chain) runs only
         # where the Markov table is in CPU memory, where reading back costs nothing; on a GPU the
         # chain stays on the device, which is what this test counts
         drafter.greedy_chain = None
@@ -194,7 +194,7 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     # the loop waits for the device only when given a sync (below): by default, never
     assert inspect.signature(generate_speculative).parameters["sync"].default is None
     syncs = HostSyncs(monkeypatch)
-    out, stats = generate_speculative(target, drafter, [1, 2, 3], 40, 4,
+    out, stats = generate_speculative(target, drafter, [1, 2, 3], 40, within(drafter, 4),
                                       Sampler(mode, 0.9, None, 0))
     monkeypatch.undo()
     own = {what: OWN.get(drafter_name, {}).get(what, (0, 0)) for what in CALLS}
@@ -228,7 +228,7 @@ def test_a_sync_waits_once_more_per_round(target):
     """sync (what sample.py passes, so that the draft/verify split is true on a GPU): one wait a
     round, between the draft and the verify."""
     waits = []
-    small = DRAFTER_FACTORIES["small"](target)
+    small = make("small", target)
     _, stats = generate_speculative(target, small, [1, 2, 3], 20, 4, Sampler(),
                                     sync=lambda: waits.append(1))
     assert len(waits) == stats.rounds

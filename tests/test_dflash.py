@@ -1,7 +1,7 @@
 """DFlash: the training mask is the one the definition asks for, training and inference compute
 the same block, cached context K/V equal a recomputation, k is bounded by the trained block,
 and the drafter can actually learn (a tiny overfit reaches near-full acceptance).
-The shared equivalence tests cover dflash through conftest.make_dflash."""
+The shared equivalence tests run the drafter drafter_for() builds (conftest.make)."""
 
 from dataclasses import replace
 
@@ -9,12 +9,44 @@ import pytest
 import torch
 
 import gpt
-from conftest import make_dflash, tiny_gpt
-from runtime.cpu_speed import cpu_sdpa
+from conftest import adam_fit, fitted, target_text, tiny_gpt
+from runtime.cpu_speed import cpu_sdpa, speed_up
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors,
                           training_mask, training_states)
+from draft_dspark import DSpark, DSparkConfig, dspark_loss
 from training.distill import target_continuations
 from speculative import Sampler, generate_plain, generate_speculative
+
+_FITTED = {}
+
+
+def fit_block_drafter(target, kind, steps=40, shift=0):
+    """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers:
+    random weights, then a few Adam steps on the target's own samples, so it agrees with the
+    target some of the time and the loop sees full, partial and no acceptance. shift 0 is what
+    train.py builds (the mask slots predict), at block 9; shift 1 (the anchor slot predicts too)
+    at block 8. Either way it drafts up to 8, so the shared tests' k = 1..8 are all allowed."""
+    def fit():
+        torch.manual_seed(3)
+        cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2],
+                           block=9 - shift, shift=shift)
+        if kind == "dspark":
+            net, loss_fn = DSpark(cfg, DSparkConfig(rank=8), target).double(), dspark_loss
+        else:
+            net, loss_fn = DFlash(cfg, target).double(), dflash_loss
+        x = target_text(target, 3, 40)
+        with torch.no_grad():
+            logits, _, hid = target(x, hidden_layers=cfg.taps)
+        # every third position
+        anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)
+        return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps,
+                        target)
+    return fitted(_FITTED, (id(target), kind, steps, shift), fit)
+
+
+def drafter_for(target, shift=0):
+    """The shared tests' DFlash: fitted a few steps, so that it agrees sometimes."""
+    return speed_up(DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift)))
 
 
 def test_training_mask_matches_the_definition():
@@ -36,7 +68,7 @@ def test_training_mask_matches_the_definition():
 @torch.no_grad()
 def test_a_block_never_sees_past_its_anchor_or_another_block(target):
     """Change everything a block may not see; its output must not move (and the rest must)."""
-    net = make_dflash(target).net
+    net = drafter_for(target).net
     T = 30
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, target.config.vocab_size, (1, T), generator=gen)
@@ -62,7 +94,7 @@ def test_training_path_equals_inference_path(target, alibi, grad, monkeypatch):
     train.py calls cpu_speed.enable()), the masked attention is cpu_sdpa's written-out form;
     without, and in the drafter, it is SDPA."""
     monkeypatch.setattr(gpt, "sdpa", cpu_sdpa)
-    d = make_dflash(target)
+    d = drafter_for(target)
     if not alibi:
         torch.manual_seed(4)
         d = DFlashDrafter(DFlash(replace(d.net.config, alibi=False), target).double())
@@ -84,7 +116,7 @@ def test_training_path_equals_inference_path(target, alibi, grad, monkeypatch):
 
 @torch.inference_mode()
 def test_cached_context_equals_recomputing_from_scratch(target):
-    d = make_dflash(target)
+    d = drafter_for(target)
     sampler = Sampler("greedy")
     V = target.config.vocab_size
     hid = target(torch.tensor([[5, 6, 7]]), hidden_layers=d.hidden_layers)[2]
@@ -99,7 +131,7 @@ def test_cached_context_equals_recomputing_from_scratch(target):
         # the states of all but the last token
         hid_full = target(full[None, :-1], hidden_layers=d.hidden_layers)[2]
         d.commit(n, new, {l: v[:, S - 1:S + n] for l, v in hid_full.items()})
-        fresh = make_dflash(target)
+        fresh = drafter_for(target)
         fresh.begin(full[None], hid_full)
         assert d.n_ctx == fresh.n_ctx == full.numel() - 1
         a, b = d.block_states(9), fresh.block_states(9)
@@ -108,7 +140,7 @@ def test_cached_context_equals_recomputing_from_scratch(target):
 
 @torch.inference_mode()
 def test_k_beyond_the_trained_block_is_an_error(target):
-    d = make_dflash(target)
+    d = drafter_for(target)
     assert d.max_k == d.net.config.block - 1 == d.default_k == 8
     d.begin(torch.tensor([[1, 2]]), target(torch.tensor([[1]]), hidden_layers=d.hidden_layers)[2])
     with pytest.raises(ValueError, match="trained with block"):

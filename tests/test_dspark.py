@@ -1,7 +1,7 @@
 """DSpark: the scheduler picks the throughput formula's optimum and stops at the first drop, a
 round verifies only what it picked and measures what the rest of a round costs, the Markov
 head's draft probabilities are exact softmaxes, and calibration lowers the ECE. The shared
-equivalence tests (tests/test_speculative.py) run over conftest.make_dspark: Markov head and
+equivalence tests (tests/test_speculative.py) run over drafter_for() below: Markov head and
 scheduler on, configured as train.py ships it (shift 0); shift 1 gets its own check here."""
 
 import copy
@@ -10,13 +10,28 @@ from dataclasses import fields
 import pytest
 import torch
 
-from training import trainer
+import train
 from benchmark.ablations import variants
-from conftest import fit_block_drafter, make_dflash, make_dspark
-from runtime.cpu_speed import host_greedy_chain
-from draft_dspark import (SCORE_EVERY, Throughput, admitted, calibrate, ece, expected_saving,
-                          markov_chain)
+from draft_dspark import (SCORE_EVERY, DSparkDrafter, Throughput, admitted, calibrate, ece,
+                          expected_saving, host_greedy_chain, markov_chain)
+from runtime.cpu_speed import speed_up
 from speculative import Sampler, generate_plain, generate_speculative
+from test_dflash import drafter_for as make_dflash
+from test_dflash import fit_block_drafter
+
+
+def drafter_for(target, shift=0):
+    """The shared tests' DSpark, with its Markov head and the throughput scheduler on. At load it
+    profiles the real device (registry/profiles.profile_dspark); here it gets a fixed latency
+    table instead (an m-token verify costs 1 + 0.5·m draft times: dear enough that it verifies ~4
+    of 8 drafts), so which prefix it verifies -- and with it every test over it -- is
+    deterministic. On a CPU greedy drafting takes the chain on the host (host_greedy_chain)."""
+    d = speed_up(DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto"))
+    d.t_draft, d.t_verify = 1.0, [0.0] + [1.0 + 0.5 * m for m in range(1, d.max_k + 2)]
+    return d
+
+
+make_dspark = drafter_for
 
 
 def schedule_length(survival, t_draft, t_verify):
@@ -239,14 +254,14 @@ def test_the_confidence_table_is_the_confidence_head(target):
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu", "cuda"])
 def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, preset):
-    """The equivalence tests run over conftest's DFlash and DSpark; they prove something about
+    """The equivalence tests run over the tests' DFlash and DSpark; they prove something about
     the shipped drafters only if those are configured as train.py configures them. Every
     DFlashConfig field that is a choice, not a size fitted to the tiny target, must match
     stages_dflash.network_config's, the one DFlash's and DSpark's training build (shift 0 above
     all: the tests once ran DSpark at shift 1 only)."""
     from training import stages_dflash
-    args = trainer.resolve_args(["--preset", preset, "--device", "cpu"])
-    shipped = stages_dflash.network_config(args, target.config)
+    run = train.resolve_args(["--preset", preset, "--device", "cpu"])
+    shipped = stages_dflash.network_config(run.stages["dflash"], target.config)
     sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
     for d in (make_dspark(target), make_dflash(target)):
         ours = d.net.config  # DSpark's drafter holds its backbone here

@@ -1,8 +1,8 @@
 """EAGLE-3 and the training-time test it shares with MTP (draft_mtp.unrolled): the unrolled
 training forward equals step-by-step drafting on the same inputs, each unrolled step sees
 exactly what inference shows it, the fusion reads the three layers it names, and train.py's
-eagle stage writes a drafter that loads. The shared equivalence tests cover eagle through
-conftest.make_eagle."""
+eagle stage writes a drafter that loads. The shared equivalence tests run the drafter
+drafter_for() builds (conftest.make)."""
 
 import shutil
 
@@ -10,13 +10,38 @@ import pytest
 import torch
 
 import train
-from serving.drafters import fresh as fresh_copy
-from runtime.checkpoint import load_drafter, load_target
-from conftest import fit_eagle, fit_mtp, tiny_args
-from draft_eagle import EagleDrafter, default_taps
-from draft_mtp import MTPDrafter, lm_logits, mtp_loss, unrolled
+from conftest import adam_fit, fitted, target_text, tiny_args
+from draft_eagle import Eagle, EagleConfig, EagleDrafter, default_taps, eagle_loss
+from draft_mtp import MTPDrafter, lm_logits, mtp_loss, unroll_anchors, unrolled
+from registry.drafters import load_drafter
+from runtime.cpu_speed import speed_up
 from speculative import Sampler
+from test_mtp import fit_mtp
 from training.stages_eagle import eagle_taps
+from training.target import load_target
+
+_FITTED = {}
+
+
+def fit_eagle(target, unroll=3, steps=30):
+    """An EAGLE-3 head (draft_eagle.Eagle, fusing the tiny target's layers 1, 2, 2), fitted as
+    test_mtp.fit_mtp's is, with its training-time test unrolled over `unroll` steps."""
+    def fit():
+        torch.manual_seed(5)
+        net = Eagle(EagleConfig.for_target(target.config)).double()
+        x = target_text(target, 5, 44)
+        with torch.no_grad():
+            logits, _, hid = target(x, hidden_layers=sorted(set(net.config.taps)))
+        anchors = unroll_anchors(16, x.size(1) - 1, unroll, 8, torch.Generator().manual_seed(0),
+                                 x.device)
+        return adam_fit(net, lambda: eagle_loss(net, target, x, logits, hid, anchors, unroll, 0.8,
+                                                1.0), steps, target)
+    return fitted(_FITTED, (id(target), unroll, steps), fit)
+
+
+def drafter_for(target):
+    """The shared tests' EAGLE-3: fitted a few steps, so that it agrees sometimes."""
+    return speed_up(EagleDrafter(fit_eagle(target), target))
 
 
 class Forced(Sampler):
@@ -56,7 +81,7 @@ def test_unrolled_training_forward_equals_step_by_step_drafting(target, kind):
     out = unrolled(d.mtp.mods[0], target, d.features(hid), x, steps, anchors)
     for a, i in enumerate(anchors[0].tolist()):
         S = i + 2  # confirmed t_0 .. t_{i+1}: step 1 reads (state_i, t_{i+1})
-        fresh = fresh_copy(d)
+        fresh = d.fresh()
         fresh.begin(x[:, :S], {layer: h[:, :S - 1] for layer, h in hid.items()})
         spy = Forced(x[0])
         fresh.propose(steps, spy)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import bench
-from runtime import checkpoint
 from training import data
 from training import tokenizer
 from benchmark import prompt_sets
-from runtime.checkpoint import CheckpointError, load_checkpoint, load_target, save_checkpoint
+from registry.drafters import load_drafter
+from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training.target import load_target
 from runtime.devices import pick_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +70,7 @@ def test_missing_drafter_names_its_stage(out):
 def test_the_hybrid_refuses_a_partner_that_is_not_learned(out):
     rc, _, err = cli("sample.py", "--out-dir", str(out), "--method", "hybrid",
                      "--hybrid-with", "lookup")
-    one_clear_error(rc, err, "pairs prompt lookup with a learned drafter", "dspark")
+    one_clear_error(rc, err, "hybrid drafter is built around a learned drafter", "dspark")
     os.remove(out / "dspark.pt")  # its partner's checkpoint is its own
     rc, _, err = cli("bench.py", "--out-dir", str(out), "--methods", "ar,hybrid")
     one_clear_error(rc, err, "dspark.pt not found", "--only dspark")
@@ -82,7 +83,7 @@ def test_drafter_of_another_target_is_refused_naming_both_hashes(out):
     target, target_ckpt = load_target(str(out / "target.pt"))
     pattern = f"0123456789abcdef.*{target_ckpt['model_hash']}.*--only small --force"
     with pytest.raises(CheckpointError, match=pattern):
-        checkpoint.load_drafter("small", str(out), target, target_ckpt)
+        load_drafter("small", str(out), target, target_ckpt)
 
 
 def test_drafter_of_another_tokenizer_is_refused(out):
@@ -91,7 +92,7 @@ def test_drafter_of_another_tokenizer_is_refused(out):
     save_checkpoint(ck, str(out / "small.pt"))
     target, target_ckpt = load_target(str(out / "target.pt"))
     with pytest.raises(CheckpointError, match="tokenizer feedfacefeedface"):
-        checkpoint.load_drafter("small", str(out), target, target_ckpt)
+        load_drafter("small", str(out), target, target_ckpt)
 
 
 # -----------------------------------------------------------------------------
@@ -249,5 +250,5 @@ def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(tr
         assert "lists 2 more than once" in capsys.readouterr().err
     rc, _, err = cli("bench.py", "--out-dir", str(trained), "--methods", "ar,hybrid",
                      "--hybrid-with", "nosuch")
-    one_clear_error(rc, err, "pairs prompt lookup with a learned drafter, not 'nosuch'")
+    one_clear_error(rc, err, "built around a learned drafter, not 'nosuch'")
     assert "lookup" not in err.split("choose from")[1]

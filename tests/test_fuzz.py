@@ -23,7 +23,9 @@ import pytest
 
 from commands import (CHECKPOINTS, DAMAGES, DATA_FILES, PARSERS, damage, fast, refused, run,
                       snapshot, succeeded, with_flag)
-from training import stages, trainer
+import train
+from registry import drafters as registry
+from training import trainer
 
 # -----------------------------------------------------------------------------
 # damaged files in out/
@@ -56,7 +58,7 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
     methods = "ar" if stage == "target" else f"ar,{stage}"
     bench_argv = with_flag(fast("bench.py", out, corpus), "--methods", methods)
     refused(run("bench.py", *bench_argv), name, f"python train.py --only {stage}")
-    method = "small" if stage == "target" else stage
+    method = registry.names()[0] if stage == "target" else stage
     spec_argv = with_flag(fast("sample.py", out, corpus), "--method", method)
     refused(run("sample.py", *spec_argv), name, f"python train.py --only {stage}")
     if how == "folder":
@@ -68,8 +70,8 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
     damage(out / name, how)
-    args = trainer.resolve_args(fast("train.py", out, corpus))
-    assert not stages.is_current(trainer.Trainer(args), name[:-3])
+    run = train.resolve_args(fast("train.py", out, corpus))
+    assert not trainer.is_current(trainer.Trainer(run, train.STAGES), name[:-3])
     assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
 
 

@@ -2,20 +2,57 @@
 drafter stay exact for every learned drafter, the learned one stays in sync on the rounds it
 misses, the oracle is a ceiling, and the rule's parts do what their docstrings say. The shared
 equivalence tests (greedy, coupled, rejection's distribution, rollback, stops) run over the
-hybrid too: conftest.DRAFTER_FACTORIES has it under the rule and under a fixed switching script."""
+hybrid too: drafter_for() below, under the rule, and VARIANTS' "hybrid-switch", under a fixed
+switching script. Its partners are every drafter the registry says pairs with it."""
 
 import pytest
 import torch
 
 from benchmark.ablations import oracle_stats
-from conftest import DRAFTER_FACTORIES, make_hybrid
-from draft_hybrid import Costs, Record, best_round, bucket, outcome, EDGES, LOOKUP_MAX
-from runtime.profiling import profile_hybrid
+from conftest import make
+from draft_hybrid import (Costs, EDGES, HybridDrafter, LOOKUP_MAX, Record, best_round, bucket,
+                          outcome)
+from registry import drafters as registry
+from registry.profiles import profile_hybrid
 from speculative import Sampler, generate_plain, generate_speculative
 
-LEARNED = ["small", "mtp", "eagle", "dflash", "dspark"]
+LEARNED = registry.partners()  # every drafter the hybrid can pair with
 SWITCH = ["lookup", "learned", "learned", "lookup", "lookup", "learned"]
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5], [7, 3, 11, 30, 2, 7, 3]]
+
+
+
+def make_hybrid(target, learned=None, script=None):
+    """Prompt lookup and a learned drafter (DFlash unless given) under the hybrid's rule, with a
+    fixed cost model instead of the profile and the timed rounds (a verify of m tokens costs
+    1 + 0.05 m, a learned draft 0.5, a lookup 0.01), so its choices are deterministic. script:
+    a cycle of choices instead of the rule (ScriptedHybrid), so that rounds switch drafters for
+    certain."""
+    learned = learned or make("dflash", target)
+    d = ScriptedHybrid(learned, target, script) if script else HybridDrafter(learned, target)
+    d.t_verify = [0.0] + [1.0 + 0.05 * m for m in range(1, LOOKUP_MAX + 2)]
+    d.start_cost = {"lookup": 0.01, "learned": 0.5}
+    d.reset_record()
+    return d
+
+
+class ScriptedHybrid(HybridDrafter):
+    """The hybrid with a fixed cycle of choices ('lookup' / 'learned', one round each) instead
+    of its rule."""
+
+    def __init__(self, learned, target, script):
+        super().__init__(learned, target)
+        self.script, self.turn = script, 0
+
+    def choose(self, m, copied, k_learned, sampler):
+        who = self.script[self.turn % len(self.script)]
+        self.turn += 1
+        return who, (len(copied) if who == "lookup" else k_learned)
+
+
+drafter_for = make_hybrid  # the shared tests' hybrid: under its rule, DFlash as the learned half
+VARIANTS = {"switch": lambda target: make_hybrid(
+    target, script=["lookup", "learned", "learned", "lookup", "lookup"])}
 
 # -----------------------------------------------------------------------------
 # exact whoever drafts
@@ -24,7 +61,7 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5], [7, 3, 11, 30, 2, 7, 3]]
 @pytest.mark.parametrize("learned", LEARNED)
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_rounds_that_switch_drafters_are_token_identical(target, learned, mode):
-    h = make_hybrid(target, DRAFTER_FACTORIES[learned](target), script=SWITCH)
+    h = make_hybrid(target, make(learned, target), script=SWITCH)
     for p in PROMPTS:
         want = generate_plain(target, p, 40, Sampler(mode, 0.9, None, 4))
         got, stats = generate_speculative(target, h, p, 40, 8, Sampler(mode, 0.9, None, 4))
@@ -35,13 +72,12 @@ def test_rounds_that_switch_drafters_are_token_identical(target, learned, mode):
 
 @pytest.mark.parametrize("learned", LEARNED)
 def test_the_start_up_profile_runs_with_every_learned_partner(target, learned):
-    """checkpoint.load_drafter profiles the hybrid's partner (several proposes after one begin,
-    no commit); with small, MTP or EAGLE-3 that once crashed at start-up. Then it drafts
-    exactly."""
-    d = DRAFTER_FACTORIES[learned](target)
-    t_verify, t_draft = profile_hybrid(d, target, reps=2)
-    assert len(t_verify) == LOOKUP_MAX + 2 and t_draft > 0
-    h = make_hybrid(target, d)
+    """The registry's loader profiles the hybrid's partner (several proposes after one begin, no
+    commit); with small, MTP or EAGLE-3 that once crashed at start-up. Then it drafts exactly."""
+    profiled = profile_hybrid(HybridDrafter(make(learned, target), target), reps=2)
+    assert len(profiled.t_verify) == LOOKUP_MAX + 2 and profiled.start_cost["learned"] > 0
+    assert profiled.measure
+    h = make_hybrid(target, profiled.learned)  # profiled: begun on a dummy context, then reused
     for p in PROMPTS[:3]:
         want = generate_plain(target, p, 30, Sampler("greedy"))
         assert generate_speculative(target, h, p, 30, 8, Sampler("greedy"))[0] == want
@@ -51,7 +87,7 @@ def test_the_start_up_profile_runs_with_every_learned_partner(target, learned):
 def test_the_learned_drafter_catches_up_on_the_rounds_it_missed(target, learned):
     """After lookup rounds, the learned drafter drafts what a fresh copy of it begun on the same
     text drafts: catch_up handed it every token and target state it missed."""
-    h = make_hybrid(target, DRAFTER_FACTORIES[learned](target), script=SWITCH)
+    h = make_hybrid(target, make(learned, target), script=SWITCH)
     seen, real = [], h.learned.propose
 
     def propose(k, sampler):
@@ -63,7 +99,7 @@ def test_the_learned_drafter_catches_up_on_the_rounds_it_missed(target, learned)
     assert len(seen) > 5
     layers = h.hidden_layers
     for seq, k, draft in seen:
-        fresh = DRAFTER_FACTORIES[learned](target)
+        fresh = make(learned, target)
         x = torch.tensor([seq])
         with torch.no_grad():
             _, _, hid = target(x[:, :-1], hidden_layers=layers)

@@ -1,25 +1,32 @@
 """The house's layers, checked from the source: the root holds the lesson and the commands, the
 machinery lives in packages, a lesson file imports only lesson files, the project's imports form
-no cycle and none hides inside a function, and no file outgrows a reader (README: the reading
-order)."""
+no cycle and none hides inside a function, no file outgrows a reader (README: the reading order);
+every example in the lesson's docstrings runs as written, and every drafter's drafts a round; what
+runs is what the lesson shows; and a drafter is declared once: every registered drafter has each
+piece the house needs, and no file but the registry keeps its own list of drafters."""
 
 import ast
+import dataclasses
 import doctest
 import importlib
+import inspect
 import os
+import types
 
 import pytest
 import torch
 
-from gpt import GPT, GPTConfig
-from speculative import Sampler, generate_plain, generate_speculative
-from tree import TreeDrafter, generate_tree
+import train
+from registry import drafters as registry
+from speculative import Drafter
+from training import flags
+from training.stage import Stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON = ["gpt", "llama", "speculative", "tree", "draft_small", "draft_mtp", "draft_eagle", "draft_dflash",
-          "draft_dspark", "draft_lookup", "draft_hybrid"]
+# the lesson: the targets, the loop, the trees, and every registered drafter's file
+LESSON = ["gpt", "llama", "speculative", "tree", *(e.lesson.__name__ for e in registry.DRAFTERS)]
 COMMANDS = ["train", "bench", "sample"]
-PACKAGES = ["runtime", "serving", "training", "benchmark"]
+PACKAGES = ["runtime", "serving", "training", "registry", "benchmark"]
 MOST_LINES = 600  # a file a reader can hold in mind; write for the reader, not for this number
 
 
@@ -81,43 +88,177 @@ def test_no_import_cycle_and_none_inside_a_function():
             visit(m, [m])
 
 
+def test_no_package_imports_one_above_it():
+    """The packages stand in floors: a package imports only the lesson and the packages below it
+    (runtime/ below training/ and serving/, those below registry/, registry/ below benchmark/)."""
+    floor = {"runtime": 0, "training": 1, "serving": 1, "registry": 2, "benchmark": 3}
+    up = [(m, n) for m in project_modules() if "." in m for n, _ in imports(m)
+          if "." in n and floor[n.split(".")[0]] > floor[m.split(".")[0]]]
+    assert not up, f"imports of a package above: {up}"
+
+
 def test_no_file_outgrows_a_reader():
     lines = {m: sum(1 for _ in open(p)) for m, p in project_modules().items()}
     over = {m: n for m, n in lines.items() if n > MOST_LINES}
     assert not over, f"over {MOST_LINES} lines: {over}"
 
 
-# the lesson's drafters, each built as its class docstring shows: no machinery applied
-ALONE = {"draft_small": "DraftModel", "draft_mtp": "MTPDrafter", "draft_eagle": "EagleDrafter",
-         "draft_dflash": "DFlashDrafter", "draft_dspark": "DSparkDrafter",
-         "draft_lookup": "LookupDrafter", "draft_hybrid": "HybridDrafter", "tree": "BlockTree",
-         "tree.Branches": "Branches"}
+# -----------------------------------------------------------------------------
+# the lesson's examples, run as written
 
 
-@pytest.mark.parametrize("where", sorted(ALONE))
-def test_a_lesson_drafter_built_as_its_docstring_shows_runs_a_round(where):
-    """The example in the class's docstring, run as written with a tiny random GPT as `target`
-    (float64), builds `drafter`; it then drafts, and its rounds commit, token-identical to plain
-    decoding (greedy) on a prompt that repeats itself (so that prompt lookup finds a match)."""
-    cls = getattr(importlib.import_module(where.split(".")[0]), ALONE[where])
+@pytest.mark.parametrize("module", LESSON)
+def test_every_docstring_example_of_the_lesson_runs_as_written(module):
+    """Every `>>>` example in a lesson file, as doctest runs it: nothing given but the file's own
+    names, each example building the tiny target it needs."""
     dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(0)
-        target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2, n_embd=32)).eval()
-        (example,) = [t for t in doctest.DocTestFinder().find(cls) if t.examples]
-        example.globs["target"] = target
-        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-        runner.run(example, clear_globs=False)
-        assert runner.failures == 0 and runner.tries >= 1
-        drafter = example.globs["drafter"]
-        prompt, sampler = [5, 6, 7, 5, 6, 7, 5, 6], Sampler("greedy")
-        if isinstance(drafter, TreeDrafter):
-            out, stats = generate_tree(target, drafter, prompt, 12, sampler)
-        else:
-            out, stats = generate_speculative(target, drafter, prompt, 12,
-                                              min(4, drafter.max_k or 4), sampler)
+        found = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     finally:
         torch.set_default_dtype(dtype)
-    assert out == generate_plain(target, prompt, 12, sampler)
-    assert stats.rounds >= 1 and stats.drafted_at[0] >= 1  # it drafted, and its rounds committed
+    assert found.failed == 0, f"{module}.py: {found.failed} of {found.attempted} examples failed"
+
+
+@pytest.mark.parametrize("entry", registry.DRAFTERS, ids=registry.names())
+def test_every_drafter_drafts_a_round_as_its_docstring_shows(entry):
+    """The Drafter class a drafter's file declares has an example that builds it and runs it
+    against plain decoding (the test above runs it); the rounds it shows are the loop's."""
+    classes = [c for c in vars(entry.lesson).values() if isinstance(c, type)
+               and issubclass(c, Drafter) and c.__module__ == entry.lesson.__name__
+               and getattr(c, "name", None) == entry.name]
+    assert classes, f"{entry.lesson.__name__}.py has no Drafter class named {entry.name!r}"
+    examples = [t for c in classes for t in doctest.DocTestFinder().find(c) if t.examples]
+    source = "".join(e.source for t in examples for e in t.examples)
+    assert "generate_speculative(" in source and "generate_plain(" in source, (
+        f"{entry.lesson.__name__}.py: its Drafter's docstring shows no round against plain "
+        "decoding (README: Adding a drafter of your own)")
+
+
+# -----------------------------------------------------------------------------
+# what runs is what the lesson shows
+
+
+def functions_assigned_from_outside(path):
+    """[(attribute, line)] where this file sets another object's attribute to a function: a
+    lambda, or a function or class of its own or imported."""
+    tree = ast.parse(open(path).read())
+    callables = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    callables |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                  for a in n.names}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            if (isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                          and target.value.id == "self")
+                    and (isinstance(node.value, ast.Lambda)
+                         or (isinstance(node.value, ast.Name) and node.value.id in callables)
+                         or target.attr == "__class__")):
+                found.append((target.attr, node.lineno))
+    return found
+
+
+# the only functions the machinery sets on the lesson's objects: kernels swapped from outside
+# (the attention when training on a CPU, a Linear's CPU product), a device wait before a clock is
+# read, and bench's ablation rows (copies of a drafter under a rule of benchmark/ablations.py's,
+# reported as their own rows)
+FROM_OUTSIDE = {"runtime.cpu_speed": {"sdpa", "__class__"}, "registry.profiles": {"sync"},
+                "benchmark.ablations": {"__class__"}}
+
+
+def test_no_lesson_algorithm_is_replaced_at_run_time_from_outside():
+    """A faster twin of a lesson function lives beside it, in the lesson file (DSpark's greedy
+    chain on the host: draft_dspark.host_greedy_chain); the machinery swaps only kernels."""
+    for module, path in project_modules().items():
+        if module in LESSON:
+            continue
+        found = {attr for attr, _ in functions_assigned_from_outside(path)}
+        extra = found - FROM_OUTSIDE.get(module, set())
+        assert not extra, f"{module} sets {sorted(extra)} on the lesson's objects from outside"
+
+
+# -----------------------------------------------------------------------------
+# a drafter declared once: every piece the house needs, and no other list of drafters
+
+
+@pytest.mark.parametrize("entry", registry.DRAFTERS, ids=registry.names())
+def test_every_registered_drafter_has_each_piece_the_house_needs(entry):
+    """Its lesson file draft_<name>.py at the root; its stage, if it learns, in
+    training/stages_<name>.py, each setting with its help and every phase with a step cost under
+    every preset; its own test, tests/test_<name>.py, with drafter_for(target) for the shared
+    tests. Each message names the missing piece (README: Adding a drafter of your own)."""
+    name = entry.name
+    assert entry.lesson.__name__ == f"draft_{name}", (
+        f"the drafter {name!r} is declared in {entry.lesson.__name__}.py: name it draft_{name}.py")
+    own = os.path.join(ROOT, "tests", f"test_{name}.py")
+    assert os.path.exists(own), f"{name} has no test of its own: write tests/test_{name}.py"
+    assert callable(getattr(importlib.import_module(f"test_{name}"), "drafter_for", None)), (
+        f"tests/test_{name}.py has no drafter_for(target): the shared tests build {name} with it")
+    if entry.stage is None:
+        return
+    stage = entry.stage
+    assert isinstance(stage, Stage) and stage.train.__module__ == f"training.stages_{name}", (
+        f"{name}'s stage lives in training/stages_{name}.py")
+    assert inspect.isgeneratorfunction(stage.train), (
+        f"training/stages_{name}.py: train() yields each phase (a Fit) for train.py's loop")
+    assert dataclasses.is_dataclass(stage.settings)
+    for f in dataclasses.fields(stage.settings):
+        assert f.metadata.get("help"), f"{name}'s setting {f.name} has no help: use setting()"
+    for preset in flags.PRESETS:
+        try:
+            run = train.resolve_args(["--preset", preset, "--device", "cpu"])
+        except ValueError:  # gpt2 and gpu-small are sized for a folder's model (--init-from)
+            continue
+        for phase, _ in stage.phases(run.stages[name], run):
+            assert phase in stage.step_cost, (
+                f"{name}'s phase {phase!r} ({preset} preset) has no step cost in its Stage")
+
+
+def drafter_name_lists(path, names, most):
+    """(line, names) of every literal list, tuple, set or dict in a file whose elements (a dict's
+    keys) are `most` or more drafter names."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        items = node.keys if isinstance(node, ast.Dict) else (
+            node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [])
+        named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+        if len(set(named)) >= most:
+            found.append((node.lineno, sorted(set(named))))
+    return found
+
+
+def test_no_file_but_the_registry_keeps_a_list_of_drafters():
+    """Three or more drafter names written out together outside the tests (five inside) are a
+    hand-kept list, which a new drafter would have to find: the registry's list is the one."""
+    names = set(registry.names())
+    paths = {m: p for m, p in project_modules().items() if m != "registry.drafters"}
+    tests = os.path.join(ROOT, "tests")
+    paths.update({f"tests.{f[:-3]}": os.path.join(tests, f) for f in os.listdir(tests)
+                  if f.endswith(".py")})
+    lists = {m: drafter_name_lists(p, names, 5 if m.startswith("tests.") else 3)
+             for m, p in paths.items()}
+    assert not {m: found for m, found in lists.items() if found}
+
+
+def test_a_registry_line_that_misses_a_piece_says_which():
+    """A line whose lesson file declares no DRAFTER, or whose stage file no STAGE, or a drafter
+    with a network but no stage, is refused naming the piece (README: Adding a drafter of your
+    own)."""
+    bare = types.ModuleType("draft_toy")
+    with pytest.raises(registry.RegistryError, match="draft_toy.py declares no DRAFTER"):
+        registry.Entry(bare)
+    with pytest.raises(registry.RegistryError, match="stages_toy.py declares no STAGE"):
+        registry.Entry(importlib.import_module("draft_small"),
+                       types.ModuleType("training.stages_toy"))
+    with pytest.raises(registry.RegistryError, match="both its network and its stage"):
+        registry.Entry(importlib.import_module("draft_small"))
+    with pytest.raises(registry.RegistryError, match="named 'small'"):
+        registry.check([registry.BY_NAME["small"], registry.BY_NAME["small"]])
+
+
+def test_a_name_that_is_not_registered_is_one_line_listing_the_registered():
+    unknown = "x".join(registry.names())  # no drafter is named so: no name is made up
+    with pytest.raises(ValueError, match=f"unknown drafter '{unknown}': choose from " +
+                       ", ".join(registry.names())):
+        registry.entry(unknown)

@@ -20,16 +20,16 @@ import torch.nn.functional as F
 
 import bench
 import train
-from conftest import (DRAFTER_FACTORIES, LLAMAS, make_dflash, make_dspark, make_lookup, tiny_args,
-                      tiny_llama)
+from conftest import LLAMAS, make, tiny_args, tiny_llama, within
 from llama import Llama, LlamaConfig, rope_frequencies
-from runtime.checkpoint import load_target
+from registry import drafters as registry
 from serving.batched import BatchSampler, generate_batched
 from speculative import Sampler, generate_plain, generate_speculative
-from test_batched import batched_drafter, ragged_prompts
+from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
 from training import data, hf_folder, pretrained, tokenizer
+from training.target import load_target
 
 FAMILIES = sorted(LLAMAS)
 VOCAB = 384
@@ -66,11 +66,12 @@ def test_the_cache_with_rollback_equals_a_fresh_prefill(target):
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_drafter_is_token_identical(target, drafter_name, mode):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     rounds = 0
     for seed, p in enumerate(prompts(6, target.config.vocab_size)):
         ref = generate_plain(target, p, 40, Sampler(mode, 0.8, None, seed))
-        out, stats = generate_speculative(target, drafter, p, 40, 4, Sampler(mode, 0.8, None, seed))
+        out, stats = generate_speculative(target, drafter, p, 40, within(drafter, 4),
+                                          Sampler(mode, 0.8, None, seed))
         assert out == ref, f"prompt {seed}"
         rounds += stats.rounds
     assert rounds > 0
@@ -78,16 +79,17 @@ def test_every_drafter_is_token_identical(target, drafter_name, mode):
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_trees_and_ragged_batches_are_token_identical(target, mode):
-    trees = [BlockTree(make_dspark(target), nodes=12, width=2),
-             BlockTree(make_dflash(target), nodes=16, cost=same_cost),
-             Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4)]
+    trees = [BlockTree(make("dspark", target), nodes=12, width=2),
+             BlockTree(make("dflash", target), nodes=16, cost=same_cost),
+             Branches(make("lookup", target), make("dspark", target), 10, 8, sure=4)]
     ps = ragged_prompts(5, target.config.vocab_size, seed=3, window=target.config.sequence_len)
     refs = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 7)) for p in ps]
     for d in trees:
         for p, ref in zip(ps, refs):
             assert generate_tree(target, d, p, 30, Sampler(mode, 0.8, None, 7))[0] == ref
-    for name in ("small", "mtp", "eagle", "dflash", "dspark", "lookup"):
-        out, _ = generate_batched(target, batched_drafter(name, target, len(ps)), ps, 30, 4,
+    for name in (n for n in registry.names() if batches(n)):
+        d = batched_drafter(name, target, len(ps))
+        out, _ = generate_batched(target, d, ps, 30, within(d, 4),
                                   BatchSampler(mode, len(ps), 0.8, None, 7))
         assert out == refs, name
 
@@ -309,7 +311,7 @@ def test_every_drafter_trains_for_the_folders_model_and_decodes_exactly(pipeline
                       "--prompt-len", "16", "--repeats", "1", "--sweep", "", "--plot", "",
                       "--dtype", "float64", "--sampling", mode, "--temperature", "0.8",
                       "--json", str(tmp_path / "b.json")])
-    assert {"small", "mtp", "eagle", "dflash", "dspark", "lookup"} <= set(res["methods"])
+    assert set(registry.names()) <= set(res["methods"])
     assert all(r["exact_match"] == 1.0 for r in res["methods"].values())
 
 
@@ -350,18 +352,17 @@ def test_sharded_weights_load_as_one_file(folder, tmp_path):
 
 @pytest.mark.parametrize("shape,heads", [("smollm2-135m", 9), ("qwen3-0.6b", 16)])
 def test_the_gpu_small_preset_sizes_the_drafters_for_the_folder(tmp_path, shape, heads):
-    from training import trainer
     family, fields = pretrained.LLAMA_SHAPES[shape]
     cfg = hf_folder.config_json(types.SimpleNamespace(config=LlamaConfig(**fields)), family, 0)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    args = trainer.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
-                                 "--device", "cpu"])
-    assert (args.n_layer, args.n_embd, args.dflash_heads) == (fields["n_layer"], fields["n_embd"],
-                                                              heads)
-    assert args.dflash_layers == 4 and args.batch_size == 16  # the gpt2 preset's
-    args = trainer.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
-                                 "--device", "cpu", "--dflash-heads", "8"])
-    assert args.dflash_heads == 8  # a flag given wins
+    run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
+                              "--device", "cpu"])
+    dflash = run.stages["dflash"]
+    assert (run.n_layer, run.n_embd, dflash.heads) == (fields["n_layer"], fields["n_embd"], heads)
+    assert dflash.layers == 4 and run.batch_size == 16  # the gpt2 preset's
+    run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
+                              "--device", "cpu", "--dflash-heads", "8"])
+    assert run.stages["dflash"].heads == 8  # a flag given wins
 
 
 def test_the_docs_recipe_runs_on_a_tiny_random_folder(tmp_path, corpus):
@@ -492,7 +493,7 @@ def test_a_tokenizer_json_adds_what_its_post_processor_adds(folder, tmp_path):
 
 
 def test_a_sharded_folders_every_shard_names_its_weights(folder, tmp_path):
-    from training.stages import weights_id
+    from training.stages_target import weights_id
     d = tmp_path / "m"
     shutil.copytree(folder, d)
     sd = pretrained.read_weights(str(d))

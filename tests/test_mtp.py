@@ -1,7 +1,7 @@
 """MTP: the module's inputs are aligned (position i sees h_i and t_{i+1}, predicts t_{i+2}),
 training and drafting compute the same thing, the MTP caches after commits equal a
 recomputation from scratch, and train.py's joint mode writes a head that belongs to its target.
-The shared equivalence tests cover mtp through conftest.make_mtp."""
+The shared equivalence tests run the drafter drafter_for() builds (conftest.make)."""
 
 import shutil
 
@@ -10,12 +10,41 @@ import torch
 import torch.nn.functional as F
 
 import train
-from training import stages, trainer
-from runtime.checkpoint import CheckpointError, load_drafter, load_target
-from conftest import fit_mtp, tiny_args
+from training import trainer
+from registry.drafters import load_drafter
+from runtime.checkpoint import CheckpointError
+from conftest import adam_fit, fitted, target_text, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, lm_logits, mtp_loss
 from draft_small import total_variation
+from runtime.cpu_speed import speed_up
 from speculative import Sampler
+from training.target import load_target
+
+_FITTED = {}
+
+
+def fit_mtp(target, n_modules=2, steps=30):
+    """A random MTP head, then a few Adam steps distilling the target on its own samples: it
+    now agrees with the target SOME of the time (a purely random head never does), so the
+    shared tests walk through full acceptance, partial acceptance and rejection alike."""
+    def fit():
+        torch.manual_seed(2)
+        mtp = MTP(MTPConfig.for_target(target.config, n_modules)).double()
+        last = target.config.n_layer
+        x = target_text(target, 2, 44)
+        with torch.no_grad():
+            logits, _, hid = target(x[:, :-1], hidden_layers=(last,))
+
+        def loss_fn():
+            return mtp_loss(mtp, target, hid[last], x[:, :-1], x[:, 1:], logits, distill=1.0)
+        return adam_fit(mtp, loss_fn, steps, target)
+    return fitted(_FITTED, (id(target), n_modules, steps), fit)
+
+
+def drafter_for(target):
+    """The shared tests' MTP: two chained modules, so that k >= 3 exercises the chain AND the
+    recursive reuse of the last one."""
+    return speed_up(MTPDrafter(fit_mtp(target), target))
 
 
 def seq_of(target, T, seed):
@@ -200,12 +229,12 @@ def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_p
     joint = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
     assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
-    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
-                                                         "joint")))
-    assert stages.is_current(ctx, "mtp")  # so the mtp stage is skipped
-    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
-                                                         "posthoc")))
-    assert not stages.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
+    ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "joint")),
+                          train.STAGES)
+    assert trainer.is_current(ctx, "mtp")  # so the mtp stage is skipped
+    ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
+                                                       "posthoc")), train.STAGES)
+    assert not trainer.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)
     assert post["mode"] == "posthoc" and post["target_hash"] == target_ckpt["model_hash"]

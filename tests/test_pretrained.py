@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 import bench
+from registry import drafters as registry
 from training import data
 from training import tokenizer
 from training import pretrained
 import train
-from training import trainer
-from runtime.checkpoint import load_target
+from training.target import load_target
 from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
@@ -253,7 +253,7 @@ def test_every_drafter_trains_for_the_folders_target_and_decodes_exactly(pipelin
     res = bench.main(["--out-dir", str(pipeline), "--n-prompts", "2", "--max-new-tokens", "10",
                       "--prompt-len", "16", "--repeats", "1", "--sweep", "", "--plot", "",
                       "--dtype", "float64", "--json", str(tmp_path / "b.json")])
-    assert {"small", "mtp", "eagle", "dflash", "dspark", "lookup"} <= set(res["methods"])
+    assert set(registry.names()) <= set(res["methods"])
     assert all(r["exact_match"] == 1.0 for r in res["methods"].values())
 
 
@@ -264,7 +264,7 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
     d = copy_of(folder, tmp_path)
     args = tiny_args(corpus, out, "--init-from", str(folder))
     train.main(args)
-    assert capsys.readouterr().out.count("exists, skipping") == 6
+    assert capsys.readouterr().out.count("exists, skipping") == len(train.STAGES)
     pretrained.write_folder(tiny_model(seed=1), merges, d)  # other weights, same tokenizer
     before = (out / "target.pt").read_bytes()
     with pytest.raises(SystemExit) as e:  # another folder's import replaces it only if asked
@@ -294,11 +294,12 @@ def test_the_gpt2_preset_resolves_against_gpt2_smalls_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "activation_function": "gelu_new", "vocab_size": 50257,
         **shape}))
-    args = trainer.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
-                               "--device", "cpu"])
-    assert (args.n_layer, args.n_head, args.n_embd) == (12, 12, 768)
-    assert args.batch_size == 16 and args.dflash_heads == 12 and args.small_embd == 384
-    assert args.dflash_anchors == 32  # the cuda preset's, where gpt2 names none
+    run = train.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
+                              "--device", "cpu"])
+    assert (run.n_layer, run.n_head, run.n_embd) == (12, 12, 768)
+    dflash, small = run.stages["dflash"], run.stages["small"]
+    assert run.batch_size == 16 and dflash.heads == 12 and small.embd == 384
+    assert dflash.anchors == 32  # the cuda preset's, where gpt2 names none
 
 
 def test_a_run_that_forgot_init_from_keeps_the_pretrained_build(pipeline, corpus, tmp_path):

@@ -1,4 +1,4 @@
-"""The loop's promises, checked for every drafter in conftest.DRAFTER_FACTORIES:
+"""The loop's promises, checked for every registered drafter (conftest.drafter_names):
 greedy and coupled sampling are token-identical to plain decoding (float64), rejection
 sampling has the target's distribution, caches after a rejection equal a fresh prefill,
 and generation stops exactly where it should."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import DRAFTER_FACTORIES, tiny_gpt
+from conftest import make, tiny_gpt, within
 from runtime.profiling import add_stats
 from speculative import (NOISE_CHUNK, Drafter, Sampler, Stats, generate_plain, generate_speculative,
                          k_for, keyed_gumbel)
@@ -25,11 +25,12 @@ def prompts(n, vocab, seed=0):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_is_token_identical(target, drafter_name, k):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     rounds = 0
     for i, p in enumerate(prompts(12, target.config.vocab_size)):
         ref = generate_plain(target, p, 40, Sampler("greedy"))
-        out, stats = generate_speculative(target, drafter, p, 40, k, Sampler("greedy"))
+        out, stats = generate_speculative(target, drafter, p, 40, within(drafter, k),
+                                          Sampler("greedy"))
         assert out == ref, (f"prompt {i}: diverged at "
                             f"{next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}")
         rounds += stats.rounds
@@ -52,19 +53,20 @@ class ProposeTwice:
 
 
 def test_propose_again_before_a_commit_keeps_greedy_exact(target, drafter_name):
-    drafter = ProposeTwice(DRAFTER_FACTORIES[drafter_name](target))
+    drafter = ProposeTwice(make(drafter_name, target))
     for i, p in enumerate(prompts(6, target.config.vocab_size)):
         ref = generate_plain(target, p, 40, Sampler("greedy"))
-        out, _ = generate_speculative(target, drafter, p, 40, 4, Sampler("greedy"))
+        out, _ = generate_speculative(target, drafter, p, 40, within(drafter, 4),
+                                      Sampler("greedy"))
         assert out == ref, f"prompt {i}"
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temperature):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     for seed, p in enumerate(prompts(10, target.config.vocab_size, seed=1)):
         ref = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed))
-        out, _ = generate_speculative(target, drafter, p, 40, 4,
+        out, _ = generate_speculative(target, drafter, p, 40, within(drafter, 4),
                                       Sampler("coupled", temperature, None, seed))
         assert out == ref
     # and the seed matters: a different seed gives different text (the test can fail)
@@ -74,10 +76,10 @@ def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temp
 
 def test_random_drafter_is_rejected_often(target):
     """The random drafter must exercise the rejection path, or the tests above prove little."""
-    small = DRAFTER_FACTORIES["small"](target)
+    small = make("small", target)
     _, stats = generate_speculative(target, small, [1, 2, 3], 60, 4, Sampler("greedy"))
     assert stats.acceptance()[0] < 0.9
-    self_drafter = DRAFTER_FACTORIES["self"](target)
+    self_drafter = make("small-self", target)
     _, stats = generate_speculative(target, self_drafter, [1, 2, 3], 60, 4, Sampler("greedy"))
     assert stats.accepted_at == stats.drafted_at and stats.tau > 4  # every draft survives
 
@@ -88,10 +90,11 @@ def test_tau_is_one_plus_the_summed_acceptance(target, drafter_name, mode):
     survived, so tau = 1 + its sum, per prompt and summed over prompts -- also for drafters that
     draft fewer than k tokens in some rounds (DSpark's scheduler, prompt lookup), where dividing
     by the rounds that drafted position i would not add up."""
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     total = Stats()
     for seed, p in enumerate(prompts(6, target.config.vocab_size, seed=2)):
-        _, stats = generate_speculative(target, drafter, p, 40, 4, Sampler(mode, 0.8, None, seed))
+        _, stats = generate_speculative(target, drafter, p, 40, within(drafter, 4),
+                                        Sampler(mode, 0.8, None, seed))
         assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12, abs=0)
         add_stats(total, stats)
     assert total.tau == pytest.approx(1 + sum(total.acceptance()), rel=1e-12, abs=0)
@@ -149,7 +152,7 @@ def target8():
 def empirical_pairs(target, drafter, prompt, n, sampler_cls=Sampler):
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(n):
-        out, _ = generate_speculative(target, drafter, prompt, 4, 2,
+        out, _ = generate_speculative(target, drafter, prompt, 4, within(drafter, 2),
                                       sampler_cls("rejection", 1.0, None, seed))
         counts[out[1], out[2]] += 1
     return counts
@@ -158,7 +161,7 @@ def empirical_pairs(target, drafter, prompt, n, sampler_cls=Sampler):
 def test_rejection_sampling_matches_target_distribution(target8, drafter_name):
     prompt, n = [1, 5, 2], 3000
     expected = exact_pair_distribution(target8, prompt, 1.0) * n
-    counts = empirical_pairs(target8, DRAFTER_FACTORIES[drafter_name](target8), prompt, n)
+    counts = empirical_pairs(target8, make(drafter_name, target8), prompt, n)
     stat, dof = chi_square(counts.view(-1), expected.view(-1))
     assert stat < chi2_critical(dof), f"chi-square {stat:.1f} over {dof} dof"
 
@@ -166,7 +169,7 @@ def test_rejection_sampling_matches_target_distribution(target8, drafter_name):
 def test_statistical_test_catches_a_biased_rule(target8):
     prompt, n = [1, 5, 2], 3000
     expected = exact_pair_distribution(target8, prompt, 1.0) * n
-    counts = empirical_pairs(target8, DRAFTER_FACTORIES["small"](target8), prompt, n, AlwaysAccept)
+    counts = empirical_pairs(target8, make("small", target8), prompt, n, AlwaysAccept)
     stat, dof = chi_square(counts.view(-1), expected.view(-1))
     assert stat > chi2_critical(dof)
 
@@ -175,10 +178,11 @@ def test_statistical_test_catches_a_biased_rule(target8):
 # bookkeeping
 
 def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     cache = target.new_cache()
     prompt = [3, 1, 4, 1, 5]
-    out, _ = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"), cache=cache)
+    out, _ = generate_speculative(target, drafter, prompt, 30, within(drafter, 4),
+                                  Sampler("greedy"), cache=cache)
     assert_cache_is_a_fresh_prefill(target, cache, prompt + out)
 
 
@@ -196,46 +200,21 @@ def assert_cache_is_a_fresh_prefill(target, cache, seq):
 
 @pytest.mark.parametrize("n", [1, 7, 33])
 def test_stops_exactly_at_max_new_tokens(target, drafter_name, n):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
-    out, stats = generate_speculative(target, drafter, [1, 2, 3], n, 8, Sampler("greedy"))
+    drafter = make(drafter_name, target)
+    out, stats = generate_speculative(target, drafter, [1, 2, 3], n, within(drafter, 8),
+                                      Sampler("greedy"))
     assert len(out) == n == stats.tokens
     assert len(generate_plain(target, [1, 2, 3], n, Sampler("greedy"))) == n
 
 
 def test_stops_at_the_context_limit(target, drafter_name):
-    drafter = DRAFTER_FACTORIES[drafter_name](target)
+    drafter = make(drafter_name, target)
     T = target.config.sequence_len
     prompt = list(range(10)) * 8  # 80 tokens
-    out, _ = generate_speculative(target, drafter, prompt, 1000, 8, Sampler("greedy"))
+    out, _ = generate_speculative(target, drafter, prompt, 1000, within(drafter, 8),
+                                  Sampler("greedy"))
     assert len(prompt) + len(out) == T
     assert out == generate_plain(target, prompt, 1000, Sampler("greedy"))
-
-
-def test_small_drafter_cache_bookkeeping(target):
-    """After each commit the drafter's cache equals a fresh prefill of the tokens it holds, and
-    it holds the confirmed prefix plus min(n, k-1) of the surviving drafts."""
-    drafter = DRAFTER_FACTORIES["small"](target)
-    sampler = Sampler("greedy")
-    seq = torch.tensor([[5, 6, 7, 8]])
-    drafter.begin(seq, {})
-    saw_full, saw_reject = False, False
-    for rnd in range(20):
-        S = drafter.seq.numel()
-        draft, _ = drafter.propose(4, sampler)
-        assert drafter.cache.length == S + 3
-        n = [4, 0, 2, 1][rnd % 4]  # pretend verdicts: full acceptance and rejections
-        new = torch.cat([draft[:n], torch.tensor([rnd % target.config.vocab_size])])
-        drafter.commit(n, new, {})
-        assert drafter.cache.length == S + min(n, 3)
-        saw_full |= n == 4
-        saw_reject |= n < 4
-        n_cached = drafter.cache.length
-        fresh = drafter.model.new_cache()
-        with torch.no_grad():
-            drafter.model(drafter.seq[:n_cached].view(1, -1), cache=fresh)
-        cached = drafter.cache.k[:, :, :, :n_cached]
-        assert torch.allclose(cached, fresh.k[:, :, :, :n_cached], atol=1e-10, rtol=0)
-    assert saw_full and saw_reject
 
 
 def test_keyed_noise_depends_only_on_seed_and_position():
@@ -266,7 +245,7 @@ def test_sampler_noise_is_keyed_gumbel_in_any_chunking():
 
 
 def test_bad_arguments(target):
-    d = DRAFTER_FACTORIES["small"](target)
+    d = make("small", target)
     with pytest.raises(ValueError, match="at least 1"):
         generate_speculative(target, d, [1], 5, 0, Sampler())
     with pytest.raises(ValueError, match="empty"):

@@ -13,15 +13,21 @@ import time
 import pytest
 import torch
 
-from runtime import checkpoint
-from training import tokenizer
-from runtime import devices
-from runtime import settings
-from training import stages
+import dataclasses
+
 import train
-from training import trainer
-from runtime.checkpoint import load_checkpoint, load_target
 from conftest import tiny_args
+from registry.drafters import load_drafter
+from runtime import devices
+from runtime.checkpoint import load_checkpoint
+from runtime.settings import flag_type, settings_of
+from training import flags, tokenizer, trainer
+from training.target import load_target
+
+
+def preset(name):
+    """{setting: value} of every setting (by its flag's name) in one preset."""
+    return flags.values_in(train.STAGES, name)
 
 
 def test_target_checkpoint_is_complete_and_learned(trained):
@@ -29,17 +35,17 @@ def test_target_checkpoint_is_complete_and_learned(trained):
     for key in ("config", "state_dict", "model_hash", "tokenizer_hash", "step", "optimizer",
                 "val_loss"):
         assert key in ckpt
-    assert ckpt["step"] == settings.preset_values("tiny")["target_iters"]
+    assert ckpt["step"] == preset("tiny")["target_iters"]
     # a random model scores about ln(V); training must have beaten that clearly
     assert ckpt["val_loss"] < math.log(ckpt["config"]["vocab_size"]) - 0.5
     assert not [f for f in os.listdir(trained) if ".tmp" in f or f.endswith(".resume.pt")]
     model, _ = load_target(str(trained / "target.pt"))
-    assert model.config.n_layer == settings.preset_values("tiny")["n_layer"]
+    assert model.config.n_layer == preset("tiny")["n_layer"]
 
 
 def test_every_stage_wrote_a_matching_checkpoint(trained):
     t = load_checkpoint(str(trained / "target.pt"), "target")
-    for stage in stages.STAGES:
+    for stage in train.STAGES:
         if stage == "target":
             continue
         ck = load_checkpoint(str(trained / f"{stage}.pt"), stage)
@@ -47,10 +53,10 @@ def test_every_stage_wrote_a_matching_checkpoint(trained):
 
 
 def test_existing_stages_are_skipped(trained, corpus, capsys):
-    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in stages.STAGES}
+    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
     train.main(tiny_args(corpus, trained))
     assert "exists, skipping" in capsys.readouterr().out
-    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in stages.STAGES}
+    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
 
 
 class Interrupt(Exception):
@@ -83,13 +89,14 @@ def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeyp
 
 
 def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path, monkeypatch):
-    real_fit = train.Trainer.fit
+    real_fit = train.fit
 
-    def poisoned_fit(self, name, module, loss_fn, *args, **kw):  # the loss turns NaN at step 12
-        return real_fit(self, name, module,
-                        lambda s: loss_fn(s) * (float("nan") if s >= 12 else 1.0), *args, **kw)
+    def poisoned_fit(tr, phase):  # the loss turns NaN at step 12
+        loss = phase.loss
+        return real_fit(tr, dataclasses.replace(
+            phase, loss=lambda s: loss(s) * (float("nan") if s >= 12 else 1.0)))
 
-    monkeypatch.setattr(train.Trainer, "fit", poisoned_fit)
+    monkeypatch.setattr(train, "fit", poisoned_fit)
     with pytest.raises(trainer.TrainingError, match="became nan at step 12.*step 12.*kept in"):
         train.main(tiny_args(corpus, tmp_path, "--only", "target", "--ckpt-interval", "0"))
     assert not (tmp_path / "target.pt").exists()
@@ -99,7 +106,7 @@ def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path
 
 def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
     train.main(tiny_args(corpus, tmp_path))
-    for stage in stages.STAGES:
+    for stage in train.STAGES:
         a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
@@ -137,7 +144,7 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
     # a copy: the shared fixture stays as it is
     trained = shutil.copytree(trained, tmp_path / "out")
     ck = load_checkpoint(str(trained / "distill.pt"), "distill")
-    P = settings.preset_values("tiny")
+    P = preset("tiny")
     assert tuple(ck["tokens"].shape) == (P["gen_seqs"], P["block_size"])
     target_hash = load_checkpoint(str(trained / "target.pt"), "target")["model_hash"]
     assert ck["settings"]["target"] == target_hash
@@ -153,9 +160,9 @@ def test_the_distillation_set_is_written_once_and_shared(trained, corpus, tmp_pa
 
 def test_bf16_autocast_is_measured_and_can_be_forced_off(corpus, tmp_path):
     assert devices.fast_bf16("cpu") in (True, False) and devices.fast_bf16("mps") is False
-    args = trainer.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
-    assert args.use_bf16 is False
-    assert trainer.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
+    run = train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "off"))
+    assert run.use_bf16 is False
+    assert train.resolve_args(tiny_args(corpus, tmp_path, "--bf16", "on")).use_bf16 is True
 
 
 def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, corpus, tmp_path):
@@ -166,7 +173,7 @@ def test_drafters_train_without_the_feature_cache_and_on_corpus_text(trained, co
     train.main(tiny_args(corpus, out, "--only", "mtp", "--force", "--mtp-text", "data"))
     for stage in ("dflash", "mtp"):
         ck = load_checkpoint(str(out / f"{stage}.pt"), stage)
-        P = settings.preset_values("tiny")
+        P = preset("tiny")
         assert ck["budget"]["steps"] == P[f"{stage}_iters"] + P.get(f"{stage}_narrow_iters", 0)
         assert all(torch.isfinite(v).all() for v in ck["state_dict"].values())
 
@@ -175,7 +182,7 @@ def test_dspark_branches_off_dflash_at_an_equal_step_budget(trained, corpus, tmp
     """--dspark-init dflash: DFlash saves its state after dflash_steps - dspark_iters steps
     (out/dflash.branch.pt) and DSpark starts there, so both have trained the same number of
     steps; a branch from another DFlash run is refused, naming the fix."""
-    P = settings.preset_values("tiny")
+    P = preset("tiny")
     branch = load_checkpoint(str(trained / "dflash.branch.pt"), "dflash-branch")
     steps = P["dflash_narrow_iters"] + P["dflash_iters"]
     assert branch["budget"]["steps"] == steps - P["dspark_iters"] >= 1
@@ -199,7 +206,7 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     those weights. DSpark's branch, taken in the narrow phase here, is widened when DSpark loads
     it. A process that dies after the narrow phase reruns only the full block, to the same
     weights."""
-    P = settings.preset_values("tiny")
+    P = preset("tiny")
     dflash = load_checkpoint(str(trained / "dflash.pt"), "dflash")
     assert dflash["config"]["block"] == P["dflash_block"]
     assert dflash["state_dict"]["mask_emb"].size(0) == P["dflash_block"] - 1
@@ -210,16 +217,16 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     assert dspark["state_dict"]["backbone.mask_emb"].size(0) == P["dflash_block"] - 1
 
     out = shutil.copytree(trained, tmp_path / "out")
-    real_fit = train.Trainer.fit
+    real_fit = train.fit
 
-    def dying_fit(self, name, *args, **kw):  # dies as the full block starts
-        if name == "dflash":
+    def dying_fit(tr, phase):  # dies as the full block starts
+        if phase.name == "dflash":
             raise Interrupt
-        return real_fit(self, name, *args, **kw)
-    monkeypatch.setattr(train.Trainer, "fit", dying_fit)
+        return real_fit(tr, phase)
+    monkeypatch.setattr(train, "fit", dying_fit)
     with pytest.raises(Interrupt):
         train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
-    monkeypatch.setattr(train.Trainer, "fit", real_fit)
+    monkeypatch.setattr(train, "fit", real_fit)
     assert (out / "dflash-narrow.resume.pt").exists()
     capsys.readouterr()
     train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
@@ -238,7 +245,7 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     only, stored in out/dspark.pt beside the greedy ones; load_drafter hands them out for
     sampling only, their steps added to the budget. A run that dies in those steps resumes them
     without redoing DSpark's own, to the same weights; without sampled text there are none."""
-    P = settings.preset_values("tiny")
+    P = preset("tiny")
     dspark = load_checkpoint(str(trained / "dspark.pt"), "dspark")
     tuned = dspark["sampled"]
     assert tuned["budget"]["steps"] == P["dspark_sampled_iters"]
@@ -246,11 +253,11 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
     assert any(not torch.equal(tuned["state_dict"][k], v) for k, v in dspark["state_dict"].items())
     target, target_ckpt = load_target(str(trained / "target.pt"))
     for mode, want in (("greedy", dspark["state_dict"]), ("coupled", tuned["state_dict"])):
-        d = checkpoint.load_drafter("dspark", str(trained), target, target_ckpt, sampling=mode)
+        d = load_drafter("dspark", str(trained), target, target_ckpt, sampling=mode)
         assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
-    ctx = trainer.Trainer(trainer.resolve_args(tiny_args(corpus, trained)))
+    ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, trained)), train.STAGES)
     pool, batch = ctx.distill.text(), ctx.distill.batches("gen", sampled_only=True)
     first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
     for step in range(5):
@@ -284,26 +291,29 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
 
 
 # -----------------------------------------------------------------------------
-# the settings: one table per stage, every preset's value valid, --help showing what a run uses
+# the settings: one dataclass per stage, every preset's value valid, --help showing what a run uses
 
 
 def test_every_setting_has_one_home_and_every_preset_value_parses():
-    """Each setting is defined in exactly one table; each preset's value passes the setting's
-    own flag type (so a preset can never hold a value the command line would refuse)."""
-    tables = [settings.RUN, settings.TARGET, settings.SHARED, settings.DISTILL, settings.SMALL,
-              settings.MTP, settings.EAGLE, settings.DFLASH, settings.DSPARK]
-    names = [n for t in tables for n in t]
-    assert len(names) == len(set(names)) == len(settings.SETTINGS)
-    for preset in settings.PRESETS:
-        for name, value in settings.preset_values(preset).items():
-            s = settings.SETTINGS[name]
-            assert s.help, name
-            if s.choices:
-                assert value in s.choices, (preset, name, value)
+    """Each setting is a field of exactly one settings dataclass (the run's, the target's, what
+    every stage shares, the distillation set's, each drafter stage's), with its help; each preset's
+    value passes the setting's own flag type (so a preset can never hold a value the command line
+    would refuse)."""
+    fields = [(name, f) for _, cls, prefix in flags.groups(train.STAGES)
+              for name, f in settings_of(cls, prefix)]
+    names = [name for name, _ in fields]
+    assert len(names) == len(set(names)) == len(preset("cpu"))
+    for p in flags.PRESETS:
+        values = preset(p)
+        for name, f in fields:
+            value = values[name]
+            assert f.metadata["help"], name
+            if f.metadata["choices"]:
+                assert value in f.metadata["choices"], (p, name, value)
             elif value is None:  # unset: the flag's own default applies (--threads)
                 continue
             else:
-                assert s.flag_type()(str(value)) == value, (preset, name, value)
+                assert flag_type(f)(str(value)) == value, (p, name, value)
 
 
 def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
@@ -312,15 +322,16 @@ def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
         assert out.returncode == 0, out.stderr
         return " ".join(out.stdout.split())  # argparse wraps lines
-    for preset in ("cpu", "quick", "tiny"):
-        text = help_of("--preset", preset, "--device", "cpu")
+    for p in ("cpu", "quick", "tiny"):
+        text = help_of("--preset", p, "--device", "cpu")
         for name in ("dflash_iters", "target_iters", "gen_seqs"):
-            want = settings.preset_values(preset)[name]
-            assert f"(default: {want}, preset {preset})" in text.split(
-                "--" + name.replace("_", "-"))[-1], (preset, name)
+            want = preset(p)[name]
+            assert f"(default: {want}, preset {p})" in text.split(
+                "--" + name.replace("_", "-"))[-1], (p, name)
     text = help_of("--device", "cpu")
-    titles = ["start here:", "the run:", "target:", "the distillation set (training/distill.py):", "small (draft_small.py):",
-              "dflash (draft_dflash.py):"]
+    titles = ["start here:"] + [f"{title}:" for title, _, _ in flags.groups(train.STAGES)]
+    assert "the distillation set (training/distill.py):" in titles
+    assert "dflash (training/stages_dflash.py):" in titles
     assert all(t in text for t in titles)
     assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)
 
@@ -350,15 +361,14 @@ def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, 
 
 
 def test_no_drafter_file_imports_train_py():
-    """Each drafter's training (its stage in training/stages.py or training/stages_<name>.py)
-    gets what it needs from the Trainer object it is handed."""
+    """Each stage (training/stages_<name>.py) gets what it needs from its settings and the Trainer
+    it is handed, and yields its phases to train.py's loop: none imports train.py."""
     import ast
     import glob
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [p for pattern in ("draft_*.py", "training/stages*.py")
+    paths = [p for pattern in ("draft_*.py", "training/stage*.py")
              for p in glob.glob(os.path.join(root, pattern))]
-    assert {"stages.py", "stages_dflash.py", "stages_dspark.py", "stages_eagle.py",
-            "stages_mtp.py"} <= {os.path.basename(p) for p in paths}
+    assert {f"stages_{name}.py" for name in train.STAGES} <= {os.path.basename(p) for p in paths}
     for path in paths:
         tree = ast.parse(open(path).read())
         imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)

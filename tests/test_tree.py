@@ -5,7 +5,7 @@ kept; rejection sampling is refused."""
 
 import pytest
 
-from conftest import make_dflash, make_dspark, make_lookup
+from conftest import make
 from speculative import Sampler, generate_plain
 from test_speculative import assert_cache_is_a_fresh_prefill, prompts
 from tree import (BlockTree, Branches, Calibration, TreeDrafter, accept, depths, generate_tree,
@@ -75,7 +75,7 @@ def test_a_scripted_tree_is_exact_on_any_branch_and_after_a_miss(target, mode, r
 
 class Dear:
     """A cost model where width is dear: each node costs `per_node`, a branched tree `fork` more,
-    a round 1; it hears every round (as runtime/profiling.TreeCost does), and its learned
+    a round 1; it hears every round (as registry/profiles.TreeCost does), and its learned
     branch (`second`) costs `second`."""
 
     def __init__(self, per_node, fork=0.0, second=0.0):
@@ -92,14 +92,14 @@ class Dear:
 
 
 def tree_drafters(target):
-    dspark, dflash = make_dspark(target), make_dflash(target)
+    dspark, dflash = make("dspark", target), make("dflash", target)
     return {"dspark-tree": BlockTree(dspark, nodes=12, width=2),
-            "dspark-tree-shallow": BlockTree(make_dspark(target), nodes=8, width=3, depth=3),
+            "dspark-tree-shallow": BlockTree(make("dspark", target), nodes=8, width=3, depth=3),
             "dflash-tree": BlockTree(dflash, nodes=12, width=3),
-            "two-branch": Branches(make_lookup(target), make_dspark(target), 10, 8, sure=4),
-            "dspark-sized": BlockTree(make_dspark(target), nodes=16, cost=same_cost),
-            "dflash-sized-dear": BlockTree(make_dflash(target), nodes=16, cost=Dear(0.05, 0.1)),
-            "two-branch-sized": Branches(make_lookup(target), make_dspark(target), 10, 8,
+            "two-branch": Branches(make("lookup", target), make("dspark", target), 10, 8, sure=4),
+            "dspark-sized": BlockTree(make("dspark", target), nodes=16, cost=same_cost),
+            "dflash-sized-dear": BlockTree(make("dflash", target), nodes=16, cost=Dear(0.05, 0.1)),
+            "two-branch-sized": Branches(make("lookup", target), make("dspark", target), 10, 8,
                                          cost=Dear(0.02, 0.0, 0.3))}
 
 
@@ -124,7 +124,7 @@ def test_a_tree_beats_its_chain_on_the_tiny_target(target):
     """Not speed (bench.py measures that): a tree's τ is at least its chain's, since the chain's
     own path is one of its branches more often than not."""
     from speculative import generate_speculative
-    d = make_dspark(target)
+    d = make("dspark", target)
     chain = tree = 0
     for p in prompts(8, target.config.vocab_size, seed=5):
         chain += generate_speculative(target, d, p, 40, d.max_k, Sampler("greedy"))[1].tau
@@ -134,7 +134,7 @@ def test_a_tree_beats_its_chain_on_the_tiny_target(target):
 
 
 def test_the_tree_stops_at_the_context_window_and_refuses_rejection(target):
-    d = BlockTree(make_dspark(target), nodes=40, width=3)
+    d = BlockTree(make("dspark", target), nodes=40, width=3)
     p = list(range(1, 60))
     out, _ = generate_tree(target, d, p, 100, Sampler("greedy"))
     assert out == generate_plain(target, p, 100, Sampler("greedy"))
@@ -168,7 +168,7 @@ def test_a_sized_tree_grows_where_width_is_cheap_and_stays_a_chain_or_nothing_wh
     dear (a chain, or no draft at all), a branched tree far dearer (never branched)."""
     sizes = {}
     for name, cost in [("free", same_cost), ("dear", Dear(0.3)), ("fork", Dear(0.01, 5.0))]:
-        d = BlockTree(make_dspark(target), nodes=10, cost=cost)
+        d = BlockTree(make("dspark", target), nodes=10, cost=cost)
         for seed, p in enumerate(prompts(4, target.config.vocab_size, seed=7)):
             ref = generate_plain(target, p, 30, Sampler(mode, 0.7, None, seed))
             assert generate_tree(target, d, p, 30, Sampler(mode, 0.7, None, seed))[0] == ref
@@ -179,8 +179,8 @@ def test_a_sized_tree_grows_where_width_is_cheap_and_stays_a_chain_or_nothing_wh
 
 
 def test_a_sized_two_branch_tree_stops_drafting_a_branch_that_does_not_pay(target):
-    cheap = Branches(make_lookup(target), make_dspark(target), 10, 8, cost=Dear(0.0))
-    dear = Branches(make_lookup(target), make_dspark(target), 10, 8, cost=Dear(0.0, 0.0, 50.0))
+    cheap = Branches(make("lookup", target), make("dspark", target), 10, 8, cost=Dear(0.0))
+    dear = Branches(make("lookup", target), make("dspark", target), 10, 8, cost=Dear(0.0, 0.0, 50.0))
     for d in (cheap, dear):
         for p in prompts(4, target.config.vocab_size, seed=9):
             assert generate_tree(target, d, p, 30, Sampler("greedy"))[0] == generate_plain(

@@ -1,3 +1,4 @@
-"""The plumbing around train.py's loop: the corpus and its tokenizer, the distillation set, the
-stages (which network each trains, with which settings), resume and fingerprints, the split over
-processes (torchrun), and a pretrained GPT-2 folder as the target."""
+"""The plumbing around train.py's loop: what a stage is, the target's stage and each drafter's
+(each with its settings), the corpus and its tokenizer, the distillation set, resume and
+fingerprints, the flags, the split over processes (torchrun), and a Hugging Face folder as the
+target."""

@@ -14,15 +14,33 @@ features(x), write(n, n_sampled, split) and key(text), what a resume fingerprint
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from training import ddp
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from runtime.settings import number, setting
 
 
 CACHE_LIMIT = 8 * 2**30  # bytes of host memory the feature cache may take (per process)
+
+
+@dataclass
+class DistillSettings:
+    """The distillation set's settings: train.py's flags --gen-seqs, ..., --feature-cache."""
+    gen_seqs: int = setting(1024, "sequences the target writes once (out/distill.pt) for every "
+                            "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=128,
+                            tiny=8)
+    gen_sampled: float = setting(0.25, "share of them sampled at --gen-temperature instead of "
+                                 "greedy (so drafters see sampled text too)",
+                                 type=number(float, 0, 1))
+    gen_temperature: float = setting(0.8, "temperature of the sampled share (the papers "
+                                     "regenerate at about 0.7)")
+    feature_cache: int = setting(1, "1: run the target over the distillation set once and keep its "
+                                 "logits and states in host memory (bfloat16); 0: every step",
+                                 type=number(int, 0, 1), cuda=0)
 
 
 @torch.no_grad()
@@ -47,22 +65,22 @@ def target_continuations(target, prompts, T, temperature=0.0, gen=None):
 
 
 class DistillationSet:
-    """The target's own text (out/distill.pt) and its features on it, for one run. args: the
+    """The target's own text (out/distill.pt) and its features on it, for one run. run: the run's
     settings (--gen-*, --block-size, --batch-size, --seed, --feature-cache); corpus: train.py's
     Batches of corpus windows; target(): the trained target and its checkpoint. `shared`
     counts the seconds spent here, which no single stage is charged for."""
 
-    def __init__(self, args, corpus, target, device):
-        self.args, self.corpus, self.target, self.device = args, corpus, target, device
+    def __init__(self, run, corpus, target, device):
+        self.run, self.corpus, self.target, self.device = run, corpus, target, device
         self.tokens, self.cache, self.shared = None, None, 0.0
         self.rows = None  # a slice of each training batch (this process's shard, ddp.shard)
         self.said_too_big = False
-        self.world = getattr(args, "world", None) or ddp.World()
+        self.world = getattr(run, "world", None) or ddp.World()
 
     def settings(self):
         """Everything the set depends on: what out/distill.pt records, and what the resume
         fingerprint of every stage that learns from it records."""
-        a = self.args
+        a = self.run
         return {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
                 "sampled": round(a.gen_seqs * a.gen_sampled), "temperature": a.gen_temperature,
                 "block_size": a.block_size, "seed": a.seed}
@@ -75,7 +93,7 @@ class DistillationSet:
         """The target continues n_seqs short corpus prompts to full windows: the first
         n_seqs - n_sampled greedily, the rest sampled at --gen-temperature. Over several
         processes each writes its block of rows (ddp.my_rows), then they are gathered."""
-        a, target = self.args, self.target()[0]
+        a, target = self.run, self.target()[0]
         P = max(1, a.block_size // 8)
         prompts = self.corpus.get(split, 10_000_000 + a.seed, self.device, B=n_seqs)[0][:, :P]
         gen = torch.Generator(device=self.device).manual_seed(a.seed + 1_000 * self.world.rank)
@@ -98,7 +116,7 @@ class DistillationSet:
         """The set itself, (gen_seqs, block_size) tokens: read from out/distill.pt while the
         target and the --gen-* settings are the same, else written anew."""
         if self.tokens is None:
-            want, path = self.settings(), os.path.join(self.args.out_dir, "distill.pt")
+            want, path = self.settings(), os.path.join(self.run.out_dir, "distill.pt")
             try:
                 ck = load_checkpoint(path, "distill") if os.path.exists(path) else None
             except CheckpointError:  # truncated, garbage, a folder: it is only a cache
@@ -106,7 +124,7 @@ class DistillationSet:
                 ck = None
             if ck is None or ck.get("settings") != want:
                 t0 = time.time()
-                tokens = self.write(self.args.gen_seqs, want["sampled"], "train").cpu()
+                tokens = self.write(self.run.gen_seqs, want["sampled"], "train").cpu()
                 ck = {"kind": "distill", "settings": want, "state_dict": {}, "tokens": tokens}
                 save_checkpoint(ck, path)
                 self.shared += time.time() - t0
@@ -129,7 +147,7 @@ class DistillationSet:
         if self.cache is None:
             pool, t0, chunks = self.text(), time.time(), []
             with torch.autocast(self.device.split(":")[0], torch.bfloat16,
-                                enabled=self.args.use_bf16):
+                                enabled=self.run.use_bf16):
                 for i in range(0, len(pool), 32):
                     logits, hid = self.features(pool[i:i + 32])
                     chunks.append((logits.to("cpu", torch.bfloat16),
@@ -146,7 +164,7 @@ class DistillationSet:
         GPT-2's 50,257-token vocabulary the logits alone outgrow a host's memory at the cpu preset's
         size: 1,024 x 256 positions x 50,257 in bfloat16);
         otherwise the features are computed every step, saying so once."""
-        if not self.args.feature_cache:
+        if not self.run.feature_cache:
             return False
         c = self.target()[0].config
         size = pool.numel() * (c.vocab_size + c.n_layer * c.n_embd) * 2  # bfloat16
@@ -161,7 +179,7 @@ class DistillationSet:
         on them. 'gen': rows of the set (sampled_only: only its sampled share, the last rows),
         features from the cache (--feature-cache 1) or computed per step; 'data': corpus
         windows, features per step."""
-        a = self.args
+        a = self.run
         pool = self.text() if text == "gen" else None
         cache = self.cached() if pool is not None and self.cache_fits(pool) else None
         first = len(pool) - self.settings()["sampled"] if sampled_only else 0

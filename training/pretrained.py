@@ -39,10 +39,10 @@ import struct
 import tiktoken.load
 import torch
 
-from runtime.forward_cost import cost_models, report_cost
 from runtime.checkpoint import CheckpointError
 from runtime.command import atomic_write, replacing, run
 from training import hf_folder
+from training.forward_cost import cost_models, report_cost
 from training.data import Given
 from training.tokenizer import EOT
 from gpt import GPT, GELU, GPTConfig

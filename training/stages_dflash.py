@@ -1,67 +1,107 @@
 """
-training/stages_dflash.py -- DFlash's stage of train.py: its phases (the narrow block, then the full
-block: the recipe is draft_dflash.py's, widen), the anchors each step trains at, out/dflash.pt,
-and the state at the step where DSpark branches off (out/dflash.branch.pt: training/stages_dspark.py
-starts there). What training/stages.py says of a stage holds here.
+training/stages_dflash.py -- DFlash's stage of train.py: its settings, its phases (the narrow block,
+then the full block: the recipe is draft_dflash.py's, widen), the anchors each step trains at,
+out/dflash.pt, and the state at the step where DSpark branches off (out/dflash.branch.pt:
+training/stages_dspark.py starts there, so that the two drafters train the same number of steps).
 """
+
+from dataclasses import dataclass
 
 import torch
 
 import draft_dflash
-from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
+from runtime.checkpoint import cpu_state_dict, save_checkpoint
+from runtime.settings import number, setting
+from training.stage import Fit, Stage
+
+
+@dataclass
+class DFlashSettings:
+    """DFlash's settings: train.py's flags --dflash-<field>. DSpark's backbone is built from them
+    too (training/stages_dspark.py), whence "dflash and dspark" in their help."""
+    layers: int = setting(DFlashConfig.n_layer, "dflash: draft layers (the paper: 5 at 8B scale)",
+                          cuda=3, gpt2=4, tiny=1)
+    heads: int = setting(DFlashConfig.n_head, "dflash: attention heads (its width is the "
+                         "target's)", gpt2=12, tiny=2)
+    block: int = setting(DFlashConfig.block, "dflash and dspark: the block they draft with, "
+                         "anchor + block-1 masks (so up to block-1 drafts a round)",
+                         type=number(int, 2), quick=8)
+    gamma: float = setting(3.0, "dflash and dspark: position weight decay, w_k = exp(-(k-1)/gamma) "
+                           "(the paper: 4 at block 8, 7 at 16)", cuda=7.0)
+    anchors: int = setting(8, "dflash and dspark: random anchors (blocks) per training sequence at "
+                           "the full block", cuda=32, quick=16, tiny=4)
+    iters: int = setting(1000, "dflash: steps at the full block, after the narrow phase (DFlash "
+                         "trains --dflash-narrow-iters + these in all)", cuda=2000, gpt2=6000,
+                         quick=400, tiny=6)
+    lr: float = setting(1e-3, "dflash: peak learning rate at the full block", quick=2e-3, tiny=3e-3)
+    narrow_block: int = setting(8, "dflash: the block of the narrow phase it trains first",
+                                type=number(int, 2))
+    narrow_anchors: int = setting(16, "dflash: anchors per training sequence in the narrow phase",
+                                  tiny=4)
+    narrow_iters: int = setting(5000, "dflash: steps at --dflash-narrow-block before the full "
+                                "block (0: no narrow phase)", type=number(int, 0), cuda=0, quick=0,
+                                tiny=8)
+    narrow_lr: float = setting(2e-3, "dflash: peak learning rate of the narrow phase", tiny=3e-3)
+    text: str = setting("gen", "dflash and dspark: training text, 'gen' (the distillation set the "
+                        "target wrote) or 'data' (the corpus); soft labels from the target either "
+                        "way", choices=["gen", "data"])
+    taps: str = setting("auto", "dflash and dspark: target layers read as context, e.g. "
+                        "'1,2,3,4,5' ('auto': every block but the last)")
+
 
 # -----------------------------------------------------------------------------
-# DFlash: train.py runs train_dflash(trainer) as its "dflash" stage: the narrow block, then the
-# full block (the recipe: draft_dflash.py, widen). On the way, the stage saves its state at the
-# step where DSpark branches off (out/dflash.branch.pt): DSpark's stage starts there, so the two
-# drafters train the same number of steps.
+# its phases: the narrow block, then the full block (the recipe: draft_dflash.py, widen)
 
-def training_phases(a):
-    """DFlash's training as phases (train_loop name, block, anchors a sequence, steps, peak lr):
-    with --dflash-narrow-iters, the narrow block first, then the full block."""
-    if a.n_embd % a.dflash_heads:
-        raise ValueError(f"--dflash-heads ({a.dflash_heads}) must divide the target's width, "
-                         f"--n-embd ({a.n_embd})")
-    full = ("dflash", a.dflash_block, a.dflash_anchors, a.dflash_iters, a.dflash_lr)
-    if a.dflash_narrow_iters == 0:
+
+def training_phases(cfg, run):
+    """DFlash's training as phases (phase name, block, anchors a sequence, steps, peak lr): with
+    --dflash-narrow-iters, the narrow block first, then the full block."""
+    if run.n_embd % cfg.heads:
+        raise ValueError(f"--dflash-heads ({cfg.heads}) must divide the target's width, "
+                         f"--n-embd ({run.n_embd})")
+    full = ("dflash", cfg.block, cfg.anchors, cfg.iters, cfg.lr)
+    if cfg.narrow_iters == 0:
         return [full]
-    if a.dflash_narrow_block >= a.dflash_block:
-        raise ValueError(f"--dflash-narrow-block ({a.dflash_narrow_block}) must be smaller than "
-                         f"--dflash-block ({a.dflash_block}), or use --dflash-narrow-iters 0")
-    return [("dflash-narrow", a.dflash_narrow_block, a.dflash_narrow_anchors,
-             a.dflash_narrow_iters, a.dflash_narrow_lr), full]
+    if cfg.narrow_block >= cfg.block:
+        raise ValueError(f"--dflash-narrow-block ({cfg.narrow_block}) must be smaller than "
+                         f"--dflash-block ({cfg.block}), or use --dflash-narrow-iters 0")
+    return [("dflash-narrow", cfg.narrow_block, cfg.narrow_anchors, cfg.narrow_iters,
+             cfg.narrow_lr), full]
 
 
-def check_anchors(a, block, n_anchors, flag):
+def check_anchors(run, block, n_anchors, flag):
     """A training window of --block-size tokens holds block_size - block anchors at most (each
     needs a context position before it and its whole block inside the window)."""
-    if n_anchors > a.block_size - block:
-        raise ValueError(f"a --block-size {a.block_size} window holds at most "
-                         f"{max(0, a.block_size - block)} anchors of block {block}, not "
+    if n_anchors > run.block_size - block:
+        raise ValueError(f"a --block-size {run.block_size} window holds at most "
+                         f"{max(0, run.block_size - block)} anchors of block {block}, not "
                          f"{n_anchors} ({flag}): use fewer, or a longer --block-size")
 
 
-def dflash_phases(a):
-    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
-    plan = training_phases(a)
+def phases(cfg, run):
+    """The phases this stage runs: (name, steps). Checks the settings too."""
+    plan = training_phases(cfg, run)
     for name, block, n_anchors, _, _ in plan:
-        check_anchors(a, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
+        check_anchors(run, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
                       else "--dflash-anchors")
     return [(name, steps) for name, _, _, steps, _ in plan]
 
 
-def total_steps(a):
-    return sum(steps for _, steps in dflash_phases(a))
+def total_steps(cfg, run):
+    return sum(steps for _, steps in phases(cfg, run))
 
 
-def branch_step(a):
+def branch_step(cfg, run):
     """Where DSpark branches off DFlash's training (--dspark-init dflash): after total_steps -
-    dspark_iters steps, counted across the phases, so that DSpark's steps (the backbone's from
-    DFlash, then its own) equal DFlash's. None: no branch (DSpark starts from scratch, or it
-    gets as many steps as DFlash or more and starts from DFlash's final weights)."""
-    n = total_steps(a) - a.dspark_iters
-    return n if a.dspark_init == "dflash" and n >= 1 else None
+    dspark's iters steps, counted across the phases, so that DSpark's steps (the backbone's from
+    DFlash, then its own) equal DFlash's. None: no branch (no DSpark stage, DSpark starts from
+    scratch, or it gets as many steps as DFlash or more and starts from DFlash's final weights)."""
+    dspark = run.stages.get("dspark")
+    if dspark is None or dspark.init != "dflash":
+        return None
+    n = total_steps(cfg, run) - dspark.iters
+    return n if n >= 1 else None
 
 
 def dflash_taps(spec, n_layer):
@@ -75,65 +115,67 @@ def dflash_taps(spec, n_layer):
                          f"1,3,5 (got {spec!r})") from None
 
 
-def network_config(a, target_cfg, block=None):
+def network_config(cfg, target_cfg, block=None):
     """The DFlash network the settings ask for (also DSpark's backbone: the same shape, so DSpark
     can start from it). The mask slots predict (shift 0), as in the DFlash paper: letting the
     anchor slot predict too (DeepSpec's shift 1) drafted worse (docs/experiments.md: DFlash: the
     masks predict (shift 0))."""
-    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=a.dflash_heads, n_layer=a.dflash_layers,
-                        taps=dflash_taps(a.dflash_taps, target_cfg.n_layer),
-                        block=block or a.dflash_block)
+    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=cfg.heads, n_layer=cfg.layers,
+                        taps=dflash_taps(cfg.taps, target_cfg.n_layer), block=block or cfg.block)
 
 
-def anchored(tr, x, t_logits, hid, step, cfg, n_anchors):
+def anchored(tr, x, t_logits, hid, step, net_cfg, n_anchors):
     """A training batch for a block drafter: windows x, the target's tapped states on them (the
     context), its logits (the soft labels) and n_anchors random anchors a row. The anchors of
     step s come from a generator seeded with (seed, s), so a resumed run replays them."""
-    g = torch.Generator().manual_seed(tr.args.seed * 7_919 + step)
-    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, cfg.block, cfg.shift,
-                                                  g, tr.device), x.size(0))
-    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
+    g = torch.Generator().manual_seed(tr.run.seed * 7_919 + step)
+    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, net_cfg.block,
+                                                  net_cfg.shift, g, tr.device), x.size(0))
+    return x, {t: hid[t] for t in net_cfg.taps}, t_logits, anchors
 
 
-def train_dflash(tr):
+# -----------------------------------------------------------------------------
+# the stage
+
+
+def train(tr, cfg):
     """Every phase of training_phases, each starting from the one before -> out/dflash.pt (and
     out/dflash.branch.pt, DSpark's starting point)."""
-    a = tr.args
+    run = tr.run
     target, target_ckpt = tr.target()
-    cfg = network_config(a, target.config)
-    batches = tr.distill.batches(a.dflash_text)
-    plan = training_phases(a)
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "phases": [p[1:] for p in plan], "text": a.dflash_text,
-                   "gen": tr.distill.key(a.dflash_text), "gamma": a.dflash_gamma,
-                   "seed": a.seed, "branch": branch_step(a)}
+    net_cfg = network_config(cfg, target.config)
+    batches = tr.distill.batches(cfg.text)
+    plan = training_phases(cfg, run)
+    fingerprint = {"stage": "dflash", "config": net_cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "phases": [p[1:] for p in plan],
+                   "text": cfg.text, "gen": tr.distill.key(cfg.text), "gamma": cfg.gamma,
+                   "seed": run.seed, "branch": branch_step(cfg, run)}
     net, done = None, 0
     for i, phase in enumerate(plan):
-        net, val = train_phase(tr, fingerprint, batches, i, phase, net, done)
+        net, val = yield from train_phase(tr, cfg, fingerprint, batches, i, phase, net, done)
         done += phase[3]
-    tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": a.dflash_text,
-                                           "fingerprint": fingerprint}, steps=done)
+    tr.save("dflash", net_cfg.to_dict(), net, {"val_loss": val, "text": cfg.text,
+                                               "fingerprint": fingerprint}, steps=done)
     return val
 
 
-def train_phase(tr, fingerprint, batches, i, phase, before, done):
+def train_phase(tr, cfg, fingerprint, batches, i, phase, before, done):
     """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
     the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
     file when finished: a rerun skips it."""
-    a = tr.args
     name, block, n_anchors, steps, lr = phase
     target = tr.target()[0]
-    cfg = network_config(a, target.config, block)
-    torch.manual_seed(a.seed + 3)
-    net = DFlash(cfg, target).to(tr.device)
+    net_cfg = network_config(cfg, target.config, block)
+    torch.manual_seed(tr.run.seed + 3)
+    net = DFlash(net_cfg, target).to(tr.device)
     if before is not None:
         widen(net, cpu_state_dict(before))
     n_params = sum(p.numel() for p in net.parameters())
-    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
+    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {net_cfg}, {n_anchors} anchors")
 
     def loss_of(x, t_logits, hid, step):
-        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, cfg, n_anchors),
-                           a.dflash_gamma)
+        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, net_cfg, n_anchors),
+                           cfg.gamma)
 
     def after_step(n):
         if done + n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)
@@ -142,9 +184,13 @@ def train_phase(tr, fingerprint, batches, i, phase, before, done):
                              "budget": {"steps": done + n, "seconds": tr.elapsed()}},
                             tr.path("dflash.branch"))
     last = i == len(fingerprint["phases"]) - 1
-    val, _ = tr.fit(name, net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                    steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
-                    tokens_per_step=a.batch_size * n_anchors * block, after_step=after_step,
-                    keep_resume=not last)
+    val, _ = yield Fit(name, net, lambda s: loss_of(*batches(s), s),
+                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                       steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
+                       tokens_per_step=tr.run.batch_size * n_anchors * block,
+                       after_step=after_step, keep_resume=not last)
     return net, val
+
+
+STAGE = Stage(settings=DFlashSettings, phases=phases, train=train,
+              step_cost={"dflash-narrow": 0.31, "dflash": 0.30}, files=("dflash.branch.pt",))

@@ -1,18 +1,37 @@
 """
-training/stages_eagle.py -- EAGLE-3's stage of train.py: the network built from the settings
+training/stages_eagle.py -- EAGLE-3's stage of train.py: its settings, the network built from them
 (which target layers it fuses), the anchors its unrolled steps train at, out/eagle.pt. The loss
 and the training-time test are draft_eagle.py's and draft_mtp.py's.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from draft_eagle import Eagle, EagleConfig, default_taps, eagle_loss
 from draft_mtp import unroll_anchors
+from runtime.settings import number, setting
+from training.stage import Fit, Stage
 from training.stages_mtp import check_unroll
 
-# -----------------------------------------------------------------------------
-# EAGLE-3: train.py runs train_eagle(trainer) as its "eagle" stage. The loss is MTP's over the
-# unrolled steps (draft_eagle.eagle_loss); with --eagle-unroll 1 it is plain teacher forcing.
+
+@dataclass
+class EagleSettings:
+    """EAGLE-3's settings: train.py's flags --eagle-<field>. The loss is MTP's over the unrolled
+    steps (draft_eagle.eagle_loss); with --eagle-unroll 1 it is plain teacher forcing."""
+    iters: int = setting(2000, "eagle: optimizer steps", gpt2=6000, quick=60, tiny=10)
+    lr: float = setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3)
+    unroll: int = setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
+                          "training-time test); 1 = teacher forcing only", tiny=3)
+    anchors: int = setting(32, "eagle: positions per training sequence at which steps 2.. are "
+                           "unrolled (step 1 trains at every position)", tiny=8)
+    beta: float = setting(0.8, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
+                          "(EAGLE-3's code: 0.8)")
+    distill: float = setting(0.5, "eagle: weight of the KL to the target's distribution (1 = pure "
+                             "distillation, 0 = the text's own tokens only)",
+                             type=number(float, 0, 1))
+    taps: str = setting("auto", "eagle: the three target layers fused, e.g. '2,4,6' ('auto': a "
+                        "third, two thirds and the last)")
 
 
 def eagle_taps(spec, n_layer):
@@ -29,39 +48,42 @@ def eagle_taps(spec, n_layer):
     return taps
 
 
-def eagle_phases(a):
-    """The train_loop phases this stage runs: (name, steps). Checks the settings too."""
-    eagle_taps(a.eagle_taps, a.n_layer)
-    check_unroll("--eagle-unroll", a.eagle_unroll, a.block_size)
-    return [("eagle", a.eagle_iters)]
+def phases(cfg, run):
+    """The phases this stage runs: (name, steps). Checks the settings too."""
+    eagle_taps(cfg.taps, run.n_layer)
+    check_unroll("--eagle-unroll", cfg.unroll, run.block_size)
+    return [("eagle", cfg.iters)]
 
 
-def train_eagle(tr):
+def train(tr, cfg):
     """EAGLE-3 on the frozen target, on the distillation set -> out/eagle.pt."""
-    a = tr.args
+    run = tr.run
     target, target_ckpt = tr.target()
-    torch.manual_seed(a.seed + 5)
-    cfg = EagleConfig.for_target(target.config, eagle_taps(a.eagle_taps, target.config.n_layer))
-    net = Eagle(cfg).to(tr.device)
+    torch.manual_seed(run.seed + 5)
+    net_cfg = EagleConfig.for_target(target.config, eagle_taps(cfg.taps, target.config.n_layer))
+    net = Eagle(net_cfg).to(tr.device)
     print(f"eagle: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, "
-          f"{cfg}, {a.eagle_unroll} steps unrolled at {a.eagle_anchors} anchors")
+          f"{net_cfg}, {cfg.unroll} steps unrolled at {cfg.anchors} anchors")
     batches = tr.distill.batches("gen")
 
     def loss_of(w, t_logits, hid, step):
         """Its draft steps unroll at anchors drawn by the step (the validation's: step -1)."""
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 3_333_333)
-        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, a.eagle_unroll,
-                                                      a.eagle_anchors, g, w.device), w.size(0))
-        return eagle_loss(net, target, w, t_logits, hid, anchors, a.eagle_unroll, a.eagle_beta,
-                          a.eagle_distill)
+        g = torch.Generator().manual_seed(run.seed * 1_000_003 + step + 3_333_333)
+        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, cfg.unroll, cfg.anchors,
+                                                      g, w.device), w.size(0))
+        return eagle_loss(net, target, w, t_logits, hid, anchors, cfg.unroll, cfg.beta,
+                          cfg.distill)
 
-    fingerprint = {"stage": "eagle", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "iters": a.eagle_iters, "lr": a.eagle_lr, "gen": tr.distill.key("gen"),
-                   "unroll": (a.eagle_unroll, a.eagle_anchors, a.eagle_beta),
-                   "distill": a.eagle_distill, "seed": a.seed}
-    val, _ = tr.fit("eagle", net, lambda s: loss_of(*batches(s), s),
-                    lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                    steps=a.eagle_iters, lr=a.eagle_lr, fingerprint=fingerprint,
-                    tokens_per_step=a.batch_size * a.block_size)
-    tr.save("eagle", cfg.to_dict(), net, {"val_loss": val})
+    fingerprint = {"stage": "eagle", "config": net_cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "iters": cfg.iters, "lr": cfg.lr,
+                   "gen": tr.distill.key("gen"), "unroll": (cfg.unroll, cfg.anchors, cfg.beta),
+                   "distill": cfg.distill, "seed": run.seed}
+    val, _ = yield Fit("eagle", net, lambda s: loss_of(*batches(s), s),
+                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                       steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+                       tokens_per_step=run.batch_size * run.block_size)
+    tr.save("eagle", net_cfg.to_dict(), net, {"val_loss": val})
     return val
+
+
+STAGE = Stage(settings=EagleSettings, phases=phases, train=train, step_cost={"eagle": 0.42})

@@ -1,18 +1,19 @@
 """
 trainer.py -- what wraps train.py's loop from outside: the Trainer a stage is handed, the plumbing
 of each phase (resume files, the NaN stop, progress, validation), the data build and the guard on
-a trained target, and the command line's flags and plan.
+a trained target, what a stage's checkpoint records of its settings, and the run's own settings.
 
 train.py holds the loop itself (fit: forward, loss.backward(), clip, optimizer.step(), the
-learning-rate schedule) and runs the stages in order; training/stages.py and
-training/stages_*.py say what each stage trains. A Trainer is everything a stage gets: the
-training-side twin of speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while
-that checkpoint belongs to the current target and records the same settings (unless --force). A
-running phase saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds,
-atomically; batches come from generators seeded by the step, so a killed run resumes to the very
-same weights. With --init-from the target's stage reads a Hugging Face folder (GPT-2, Llama,
-Qwen2, Qwen3) instead of training; under torchrun every stage trains data-parallel, one shard of
-each step's batch per process (training/ddp.py).
+learning-rate schedule) and runs the stages in order, each a generator that yields the phases it
+wants trained (training/stage.py); training/target.py and training/stages_*.py say what each
+trains. A Trainer is everything a stage gets besides its own settings: the training-side twin of
+speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that checkpoint belongs
+to the current target and records the same settings (unless --force). A running phase saves its
+whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches come from
+generators seeded by the step, so a killed run resumes to the very same weights. With --init-from
+the target's stage reads a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) instead of training;
+under torchrun every stage trains data-parallel, one shard of each step's batch per process
+(training/ddp.py).
 """
 
 import math
@@ -21,14 +22,49 @@ import time
 
 import torch
 
-from runtime.checkpoint import (CheckpointError, cpu_state_dict, load_checkpoint, load_target,
-                                save_checkpoint)
-from runtime.devices import fast_bf16, pick_device
-from runtime.settings import (GROUPS, PRESETS, PRESETS_OF, SETTINGS, ArgumentParser,
-                              add_settings, path_arg, preset_values)
+from dataclasses import dataclass
+
+from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint, save_checkpoint
+from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
 from training import ddp, distill, pretrained
-from training.stages import STAGES, stage_settings
+from training.distill import DistillSettings
+from training.stages_target import weights_id
+from training.target import load_target
+
+
+@dataclass
+class RunSettings:
+    """The run's own settings: train.py's flags --vocab-size, ..., --grad-accum."""
+    vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size, end-of-text included",
+                              type=number(int, 257, 65536))
+    tokenizer: str = setting("bpe", "train our own BPE, or use tiktoken's gpt2 if it loads",
+                             choices=["bpe", "gpt2"])
+    seed: int = setting(1337, "seed for initialisation and batch sampling",
+                        type=number(int, 0, 2**32 - 1))
+    bf16: str = setting("auto", "bfloat16 autocast: auto = where this device measurably runs it "
+                        "faster", choices=["auto", "on", "off"])
+    threads: int = setting(None, "torch CPU threads (none: torch's choice)", type=number(int, 1))
+    log_interval: int = setting(25, "steps between progress lines")
+    # the drafters are judged by tau in bench.py, not by this loss on corpus text
+    eval_interval: int = setting(2500, "steps between validation losses (the last step always "
+                                 "has one)")
+    ckpt_interval: float = setting(60.0, "seconds between resume checkpoints",
+                                   type=number(float, 0))
+    grad_accum: int = setting(1, "micro-steps per optimizer step in each process: the global "
+                              "batch is split into processes x this many equal shards (less "
+                              "memory, the same step)")
+
+
+@dataclass
+class SharedSettings:
+    """What every stage shares: train.py's flags --block-size, --batch-size, --warmup."""
+    block_size: int = setting(256, "context window (target and drafters; with --init-from at most "
+                              "the model's, whose first positions are kept)", cuda=512, tiny=64)
+    batch_size: int = setting(8, "sequences per optimizer step (every stage; under torchrun the "
+                              "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4)
+    warmup: int = setting(60, "linear warmup steps before the cosine decay (every stage)",
+                          type=number(int, 0), cuda=200, quick=20, tiny=5)
 
 # -----------------------------------------------------------------------------
 # one phase of the loop: resume, the NaN stop, progress
@@ -57,32 +93,31 @@ def resume(name, module, opt, path, fingerprint, iters):
     return r["step"]
 
 
-def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, path):
-    """A NaN or inf loss or gradient would poison the weights: stop, saying what was kept."""
+def stop_if_diverged(name, step, loss_val, grad_norm, saved_step, path, lr_flag):
+    """A NaN or inf loss or gradient would poison the weights: stop, saying what was kept and which
+    learning rate to lower (lr_flag)."""
     if math.isfinite(loss_val) and math.isfinite(grad_norm):
         return
     kept = (f"the last good state (step {saved_step}) is kept in {path}" if saved_step is not None
             else "no state of this stage was saved yet")
     bad = loss_val if not math.isfinite(loss_val) else grad_norm
-    lr = name if f"{name.replace('-', '_')}_lr" in SETTINGS else name.split("-")[0]
     raise TrainingError(f"{name}: the loss (or its gradient) became {bad} at step {step}, so "
-                        f"training stopped; {kept}. Try a lower learning rate (--{lr}-lr).")
+                        f"training stopped; {kept}. Try a lower learning rate ({lr_flag}).")
 
 
-# one step of each phase next to one target step, on the reference CPU with the cpu preset
-# (docs/results.md: training): the run's time estimate until it measures its own
-STEP_COST = {"target": 1.0, "small": 0.43, "mtp": 0.40, "eagle": 0.42, "dflash-narrow": 0.31,
-             "dflash": 0.30, "dspark": 0.39, "dspark-sampled": 0.27,
-             "distill": 0.26}  # distill: per sequence
+DISTILL_COST = 0.26  # one sequence of the distillation set next to one target step (Clock)
 
 
 class Clock:
     """Progress lines, and the whole run's remaining time: the steps left in every phase still
-    to run (plan: [(phase, steps)]), each costed at STEP_COST x the seconds a target step takes
-    here, as last measured from the running phase. An estimate, better as each phase runs."""
+    to run (plan: [(phase, steps)]), each costed at its step cost (costs: {phase: a step's seconds
+    over a target step's}, each stage's own, and DISTILL_COST a sequence of the distillation set)
+    x the seconds a target step takes here, as last measured from the running phase. An
+    estimate, better as each phase runs."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, costs=None):
         self.left, self.unit, self.t_last = dict(plan), None, time.time()
+        self.costs = {"distill": DISTILL_COST, **(costs or {})}
 
     def tick(self, name, done, steps, loss, lr, tokens, every):
         """After step `done` of phase `name`: a progress line every `every` steps."""
@@ -90,7 +125,7 @@ class Clock:
             return
         now = time.time()
         sec = (now - self.t_last) / (every if done % every == 0 else done % every)
-        first, self.unit, self.t_last = self.unit is None, sec / STEP_COST.get(name, 1.0), now
+        first, self.unit, self.t_last = self.unit is None, sec / self.costs.get(name, 1.0), now
         self.left[name] = steps - done
         if name != "target":  # a drafter is training: the distillation set is written
             self.left.pop("distill", None)
@@ -108,7 +143,7 @@ class Clock:
         self.t_last = time.time()
 
     def remaining(self):
-        s = sum(n * STEP_COST.get(p, 1.0) * self.unit for p, n in self.left.items())
+        s = sum(n * self.costs.get(p, 1.0) * self.unit for p, n in self.left.items())
         return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
@@ -123,7 +158,7 @@ class Phase:
         self.tr, self.name, self.module, self.opt = tr, name, module, opt
         self.fingerprint, self.steps, self.eval_fn = fingerprint, steps, eval_fn
         self.tokens_per_step = tokens_per_step
-        self.path = os.path.join(tr.args.out_dir, f"{name}.resume.pt")
+        self.path = os.path.join(tr.run.out_dir, f"{name}.resume.pt")
         self.start = resume(name, module, opt, self.path, fingerprint, steps)
         self.saved = self.start if self.start else None  # the last step written to the file
         self.t0 = time.time()
@@ -139,11 +174,12 @@ class Phase:
 
     def check(self, step, loss_val, grad_norm):
         """Before the optimizer step: a NaN or inf stops the run with the last good state kept."""
-        stop_if_diverged(self.name, step, loss_val, grad_norm, self.saved, self.path)
+        stop_if_diverged(self.name, step, loss_val, grad_norm, self.saved, self.path,
+                         self.tr.lr_flag(self.name))
 
     def after(self, done, loss_val, lr):
         """After step `done`: a progress line, the validation, the resume file when due."""
-        a = self.tr.args
+        a = self.tr.run
         self.tr.clock.tick(self.name, done, self.steps, loss_val, lr, self.tokens_per_step,
                            a.log_interval)
         if done % a.eval_interval == 0 or done == self.steps:
@@ -179,25 +215,89 @@ def kept():
 
 
 # -----------------------------------------------------------------------------
+# what a stage's checkpoint records of its settings, and whether the one in out/ is current
+
+
+def recorded(run, stages, name):
+    """The settings out/<name>.pt records: one trained with other values is not current. A
+    drafter's: the shared ones, its own (and those of the stage it builds on), the distillation
+    set's. The target's: the shared ones, its own, and the MTP head's where it trains inside the
+    target (--mtp-mode joint); read from a folder, which folder and weights, and the context."""
+    if name == "target" and run.init_from:  # read, not trained: which weights, what context
+        return {"init_from": os.path.abspath(run.init_from), "weights": weights_id(run.init_from),
+                "block_size": run.block_size}
+    values = {n: getattr(run, n) for n, _ in settings_of(SharedSettings)}
+    for stage in (name, stages[name].builds_on):
+        if stage is not None:
+            prefix = "" if stage == "target" else stage
+            values.update(settings_of_config(run.stages[stage], prefix))
+    if name != "target":
+        values.update({n: getattr(run, n) for n, _ in settings_of(DistillSettings)})
+    elif "mtp" in run.stages:
+        mtp = run.stages["mtp"]
+        values["mtp_mode"] = mtp.mode
+        if mtp.mode == "joint":
+            values.update(mtp_modules=mtp.modules, mtp_lambda=mtp.lambda_)
+    return {"seed": run.seed, **values}
+
+
+def settings_of_config(cfg, prefix):
+    """{name: value} of a stage's settings object, by their flags' names (dflash_block, ...)."""
+    return {n: getattr(cfg, f.name) for n, f in settings_of(type(cfg), prefix)}
+
+
+def is_current(tr, stage):
+    """Does out/<stage>.pt exist, belong to the current target and tokenizer, and record the
+    settings of this run?"""
+    path = tr.path(stage)
+    if not os.path.exists(path):
+        return False
+    try:
+        ckpt = load_checkpoint(path, stage)
+    except CheckpointError:  # truncated, garbage, or another kind of checkpoint: it is remade
+        print(f"{stage}: {path} is unreadable; retraining it")
+        return False
+    if stage == "target":  # a trained target is not thrown away without --force
+        why = datamod.mismatch(ckpt, tr.info, tr.run.out_dir)
+        if why:
+            raise CheckpointError(f"{why}, or pass --force to retrain the target and every "
+                                  "drafter on this build")
+    elif ckpt.get("target_hash") != tr.target()[1]["model_hash"]:
+        print(f"{stage}: {path} was trained against another target; retraining it")
+        return False
+    had = ckpt.get("settings")
+    if not isinstance(had, dict):  # unknown, not "all of them changed": kept, as it is
+        print(f"{stage}: {path} records no settings, so whether this run's are its own is "
+              "unknown: kept (--force retrains it)")
+        return True
+    changed = [f"{k} {had.get(k)} -> {v}" for k, v in tr.recorded(stage).items()
+               if had.get(k) != v]
+    if changed:
+        print(f"{stage}: {path} was trained with other settings ({', '.join(changed[:4])}"
+              f"{', ...' if len(changed) > 4 else ''}); retraining it")
+    return not changed
+
+
+# -----------------------------------------------------------------------------
 # the data build, and the trained target it must not throw away
 
 
-def prepare(args):
+def prepare(run, stages):
     """The corpus's token files and tokenizer (training/data.py): written by rank 0, then read by
-    every
-    rank. With --init-from the tokenizer is the folder's, else one trained here (or gpt2)."""
+    every rank. With --init-from the tokenizer is the folder's, else one trained here (or
+    gpt2)."""
     given = None
-    if args.init_from:
-        given = pretrained.tokenizer_of(args.init_from, pretrained.read_config(args.init_from))
+    if run.init_from:
+        given = pretrained.tokenizer_of(run.init_from, pretrained.read_config(run.init_from))
     else:
-        keep_pretrained_build(args.out_dir)
-    keep_trained_target(args)
-    if args.world.main:
-        info = datamod.prepare_data(args.out_dir, args.data, args.vocab_size,
-                                    given.kind if given else args.tokenizer, True, given,
-                                    force=args.force)
-    ddp.barrier(args.world)
-    return info if args.world.main else datamod.load_build(args.out_dir)  # read, never write
+        keep_pretrained_build(run.out_dir)
+    keep_trained_target(run, stages)
+    if run.world.main:
+        info = datamod.prepare_data(run.out_dir, run.data, run.vocab_size,
+                                    given.kind if given else run.tokenizer, True, given,
+                                    force=run.force)
+    ddp.barrier(run.world)
+    return info if run.world.main else datamod.load_build(run.out_dir)  # read, never write
 
 
 def keep_pretrained_build(out_dir):
@@ -213,23 +313,23 @@ def keep_pretrained_build(out_dir):
                               "with it, or pick another --out-dir")
 
 
-def keep_trained_target(args):
+def keep_trained_target(run, stages):
     """out/target.pt is not replaced without --force by a run that throws training away: an
     --init-from import over it, or a retraining on fewer tokens than it saw (`--preset quick` over
     the full run). A bigger one goes ahead, as the full run replaces the quick one. (A data build
     of another corpus or tokenizer would orphan it: training/data.py refuses that.)"""
-    path = os.path.join(args.out_dir, "target.pt")
-    if args.force or args.only not in (None, "target") or not os.path.exists(path):
+    path = os.path.join(run.out_dir, "target.pt")
+    if run.force or run.only not in (None, "target") or not os.path.exists(path):
         return
     try:
         ckpt = load_checkpoint(path, "target")
     except CheckpointError:  # unreadable: it is remade anyway, with a notice
         return
-    had, now = ckpt.get("settings") or {}, stage_settings(args, "target")
-    seen, tokens = ckpt.get("tokens_seen", 0), args.target_iters * args.batch_size * args.block_size
-    if args.init_from and had.get("init_from") != now["init_from"]:
-        why = f"--init-from {args.init_from} would be imported over it"
-    elif not args.init_from and had != now and tokens < seen:
+    had, now = ckpt.get("settings") or {}, recorded(run, stages, "target")
+    seen, tokens = ckpt.get("tokens_seen", 0), run.target_iters * run.batch_size * run.block_size
+    if run.init_from and had.get("init_from") != now["init_from"]:
+        why = f"--init-from {run.init_from} would be imported over it"
+    elif not run.init_from and had != now and tokens < seen:
         why = f"it trained on {seen:,} tokens, this run's target would train on {tokens:,}"
     else:
         return
@@ -241,35 +341,35 @@ def keep_trained_target(args):
 
 
 # -----------------------------------------------------------------------------
-# the Trainer: what a stage function gets (the training-side twin of speculative.Drafter)
+# the Trainer: what a stage gets besides its own settings (the training-side twin of
+# speculative.Drafter)
 
 
 class Trainer:
-    """Everything a stage gets (training/stages.py), so that no stage imports train.py:
+    """Everything a stage gets besides its own settings, so that no stage imports train.py:
 
-    args, device           every setting (args.dflash_iters, ...) and the device
+    run, device            the run's settings (run.block_size, run.seed, ...; run.stages: every
+                           stage's settings, where one builds on another's) and the device
     target()               (the trained, frozen target, its checkpoint dict)
     distill                the drafters' text and the target's features on it (training/distill.py):
                            distill.batches(text) -> step -> (x, target logits, hidden states)
-    fit(name, module, loss_fn, eval_fn, steps=, lr=, fingerprint=, tokens_per_step=)
-                           train.py's loop, resumable (Phase) -> (val loss, optimizer state)
     val_loss(fn)           mean of fn(x, y) over fixed validation windows
     save(stage, config, module, extra)   out/<stage>.pt, tied to this target and tokenizer
-    path(name), elapsed(), budget()
+    path(name), elapsed(), budget(), per_row(), recorded(stage)
+    stages: {name: Stage} of the run (training/stage.py); plan: [(phase, steps)] it may train.
     """
 
-    def __init__(self, args, plan=(), loop=None):
-        self.args, self.device, self.world = args, args.device_resolved, args.world
-        self.loop = loop  # train.fit: the one training loop
-        self.info = prepare(args)
-        self.data = datamod.Batches(self.info, args.block_size, args.batch_size, args.seed)
+    def __init__(self, run, stages, plan=()):
+        self.run, self.stages, self.device, self.world = run, stages, run.device_resolved, run.world
+        self.info = prepare(run, stages)
+        self.data = datamod.Batches(self.info, run.block_size, run.batch_size, run.seed)
         self.forget_target()  # no target loaded yet, and so no distillation set
         self.rows = None  # this process's shard of the running step's batch (set_rows)
         self.stage, self.stage_t0, self.shared0 = None, time.time(), 0.0  # the running stage
-        self.clock = Clock(plan)
+        self.clock = Clock(plan, {p: c for st in stages.values() for p, c in st.step_cost.items()})
 
     def path(self, name):
-        return os.path.join(self.args.out_dir, f"{name}.pt")
+        return os.path.join(self.run.out_dir, f"{name}.pt")
 
     def elapsed(self):
         """Seconds of the running stage so far, less the shared work it happened to start (the
@@ -281,19 +381,30 @@ class Trainer:
 
     def budget(self, steps=None):
         """What the running stage cost: its optimizer steps and seconds (bench.py prints it)."""
-        return {"steps": steps or getattr(self.args, f"{self.stage}_iters"),
-                "seconds": self.elapsed()}
+        return {"steps": steps or self.run.stages[self.stage].iters, "seconds": self.elapsed()}
+
+    def recorded(self, stage):
+        """The settings out/<stage>.pt records (recorded(), above)."""
+        return recorded(self.run, self.stages, stage)
+
+    def lr_flag(self, phase):
+        """The flag of a phase's learning rate (--dflash-narrow-lr), else of its stage's."""
+        stage = phase.split("-")[0]
+        prefix = "" if stage == "target" else stage
+        names = {n for n, _ in settings_of(self.stages[stage].settings, prefix)}
+        own = f"{phase.replace('-', '_')}_lr"
+        return "--" + (own if own in names else f"{stage}_lr").replace("_", "-")
 
     def forget_target(self):
         """Drop the loaded target and everything computed from it (after it is retrained)."""
         self._target = None
-        self.distill = distill.DistillationSet(self.args, self.data, self.target, self.device)
+        self.distill = distill.DistillationSet(self.run, self.data, self.target, self.device)
 
     def target(self):
         """The trained, frozen target (loaded once)."""
         if self._target is None:
             model, ckpt = load_target(self.path("target"), self.device)
-            why = datamod.mismatch(ckpt, self.info, self.args.out_dir)
+            why = datamod.mismatch(ckpt, self.info, self.run.out_dir)
             if why:
                 raise CheckpointError(f"{why}, or retrain the target on this build with "
                                       "`python train.py --only target --force`")
@@ -315,16 +426,11 @@ class Trainer:
                          "budget": budget or self.budget(steps),
                          "target_hash": target_ckpt["model_hash"],
                          "tokenizer_hash": self.info["tokenizer_hash"],
-                         "settings": stage_settings(self.args, stage), **(extra or {})},
+                         "settings": self.recorded(stage), **(extra or {})},
                         self.path(stage))
 
-    def fit(self, name, module, loss_fn, eval_fn, **kw):
-        """train.py's loop (`loop`, given at construction) over one phase: `steps` AdamW steps
-        of loss_fn(step) on module -> (final val loss, optimizer state)."""
-        return self.loop(self, name, module, loss_fn, eval_fn, **kw)
-
     def autocast(self):
-        return torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=self.args.use_bf16)
+        return torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=self.run.use_bf16)
 
     def set_rows(self, rows):
         """Training batches take these rows of each step's global batch (None: all): this
@@ -337,7 +443,7 @@ class Trainer:
         row gets the draw it gets when one process takes the whole batch."""
         if self.rows is None:
             return draw(n)
-        return draw(self.args.batch_size)[self.rows]
+        return draw(self.run.batch_size)[self.rows]
 
     def evaluate(self, name, step, module, eval_fn):
         module.eval()
@@ -345,101 +451,3 @@ class Trainer:
         module.train()
         print(f"{name} | step {step:5d} | val loss {val:.4f}", flush=True)
         return val
-
-
-# -----------------------------------------------------------------------------
-# command line
-
-
-def build_parser(preset=None):
-    """The flags; each setting's help shows the value `preset` gives it (what a run would use)."""
-    p = ArgumentParser(description="Train the nanospec target and its drafters.")
-    shown = preset or "cpu"
-    first = p.add_argument_group("start here")
-    first.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                       help="the defaults of every setting below: "
-                       + "; ".join(f"{k}: {v}" for k, v in PRESETS.items())
-                       + " (default: by device: cpu, cuda or mps)")
-    first.add_argument("--only", choices=list(STAGES), default=None,
-                       help=f"run one stage ({', '.join(STAGES)}); default: all, in that order")
-    first.add_argument("--force", action="store_true",
-                       help="retrain stages even if their checkpoint exists (default: off)")
-    first.add_argument("--out-dir", type=path_arg("dir"), default="out",
-                       help="where tokenizer, token files and checkpoints go (default: out)")
-    first.add_argument("--data", type=path_arg("data"), default=None,
-                       help="a text file or folder to train on (default: the Python stdlib)")
-    first.add_argument("--init-from", type=path_arg("folder"), default=None,
-                       help="a Hugging Face folder of a GPT-2, Llama, Qwen2 or Qwen3 model "
-                       "(config.json, model.safetensors, its tokenizer) as the target, whose "
-                       "tokenizer encodes the corpus and for which every drafter trains "
-                       "(docs/your_model.md; default: none, train nanospec's own target)")
-    first.add_argument("--device", default="auto",
-                       help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
-    add_settings(p, GROUPS, PRESETS_OF.get(shown, shown))
-    return p
-
-
-def preset_of(argv):
-    """The preset a command line asks for, or its device's (for --help's defaults)."""
-    pre = ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    pre.add_argument("--device", default="auto")
-    known, _ = pre.parse_known_args(argv)
-    if known.preset:
-        return known.preset
-    try:
-        return pick_device(known.device).split(":")[0]
-    except ValueError:
-        return None
-
-
-def resolve_args(argv=None):
-    args = build_parser(preset_of(argv)).parse_args(argv)
-    heads_given = args.dflash_heads is not None
-    device = pick_device(args.device)
-    args.preset = args.preset or device.split(":")[0]
-    for name, value in preset_values(args.preset).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.device_resolved = device
-    args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
-    args.world = ddp.world_of_env()  # one process, unless torchrun started this one
-    ddp.check_split(args.world, args.grad_accum, args.batch_size)
-    if args.init_from:
-        take_shape(args)
-        if args.preset == "gpu-small" and not heads_given:  # a width that splits as the target's
-            args.dflash_heads = args.n_head
-    for _, phases, _ in STAGES.values():
-        phases(args)  # the stages check their settings now, not after the stages before them
-    return args
-
-
-def take_shape(args):
-    """With --init-from the target's shape is the folder's (config.json): the drafters' settings
-    are checked against it, and the context window may only shrink."""
-    cfg = pretrained.read_config(args.init_from)
-    for name in ("n_layer", "n_head", "n_embd"):
-        setattr(args, name, getattr(cfg, name))
-    if args.block_size > cfg.sequence_len:
-        raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
-                         f"context window ({cfg.sequence_len} positions)")
-
-
-def check_out_dir(args):
-    """A folder where train.py writes a file would fail only after the training: refuse it now."""
-    phases = [n for _, ph, _ in STAGES.values() for n, _ in ph(args)]
-    names = [*datamod.BUILT, "distill.pt", "dflash.branch.pt", *(f"{s}.pt" for s in STAGES),
-             *(f"{n}.resume.pt" for n in phases)]
-    for p in (os.path.join(args.out_dir, n) for n in names):
-        if os.path.isdir(p):
-            raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")
-
-
-def plan(args):
-    """[(phase, steps)] of every stage this run may train (for the time estimate)."""
-    stages = [s for s in STAGES if not args.only or s == args.only]
-    out = [(n, steps) for s in stages for n, steps in STAGES[s][1](args)]
-    if any(s != "target" for s in stages) and not os.path.exists(
-            os.path.join(args.out_dir, "distill.pt")):
-        out.insert(1 if stages[0] == "target" else 0, ("distill", args.gen_seqs))
-    return out

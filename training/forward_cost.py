@@ -1,5 +1,5 @@
 """
-runtime/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
+training/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
 machine, and what that means for drafting: `python -m training.pretrained DIR --cost`.
 
 Speculative decoding pays where a verify of k + 1 tokens costs little more than one decode step
@@ -15,12 +15,17 @@ import time
 
 import torch
 
-from runtime import cpu_speed
-from runtime.checkpoint import CheckpointError, load_drafter, load_target
-from runtime.profiling import profile_propose
-from runtime.settings import DFLASH, DSPARK
-from draft_dflash import DFlash, DFlashConfig, DFlashDrafter, default_taps
+import draft_dflash
+import draft_dspark
+from draft_dflash import DFlash, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
+from runtime import cpu_speed
+from runtime.checkpoint import CheckpointError, load_trained
+from runtime.profiling import profile_propose
+from runtime.settings import preset_values, read_settings
+from training.stages_dflash import DFlashSettings, network_config
+from training.stages_dspark import DSparkSettings
+from training.target import load_target
 
 
 @torch.no_grad()
@@ -42,16 +47,14 @@ def forward_ms(model, context, sizes, repeats):
 
 
 def block_drafters(target):
-    """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank
-    (runtime/settings.py's DFLASH and DSPARK tables) with the target's width and heads, and
-    random weights: what a draft costs does not depend on them."""
-    def value(settings, name):
-        return settings[name].value(("gpt2", "cuda"))
-    c = target.config
-    cfg = DFlashConfig(n_embd=c.n_embd, n_head=c.n_head,
-                       n_layer=value(DFLASH, "dflash_layers"), taps=default_taps(c.n_layer),
-                       block=value(DFLASH, "dflash_block"))
-    rank = value(DSPARK, "dspark_rank")
+    """A DFlash and a DSpark network for target at the gpt2 preset's depth, block and rank (their
+    stages' settings) with the target's width and heads, and random weights: what a draft costs
+    does not depend on them."""
+    gpt2 = ("gpt2", "cuda")
+    dflash = read_settings(DFlashSettings, "", {**preset_values(DFlashSettings, "", gpt2),
+                                                "heads": target.config.n_head})
+    rank = preset_values(DSparkSettings, "", gpt2)["rank"]
+    cfg = network_config(dflash, target.config)
     torch.manual_seed(0)
     return {"dflash": cpu_speed.speed_up(DFlashDrafter(DFlash(cfg, target).eval())),
             "dspark": cpu_speed.speed_up(DSparkDrafter(DSpark(cfg, DSparkConfig(rank=rank),
@@ -90,7 +93,9 @@ def cost_models(model, toy_path):
         except CheckpointError as e:
             raise CheckpointError(f"--toy: {e}") from None
         out = os.path.dirname(os.path.abspath(toy_path))
-        drafters = {n: load_drafter(n, out, toy, ckpt) for n in ("dflash", "dspark")
-                    if os.path.exists(os.path.join(out, f"{n}.pt"))}
+        drafters = {m.DRAFTER.name: cpu_speed.speed_up(load_trained(
+                        m.DRAFTER, os.path.join(out, f"{m.DRAFTER.name}.pt"), toy, ckpt))
+                    for m in (draft_dflash, draft_dspark)
+                    if os.path.exists(os.path.join(out, f"{m.DRAFTER.name}.pt"))}
         models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, drafters)
     return models

@@ -1,0 +1,170 @@
+"""
+training/flags.py -- train.py's command line: a flag for every setting of the run and of every
+stage, in one --help group each, showing the value the preset gives it; the presets; and every
+check made before anything runs.
+
+Nothing here names a stage: train.py hands in its stages ({name: training.stage.Stage}, the
+registry's), and each stage's settings dataclass gives its flags (--dflash-block for the dflash
+stage's `block`), their defaults and what each preset changes. What comes out is the run: its
+own settings (and the target's shape) as attributes, every stage's settings, typed, in
+run.stages.
+"""
+
+import argparse
+import os
+
+from runtime.checkpoint import CheckpointError
+from runtime.devices import fast_bf16, pick_device
+from runtime.settings import (ArgumentParser, add_settings, path_arg, preset_values,
+                              read_settings, settings_of)
+from training import data as datamod
+from training import ddp, pretrained
+from training.distill import DistillSettings
+from training.trainer import RunSettings, SharedSettings
+
+PRESETS = {
+    "cpu": "the full run, sized for 2 CPU cores (docs/results.md: Training)",
+    "quick": "every drafter, far fewer steps: the lesson in minutes on a CPU",
+    "tiny": "seconds: a smoke run of the whole pipeline (the tests use it)",
+    "cuda": "one consumer GPU: wider, deeper, longer (never run yet: its time is unknown)",
+    "mps": "Apple GPUs: the cuda preset",
+    "gpt2": "GPT-2 small from --init-from on one consumer GPU: the cuda preset, with the "
+            "drafters sized for a 768-wide 12-layer target (never run yet: an estimate of its "
+            "time is in docs/experiments.md)",
+    "gpu-small": "a 100M-1B Llama, Qwen or GPT-2 from --init-from on one consumer GPU: the gpt2 "
+                 "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
+}
+# a preset that takes another's values where it names none of its own: preset -> the chain
+PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"), "gpu-small": ("gpt2", "cuda")}
+
+
+def chain(preset):
+    """The presets whose values `preset` takes, in order."""
+    return PRESETS_OF.get(preset, preset)
+
+
+def groups(stages):
+    """[(--help title, settings dataclass, flag prefix)]: the run's, the target's, what every stage
+    shares, the distillation set's, then each drafter stage's, each titled with its home."""
+    def home(cls):
+        return cls.__module__.replace(".", "/") + ".py"
+    run = [("the run", RunSettings, ""), ("target", stages["target"].settings, ""),
+           ("every stage", SharedSettings, ""), ("the distillation set", DistillSettings, "")]
+    drafters = [(name, st.settings, name) for name, st in stages.items() if name != "target"]
+    return [(f"{title} ({home(cls)})", cls, prefix) for title, cls, prefix in run + drafters]
+
+
+def values_in(stages, preset):
+    """{name: value} of every setting (the run's and every stage's, by their flags' names) in one
+    preset."""
+    return {name: value for _, cls, prefix in groups(stages)
+            for name, value in preset_values(cls, prefix, chain(preset)).items()}
+
+
+def build_parser(stages, preset=None):
+    """The flags; each setting's help shows the value `preset` gives it (what a run would use)."""
+    p = ArgumentParser(description="Train the nanospec target and its drafters.")
+    first = p.add_argument_group("start here")
+    first.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="the defaults of every setting below: "
+                       + "; ".join(f"{k}: {v}" for k, v in PRESETS.items())
+                       + " (default: by device: cpu, cuda or mps)")
+    first.add_argument("--only", choices=list(stages), default=None,
+                       help=f"run one stage ({', '.join(stages)}); default: all, in that order")
+    first.add_argument("--force", action="store_true",
+                       help="retrain stages even if their checkpoint exists (default: off)")
+    first.add_argument("--out-dir", type=path_arg("dir"), default="out",
+                       help="where tokenizer, token files and checkpoints go (default: out)")
+    first.add_argument("--data", type=path_arg("data"), default=None,
+                       help="a text file or folder to train on (default: the Python stdlib)")
+    first.add_argument("--init-from", type=path_arg("folder"), default=None,
+                       help="a Hugging Face folder of a GPT-2, Llama, Qwen2 or Qwen3 model "
+                       "(config.json, model.safetensors, its tokenizer) as the target, whose "
+                       "tokenizer encodes the corpus and for which every drafter trains "
+                       "(docs/your_model.md; default: none, train nanospec's own target)")
+    first.add_argument("--device", default="auto",
+                       help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
+    for title, cls, prefix in groups(stages):
+        add_settings(p.add_argument_group(title), cls, prefix, chain(preset or "cpu"))
+    return p
+
+
+def preset_of(argv):
+    """The preset a command line asks for, or its device's (for --help's defaults)."""
+    pre = ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    pre.add_argument("--device", default="auto")
+    known, _ = pre.parse_known_args(argv)
+    if known.preset:
+        return known.preset
+    try:
+        return pick_device(known.device).split(":")[0]
+    except ValueError:
+        return None
+
+
+def resolve_args(argv, stages):
+    """The command line -> the run (an argparse.Namespace): the run's settings as attributes, and
+    run.stages, every stage's settings (its dataclass, filled in), each checked by its stage."""
+    args = build_parser(stages, preset_of(argv)).parse_args(argv)
+    given = {name for name, value in vars(args).items() if value is not None}
+    device = pick_device(args.device)
+    args.preset = args.preset or device.split(":")[0]
+    for name, value in values_in(stages, args.preset).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.device_resolved = device
+    args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
+    args.world = ddp.world_of_env()  # one process, unless torchrun started this one
+    ddp.check_split(args.world, args.grad_accum, args.batch_size)
+    if args.init_from:
+        take_shape(args)
+        if args.preset == "gpu-small" and "dflash_heads" not in given and "dflash" in stages:
+            args.dflash_heads = args.n_head  # a width that splits as the target's
+    return the_run(args, stages)
+
+
+def the_run(args, stages):
+    """The parsed flags split: the stages' settings, typed, into run.stages; the rest stays. Each
+    stage checks its settings now (its phases), not after the stages before it have trained."""
+    values = vars(args)
+    typed = {name: read_settings(st.settings, "" if name == "target" else name, values)
+             for name, st in stages.items()}
+    theirs = {n for name, st in stages.items() if name != "target"
+              for n, _ in settings_of(st.settings, name)}
+    run = argparse.Namespace(**{k: v for k, v in values.items() if k not in theirs})
+    run.stages = typed
+    for name, st in stages.items():
+        st.phases(typed[name], run)
+    return run
+
+
+def take_shape(args):
+    """With --init-from the target's shape is the folder's (config.json): the drafters' settings
+    are checked against it, and the context window may only shrink."""
+    cfg = pretrained.read_config(args.init_from)
+    for name in ("n_layer", "n_head", "n_embd"):
+        setattr(args, name, getattr(cfg, name))
+    if args.block_size > cfg.sequence_len:
+        raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
+                         f"context window ({cfg.sequence_len} positions)")
+
+
+def check_out_dir(run, stages):
+    """A folder where train.py writes a file would fail only after the training: refuse it now."""
+    phases = [n for name, st in stages.items() for n, _ in st.phases(run.stages[name], run)]
+    names = [*datamod.BUILT, "distill.pt", *(f for st in stages.values() for f in st.files),
+             *(f"{s}.pt" for s in stages), *(f"{n}.resume.pt" for n in phases)]
+    for p in (os.path.join(run.out_dir, n) for n in names):
+        if os.path.isdir(p):
+            raise CheckpointError(f"{p} is a folder where train.py writes a file; move it away")
+
+
+def plan(run, stages):
+    """[(phase, steps)] of every stage this run may train (for the time estimate)."""
+    names = [s for s in stages if not run.only or s == run.only]
+    out = [(n, steps) for s in names for n, steps in stages[s].phases(run.stages[s], run)]
+    if any(s != "target" for s in names) and not os.path.exists(
+            os.path.join(run.out_dir, "distill.pt")):
+        out.insert(1 if names[0] == "target" else 0, ("distill", run.gen_seqs))
+    return out

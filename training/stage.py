@@ -1,0 +1,76 @@
+"""
+training/stage.py -- what a stage of train.py is: the training-side twin of speculative.Drafter.
+
+A drafter that learns has a stage, declared once at the end of its stage file
+(training/stages_<name>.py) as STAGE = Stage(...): its settings, what it trains in which phases,
+how it trains, and what a step costs. registry/drafters.py pairs it with the drafter's lesson file;
+train.py runs the target's stage (training/target.py), then every drafter's in the registry's
+order, each skipped while its checkpoint out/<name>.pt is current.
+
+A stage's train(trainer, cfg) is a generator, so that the loop stays in train.py: for each phase
+it builds a network and yields a Fit, what train.py's loop is to train, and gets back the phase's
+(validation loss, optimizer state); then it writes its checkpoint and returns its validation loss:
+
+    def train(tr, cfg):                      # cfg: this stage's settings, typed
+        net = MyNet(...).to(tr.device)
+        batches = tr.distill.batches("gen")   # the target's own text, and its features on it
+        val, _ = yield Fit("mine", net, lambda step: my_loss(net, *batches(step)), ...)
+        tr.save("mine", net.config.to_dict(), net, {"val_loss": val})
+        return val
+
+What a stage reads is its own settings (cfg), the run's (tr.run: the corpus, the target's shape,
+the batch, the seed) and the Trainer's services (training/trainer.py); a stage whose network is
+built from another stage's settings (DSpark's backbone: DFlash's) declares it (builds_on) and
+reads them as tr.run.stages[name].
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Fit:
+    """One phase for train.py's loop to train: `steps` AdamW steps of loss(step), the loss of that
+    step's batch, on module's trainable parameters, from a peak learning rate lr (warmup, then
+    cosine decay). evaluate(): the validation loss, every --eval-interval steps and at the end.
+    fingerprint: everything the phase's result depends on (a resume file with another one is not
+    resumed); tokens_per_step: for the progress lines. after_step(n), if given, runs after the
+    n-th step; keep_resume: keep the phase's resume file when it ends (a rerun then skips it).
+    The loop answers with (the final validation loss, the optimizer's state)."""
+    name: str
+    module: object
+    loss: Callable
+    evaluate: Callable
+    steps: int
+    lr: float
+    fingerprint: dict
+    tokens_per_step: int
+    after_step: Callable = None
+    keep_resume: bool = False
+
+
+@dataclass(frozen=True)
+class Stage:
+    """How a drafter learns, declared once in its stage file.
+
+    settings    its settings: a dataclass whose fields (runtime.settings.setting) hold each
+                default, its help and what each preset changes; train.py's flags --<name>-<field>
+                set them, and the stage gets them as one typed object (cfg)
+    phases      phases(cfg, run) -> [(phase, steps)], what it trains in order (for the time
+                estimate and the resume files), refusing settings that cannot work: train.py asks
+                every stage before any trains
+    train       train(trainer, cfg): a generator yielding a Fit per phase (above), then writing
+                out/<name>.pt and returning its validation loss
+    step_cost   {phase: seconds of one of its steps / seconds of one target step} on the reference
+                CPU with the cpu preset (docs/results.md: Training): the run's time estimate
+                until the run has measured its own
+    builds_on   the stage whose settings also build this one's network (DSpark: DFlash's): they
+                go in its checkpoint's record of its settings too
+    files       the other files it writes in out/ (DFlash: the state DSpark branches off)
+    """
+    settings: type
+    phases: Callable
+    train: Callable
+    step_cost: dict
+    builds_on: str = None
+    files: tuple = ()

@@ -1,0 +1,138 @@
+"""
+training/stages_target.py -- the target's stage of train.py, the first: trained here on the corpus,
+or read from a Hugging Face folder (--init-from).
+
+gpt.py is the model; this file trains it with train.py's loop (a Stage, as every drafter's:
+training/stage.py). With --mtp-mode joint the MTP head trains inside this stage, its loss added
+to the target's (DeepSeek-V3: L_main + lambda L_mtp), and out/mtp.pt is written with the target.
+With --init-from the weights are a pretrained model's (training/pretrained.py reads GPT-2's,
+training/hf_folder.py Llama's, Qwen2's and Qwen3's), nothing trains, and the context window is
+cut to --block-size. Every drafter stage then reads the target back (training/target.py), frozen.
+"""
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from draft_mtp import mtp_loss
+from gpt import GPT, GPTConfig
+from runtime import cpu_speed
+from runtime.checkpoint import cpu_state_dict, cpu_tree, save_checkpoint, state_hash
+from runtime.settings import setting
+from training import ddp, pretrained
+from training.stage import Fit, Stage
+from training.stages_mtp import new_mtp, save_mtp
+
+
+@dataclass
+class TargetSettings:
+    """The target's settings (train.py's flags --n-layer, ..., --target-lr). Its context window is
+    --block-size, every stage's; with --init-from its shape is the folder's."""
+    n_layer: int = setting(6, "target: transformer blocks", cuda=8, tiny=2)
+    n_head: int = setting(8, "target: attention heads per block", tiny=2)
+    n_embd: int = setting(256, "target: model width", cuda=512, tiny=32)
+    target_iters: int = setting(1300, "target: optimizer steps", cuda=4000, quick=120, tiny=30)
+    target_lr: float = setting(2e-3, "target: peak learning rate", cuda=1e-3, tiny=3e-3)
+
+
+# -----------------------------------------------------------------------------
+# the stage
+
+
+def phases(cfg, run):
+    """The target stage's phases: (name, steps); none when it is read from a folder. Checks its
+    settings too."""
+    mtp = run.stages.get("mtp")
+    joint = mtp is not None and mtp.mode == "joint"
+    if run.init_from:
+        if joint:
+            raise ValueError("--mtp-mode joint trains the MTP head inside the target's training, "
+                             "and with --init-from the target is not trained: use --mtp-mode "
+                             "posthoc")
+        return []
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"--n-embd ({cfg.n_embd}) must be a multiple of --n-head ({cfg.n_head})")
+    return [("target", cfg.target_iters)]
+
+
+def train(tr, cfg):
+    """The target GPT on the corpus (with the MTP head in joint mode) -> out/target.pt."""
+    run = tr.run
+    if run.init_from:
+        return import_target(tr)
+    gpt_cfg = GPTConfig(sequence_len=run.block_size, vocab_size=tr.info["vocab_size"],
+                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+    torch.manual_seed(run.seed)
+    model = GPT(gpt_cfg).to(tr.device)
+    print(f"target: {model.num_params() / 1e6:.2f}M parameters, {gpt_cfg}")
+    joint = run.stages.get("mtp")
+    joint = joint if joint is not None and joint.mode == "joint" else None
+    mtp = new_mtp(tr, joint, gpt_cfg) if joint else None
+    taps = (gpt_cfg.n_layer,) if mtp is not None else ()  # the last block's states, for the head
+
+    def loss_fn(step):
+        x, y = tr.data.get("train", step, tr.device)
+        _, loss, hid = model(x, y, hidden_layers=taps)
+        if mtp is not None:  # DeepSeek-V3: L_main + lambda L_mtp, into the whole target
+            loss = loss + joint.lambda_ * mtp_loss(mtp, model, hid[gpt_cfg.n_layer], x, y)
+        return loss
+
+    fingerprint = {"stage": "target", "config": gpt_cfg.to_dict(),
+                   "tokenizer": tr.info["tokenizer_hash"],
+                   "iters": cfg.target_iters, "lr": cfg.target_lr, "batch": run.batch_size,
+                   "seed": run.seed, "mtp": None if mtp is None else (joint.modules, joint.lambda_)}
+    module = model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp})
+    val, opt_state = yield Fit("target", module, loss_fn,
+                               lambda: tr.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
+                               steps=cfg.target_iters, lr=cfg.target_lr, fingerprint=fingerprint,
+                               tokens_per_step=run.batch_size * run.block_size)
+    sd = cpu_state_dict(model)
+    save_checkpoint({"kind": "target", "config": gpt_cfg.to_dict(), "state_dict": sd,
+                     "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
+                     "data": tr.info["recipe"], "step": cfg.target_iters,
+                     "optimizer": cpu_tree(opt_state), "val_loss": val,
+                     "tokens_seen": cfg.target_iters * run.batch_size * run.block_size,
+                     "settings": tr.recorded("target")},
+                    tr.path("target"))
+    if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current
+        ddp.barrier(tr.world)  # every rank reads the target.pt rank 0 just wrote
+        tr.forget_target()
+        save_mtp(tr, mtp, "joint", steps=cfg.target_iters)
+    return val
+
+
+def import_target(tr):
+    """out/target.pt from the --init-from folder (training/pretrained.py): the weights as they are,
+    the context window cut to --block-size; its loss on the corpus's validation windows printed."""
+    run = tr.run
+    # the token files are the folder's tokenizer's: prepare() rebuilds them when it changes
+    model = cpu_speed.speed_up(pretrained.load_folder(run.init_from, run.block_size)[0]
+                               .to(tr.device))
+    print(f"target: {model.num_params() / 1e6:.2f}M parameters from {run.init_from}, "
+          f"{model.config}")
+    val = tr.val_loss(lambda x, y: model(x, y)[1])
+    sd = cpu_state_dict(model)
+    save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
+                     "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
+                     "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
+                     "init_from": run.init_from, "settings": tr.recorded("target")},
+                    tr.path("target"))
+    return val
+
+
+def weights_id(folder):
+    """Which model a folder holds, for the target stage's record of its settings: the sha256 of
+    its config.json and weights (a pretrained target is re-read when any of them changes)."""
+    h = hashlib.sha256()
+    names = pretrained.weight_files(folder)
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return f"{' + '.join(names)} {h.hexdigest()[:16]}"
+
+
+# one step costs 1: the unit of the run's time estimate
+STAGE = Stage(settings=TargetSettings, phases=phases, train=train, step_cost={"target": 1.0})
