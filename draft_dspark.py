@@ -326,13 +326,14 @@ class DSparkDrafter(DFlashDrafter):
                     last two are the paper's ablations.
     t_draft         seconds of the rest of a round (drafting, commit, the loop), and
     t_verify        t_verify[m], seconds of an m-token verify: what the scheduler weighs.
-                    registry/profiles.py measures them on the device in use. None: no device
+                    runtime/profiling.py measures them on the device in use. None: no device
                     measured, and every verify length costs the same (a large target on a GPU,
                     where a verify is bound by reading the weights), so the rule verifies every
                     draft. measured: whether the rounds keep measuring t_draft (measure_round).
     greedy_chain    markov_chain's twin for greedy drafting on a CPU (host_greedy_chain), or
                     None: the Markov table is not on the CPU, or does not fit
-    sync            waits for the device before scoring is timed (None: a CPU)
+    sync            waits for the device before scoring is timed (None: none; its start-up
+                    profile sets it)
     mean_verify_len the drafts sent to verification, per round
 
     A round on its own, run as written (tests/test_layout.py runs every example of the lesson):

@@ -59,6 +59,7 @@ class EagleConfig(MTPConfig):
     """MTP's config (the one module's width, attention heads, context) plus the target layers
     it fuses."""
     taps: list = field(default_factory=lambda: [2, 4, 6])  # low, middle, high
+    label = "EAGLE"
 
     @classmethod
     def for_target(cls, gpt_config, taps=None):
@@ -69,7 +70,7 @@ class EagleConfig(MTPConfig):
     def fitted(self, target_config):
         """MTP's check, and the layers it fuses must be the target's."""
         if not all(1 <= t <= target_config.n_layer for t in self.taps):
-            raise RuntimeError(f"{type(self).__name__} {self} does not fit the target "
+            raise RuntimeError(f"{self.label} config {self} does not fit the target "
                                f"{target_config}")
         return super().fitted(target_config)
 

@@ -182,10 +182,10 @@ class HybridDrafter(Drafter):
     """Prompt lookup and a learned drafter behind one interface, each round's drafter and length
     chosen by the rule above over `choices` (both drafters; bench's ablation weighs the lookup
     alone, to show how much of the gain the rule's length brings).
-    costs: (t_verify, the learned drafter's round) as registry/profiles.py measures them on the
-    device in use (here or later: measured()); then the rounds fit them as they run. None: no
-    device measured, so every round costs the same and the rule weighs expected tokens alone
-    (t_verify and start_cost may be set by hand, then reset_record(), as the tests do).
+    Its costs: use_costs(t_verify, the learned drafter's round), as runtime/profiling.py measures
+    them on the device in use; then the rounds fit them as they run. Until then no device was
+    measured: every round costs the same and the rule weighs expected tokens alone (t_verify and
+    start_cost may be set by hand, then reset_record(), as the tests do).
 
     A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
     a tiny random target in float64, and DFlash as the learned half.
@@ -207,7 +207,7 @@ class HybridDrafter(Drafter):
     default_k = LOOKUP_MAX  # the most a round verifies; each drafter is capped at its own below
     choices = ("lookup", "learned")  # what the rule weighs
 
-    def __init__(self, learned, target, costs=None):
+    def __init__(self, learned, target):
         self.lookup = LookupDrafter(target.config.vocab_size)
         self.learned, self.target = learned, target
         self.hidden_layers = learned.hidden_layers
@@ -215,7 +215,7 @@ class HybridDrafter(Drafter):
         # no costs: a verify of any length costs 1, drafting nothing (no device measured)
         self.t_verify = [0.0] + [1.0] * (LOOKUP_MAX + 1)
         self.start_cost = {"lookup": 0.0, "learned": 0.0}
-        self.measure = False  # fit the costs to the rounds as they run (measured())
+        self.measure = False  # fit the costs to the rounds as they run (use_costs())
         # the tokens and target states the learned drafter has not seen yet (miss), copied into
         # buffers made once: kept as views of each verify's output, they made every forward
         # allocate afresh, which cost more than the copy. Shared by bench's copies, which run
@@ -225,13 +225,12 @@ class HybridDrafter(Drafter):
                        for t in self.hidden_layers}
         self.missed_ids = torch.empty(tc.sequence_len, dtype=torch.long, device=w.device)
         self.reset_record()
-        if costs is not None:
-            self.measured(costs)
 
-    def measured(self, costs):
-        """Start from costs measured on the device in use (registry/profiles.py), and fit
-        them to the rounds as they run: costs = (t_verify, the learned drafter's round)."""
-        self.t_verify, self.start_cost["learned"] = costs
+    def use_costs(self, t_verify, t_learned):
+        """Start from costs measured on the device in use (runtime/profiling.py): t_verify[m], the
+        seconds of an m-token verify, and t_learned, the learned drafter's round; then fit them
+        to the rounds as they run."""
+        self.t_verify, self.start_cost["learned"] = t_verify, t_learned
         self.measure = True
         self.reset_record()
 
@@ -338,8 +337,4 @@ class HybridDrafter(Drafter):
 # its own: it is built around a learned drafter, DSpark unless told (--hybrid-with), and loads
 # that one's checkpoint.
 
-DRAFTER = Declaration(
-    name="hybrid",
-    drafter=lambda learned, target: HybridDrafter(learned, target),
-    partner="dspark",
-)
+DRAFTER = Declaration(name="hybrid", drafter=HybridDrafter, partner="dspark")

@@ -62,6 +62,7 @@ class MTPConfig:
     n_modules: int = 1    # D: chained modules (DeepSeek-V3: 1); deeper drafts reuse the last one
     sequence_len: int = 256  # the target's context window: size of the module's KV cache
     bias: bool = True     # like the target's Linears and LayerNorms (M itself never has a bias)
+    label = "MTP"  # what a refusal calls it (not a field)
 
     def to_dict(self):
         return asdict(self)
@@ -85,7 +86,7 @@ class MTPConfig:
         head it shares (width, heads, context): a checkpoint made for another target is refused."""
         c = target_config
         if (self.n_embd, self.n_head, self.sequence_len) != (c.n_embd, c.n_head, c.sequence_len):
-            raise RuntimeError(f"{type(self).__name__} {self} does not fit the target {c}")
+            raise RuntimeError(f"{self.label} config {self} does not fit the target {c}")
         return self
 
 

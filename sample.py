@@ -14,11 +14,11 @@ import os
 import sys
 
 from registry import drafters as registry
-from registry.profiles import profile_tree
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
+from runtime.profiling import profile_tree
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
 from training import data, tokenizer
@@ -60,13 +60,13 @@ def build_parser():
                                    "drafted and kept.")
     p.add_argument("--prompt", default="def parse(",
                    help="the text to continue (default: %(default)r)")
-    p.add_argument("--method", default=registry.names()[0],
-                   help=f"drafter: {', '.join(registry.names())} (default: %(default)s)")
+    p.add_argument("--method", choices=registry.names(), default=registry.names()[0],
+                   help="the drafter (default: %(default)s)")
     p.add_argument("--k", type=number(int, 1), default=None,
                    help="tokens drafted per round (default: the drafter's own)")
-    p.add_argument("--hybrid-with", default=registry.default_partner(),
-                   help="with --method hybrid: the learned drafter it pairs with prompt lookup, "
-                   f"one of {', '.join(registry.partners())} (default: %(default)s)")
+    p.add_argument("--hybrid-with", choices=registry.partners(), default=None,
+                   help="with --method hybrid: the learned drafter it pairs with prompt lookup "
+                   f"(default: {registry.default_partner()})")
     p.add_argument("--tree", type=number(int, 0), default=0,
                    help=f"with --method {' or '.join(registry.tree_drafters())}: verify a token "
                    "tree of at most this many nodes, sized each round by what it is expected to "

@@ -12,7 +12,7 @@ loss, and this file holds the loop every stage runs, nanoGPT's: set the learning
 schedule, forward to the loss, loss.backward(), clip the gradient norm, optimizer.step(). Between
 the two, its stage (training/stages_<name>.py) says what trains: it yields each phase, a Fit (the
 network, its loss on a step's batch, the steps, the learning rate), and this file trains it. The
-target trains first, on the corpus (training/target.py); then each drafter, in the registry's
+target trains first, on the corpus (training/stages_target.py); then each drafter, in the registry's
 order (registry/drafters.py), on text the target wrote itself and the target's own logits and
 hidden states on it (training/distill.py), the target frozen.
 
@@ -104,7 +104,7 @@ def fit(tr, phase):
 def run_stage(tr, name):
     """One stage, driven from here: its train() is a generator that yields each phase it wants
     trained (a Fit) and gets back what fit() above made of it; it returns its val loss."""
-    stage = STAGES[name].train(tr, tr.run.stages[name])
+    stage = STAGES[name].train(tr, tr.run.settings[name])
     result = None
     while True:
         try:
@@ -119,7 +119,7 @@ def run_stages(tr, run):
     for name, stage in STAGES.items():
         if run.only and name != run.only:
             continue
-        phases = [n for n, _ in stage.phases(run.stages[name], run)]
+        phases = [n for n, _ in stage.phases(run.settings[name], run)]
         if not run.force and is_current(tr, name):
             print(f"{name}: {tr.path(name)} exists, skipping (--force to retrain)")
             tr.clock.finish(*phases)
@@ -127,6 +127,9 @@ def run_stages(tr, run):
         tr.start(name)
         val = run_stage(tr, name)
         ddp.barrier(run.world)  # every rank reads what rank 0 wrote only after it is written
+        if not os.path.exists(tr.path(name)):
+            raise TrainingError(f"{name}: its stage ended without writing {tr.path(name)}: its "
+                                f"train() saves it, tr.save({name!r}, ...) (training/stage.py)")
         for phase in phases if run.world.main else ():
             resume_file = os.path.join(run.out_dir, f"{phase}.resume.pt")
             if os.path.exists(resume_file):
@@ -143,7 +146,7 @@ def build_parser(preset=None):
 
 
 def resolve_args(argv=None):
-    """The command line -> the run: its settings, and every stage's in run.stages."""
+    """The command line -> the run: its settings, and every stage's in run.settings."""
     return flags.resolve_args(argv, STAGES)
 
 

@@ -246,7 +246,7 @@ class Calibration:
 
 def same_cost(n, branched=True):
     """The cost model of no measurement: every round costs the same, so every node pays and a
-    tree grows to its cap. registry/profiles.py measures a device's (TreeCost): a round of n
+    tree grows to its cap. runtime/profiling.py measures a device's (TreeCost): a round of n
     nodes costs more branched than as a chain, whose verify takes the causal mask's kernels."""
     return 1.0
 
@@ -267,7 +267,7 @@ class BlockTree(TreeDrafter):
     branch, and no tree at all (a plain step) is allowed. Where the tree comes out a chain, the
     next rounds are the drafter's own chain rounds, at the chain's cost (own_chain), until a
     watch round grows a tree again. Each round reports its timings to the cost (TreeDrafter's
-    clock; registry/profiles.TreeCost corrects its start-up profile by them).
+    clock; runtime/profiling.TreeCost corrects its start-up profile by them).
     Without a cost, the fixed shape: `nodes` every round, the drafter's own chain first (each
     node's best candidate, from the root), so the tree keeps at least what the chain would; then
     best-first by cumulative log-probability (EAGLE-2). chain=False: best-first from the start.

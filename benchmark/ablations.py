@@ -18,8 +18,7 @@ import copy
 from serving.dflash import BATCH_SCHEDULES
 from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter, outcome
-from registry.profiles import profile_tree
-from runtime.profiling import add_stats
+from runtime.profiling import add_stats, profile_tree
 from speculative import Stats, generate_speculative
 from tree import BlockTree, Branches
 

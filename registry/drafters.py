@@ -26,9 +26,9 @@ import draft_hybrid
 import draft_lookup
 import draft_mtp
 import draft_small
-from registry.profiles import profile_dspark, profile_hybrid
 from runtime import cpu_speed
 from runtime.checkpoint import load_trained
+from runtime.profiling import profile_dspark, profile_hybrid
 from serving.dflash import BatchDFlash, BatchDSpark
 from serving.drafters import BatchMTP, BatchSmall, PerRow
 from speculative import Declaration
@@ -82,22 +82,27 @@ BY_NAME = {e.name: e for e in DRAFTERS}
 
 
 def check(entries):
-    """What no single line can see: names used once, and every drafter a line refers to (the
-    stage it builds on, the partner it is built around) registered before it."""
+    """What no single line can see: each name a plain one (a Python name in lower case: it makes
+    flags, files and test names) used once, not the target's or plain decoding's (bench.py's
+    "ar"), and every drafter a line refers to (the stage it builds on, the partner it is built
+    around) listed before it."""
     seen = {}
     for e in entries:
-        if e.name in seen or e.name == "target":
-            raise RegistryError(f"two drafters are named {e.name!r} (or it is the target's): give "
-                                "each its own name")
+        name = e.name
+        if not (name.isidentifier() and name == name.lower()) or name in ("target", "ar"):
+            raise RegistryError(f"{name!r} cannot name a drafter: use a lower-case Python name, "
+                                "not 'target' or 'ar'")
+        if name in seen:
+            raise RegistryError(f"two drafters are named {name!r}: give each its own name")
         builds_on = e.stage.builds_on if e.stage else None
         if builds_on is not None and (seen.get(builds_on) is None or seen[builds_on].stage is None):
-            raise RegistryError(f"{e.name}'s stage builds on {builds_on!r}, which is no learned "
+            raise RegistryError(f"{name}'s stage builds on {builds_on!r}, which is no learned "
                                 "drafter listed before it")
         partner = e.declared.partner
-        if partner is not None and not BY_NAME.get(partner, e).declared.pairs:
-            raise RegistryError(f"{e.name} is built around {partner!r}, which is no drafter that "
-                                "pairs (Declaration(pairs=True))")
-        seen[e.name] = e
+        if partner is not None and (seen.get(partner) is None or not seen[partner].declared.pairs):
+            raise RegistryError(f"{name} is built around {partner!r}, which is no drafter listed "
+                                "before it that pairs (Declaration(pairs=True))")
+        seen[name] = e
 
 
 check(DRAFTERS)

@@ -1,9 +1,12 @@
 """
 runtime/profiling.py -- what a round costs on the device in use, measured at start-up: the target's
-verify forward by length, a drafter's draft. DSpark's scheduler, the hybrid's rule and a sized
-tree weigh expected tokens against these seconds (registry/profiles.py measures each with these);
-the drafters take them from outside, never measure in their constructors. """
+verify forward by length, a drafter's draft, and from them the start-up profiles of what weighs
+expected tokens against seconds: DSpark's scheduler, the hybrid's rule, a sized token tree. The
+drafters take them from outside (the registry's loader readies DSpark and the hybrid; bench.py
+and sample.py a sized tree), never measure in their constructors; their rounds then correct them
+by their own timings. Nothing here imports a drafter: each is read through what it offers. """
 
+import statistics
 import time
 
 import torch
@@ -12,7 +15,7 @@ from runtime.devices import synchronize
 from speculative import Sampler
 
 
-def profile_verify(target, m_max, context=None, reps=9, between=None, shape=None):
+def profile_verify(target, m_max, context=None, reps=9, between=None, as_tree=False):
     """Seconds of one target forward over m = 1..m_max new tokens after a context of `context`
     tokens (default: half the window), on the target's own device and dtype. The fastest of
     `reps` tries: interference from other processes only ever adds time (a median was thrown
@@ -21,9 +24,8 @@ def profile_verify(target, m_max, context=None, reps=9, between=None, shape=None
     does in the loop. Why: where the two models' weights do not fit in the cache together, a
     verify right after a draft costs more, and grows less with its length, than the same forward
     timed back to back; the back-to-back slope made the scheduler cut blocks that paid
-    (docs/experiments.md: DSpark: scheduler at batch 1). shape(m, start, device): the forward's
-    tree argument (a chain of m tokens through tree.py's mask, whose kernels are not the
-    chain's), or None: a plain chain."""
+    (docs/experiments.md: DSpark: scheduler at batch 1). as_tree: through a tree's mask (a chain
+    of m tokens as tree.py verifies it), whose kernels are not the chain's."""
     dev = target.lm_head.weight.device
     n_ctx = context if context is not None else target.config.sequence_len // 2
     n_ctx = min(n_ctx, target.config.sequence_len - m_max)
@@ -38,7 +40,7 @@ def profile_verify(target, m_max, context=None, reps=9, between=None, shape=None
                 if between is not None:
                     between()
                 cache.rollback(n_ctx)
-                tree = shape(m, n_ctx, dev) if shape is not None else None
+                tree = chain_as_tree(m, n_ctx, dev) if as_tree else None
                 synchronize(dev)
                 t0 = time.perf_counter()
                 target(x[:, n_ctx:n_ctx + m], cache=cache, tree=tree)
@@ -64,6 +66,126 @@ def profile_propose(drafter, target, k, reps=9):
         synchronize(w.device)
         ts.append(time.perf_counter() - t0)
     return min(ts)
+
+
+def chain_as_tree(m, start, device):
+    """The forward's tree argument (depths, mask) for m tokens in a row after `start` cached ones:
+    what tree.depths and tree.tree_mask give a chain (tests/test_tree.py checks it), so that the
+    forward runs a tree's kernels on a chain's shape."""
+    depths = torch.arange(m, device=device)
+    mask = torch.ones(m, start + m, dtype=torch.bool, device=device).tril(start)
+    return depths, mask
+
+
+def profile_dspark(drafter, reps=9):
+    """DSpark's scheduler weighs expected tokens against seconds: t_draft, one full-block propose
+    (every position scored and admitted: the full cost) on a dummy context, then t_verify by
+    length, each try after the drafter's own forward, as in the loop. From then on its rounds
+    measure t_draft (drafter.measured), waiting for its device before scoring is timed
+    (drafter.sync). Leaves the dummy context begun."""
+    device = drafter.net.target.lm_head.weight.device
+    drafter.sync = lambda: synchronize(device)
+    saved = drafter.schedule, drafter.threshold
+    drafter.schedule, drafter.threshold = "threshold", 0.0
+    drafter.t_draft = profile_propose(drafter, drafter.net.target, drafter.max_k, reps)
+    drafter.schedule, drafter.threshold = saved
+    drafter.reset_account()
+    k = drafter.max_k
+    drafter.t_verify = profile_verify(drafter.net.target, k + 1,
+                                      between=lambda: drafter.net.logits(drafter.draft_states(k)))
+    drafter.measured = True
+    return drafter
+
+
+def profile_hybrid(hybrid, reps=5):
+    """The hybrid's starting costs, which its rounds then fit (HybridDrafter.use_costs): t_verify
+    by length up to its longest verify, and the learned drafter's propose at its own k."""
+    learned, target = hybrid.learned, hybrid.target
+    t_verify = profile_verify(target, hybrid.default_k + 1, reps=reps)
+    hybrid.use_costs(t_verify, profile_propose(learned, target, learned.default_k, reps=reps))
+    return hybrid
+
+
+class TreeCost:
+    """Seconds of a sized tree's round by its number of nodes n (tree.py's `cost`): the rest of a
+    round (commit, the loop) + drafting (a first pass + a little per node) + the verify of n + 1
+    tokens, as a chain (the causal mask's kernels) or a branched tree (the tree mask's, dearer).
+    Each part is profiled at start-up (profile_tree) and corrected by the rounds' own timings: the
+    median of the last KEEP measured-over-profiled ratios, so that one slow round (another
+    process, a page fault) moves nothing. second: the seconds the learned branch of a two-branch
+    tree takes to draft (tree.Branches), the median of its last KEEP."""
+    KEEP = 15
+
+    def __init__(self, t_chain, t_tree, t_draft, t_node, second=0.0):
+        self.t_verify = {False: t_chain, True: t_tree}  # [m]: seconds of an m-token verify
+        self.t_draft, self.t_node = t_draft, t_node
+        # measured over profiled: a chain's verify, a branched tree's, a tree's growing; seconds of
+        # the rest of a round, of the learned branch's draft. `now`: their medians
+        self.seen = {"chain": [], "tree": [], "draft": [], "rest": [], "second": [second]}
+        self.now = {"chain": 1.0, "tree": 1.0, "draft": 1.0, "rest": 0.0, "second": second}
+
+    def verify(self, n, branched):
+        """The profiled seconds of verifying n nodes and the root (linear past the profile)."""
+        t, m = self.t_verify[branched], n + 1
+        return t[m] if m < len(t) else t[-1] + (m - len(t) + 1) * (t[-1] - t[-2])
+
+    def __call__(self, n, branched=True):
+        now = self.now
+        # a branched verify not measured yet: as far off its profile as the chain's
+        ratio = now["tree"] if branched and self.seen["tree"] else now["chain"]
+        return (now["rest"] + now["draft"] * (self.t_draft + self.t_node * n)
+                + ratio * self.verify(n, branched))
+
+    @property
+    def second(self):
+        return self.now["second"]
+
+    def observe(self, n, drafting, verifying, branched):
+        if drafting is not None:
+            self.keep("draft", drafting / max(self.t_draft + self.t_node * n, 1e-9))
+        self.keep("tree" if branched else "chain", verifying / self.verify(n, branched))
+
+    def observe_rest(self, seconds):
+        self.keep("rest", seconds)
+
+    def observe_second(self, seconds):
+        self.keep("second", seconds)
+
+    def keep(self, what, x):
+        """One more measurement of `what`; its median over the last KEEP is what counts now."""
+        seen = self.seen[what]
+        seen.append(x)
+        del seen[:-self.KEEP]
+        self.now[what] = statistics.median(seen)
+
+
+def profile_tree(tree, target, reps=5):
+    """A sized tree's starting costs (sets tree.cost, a TreeCost): a block tree's drafting with one
+    node and with all `nodes` (the difference is its per-node cost), a two-branch tree's learned
+    draft, then the verify of m = 1..nodes + 1 tokens as a chain and through the tree mask, each
+    try after the tree's own drafting, as in the loop. Leaves a dummy context begun."""
+    tcfg, w = target.config, target.lm_head.weight
+    cap, n_ctx, depth, greedy = tree.nodes, tcfg.sequence_len // 2, tree.max_k, Sampler("greedy")
+    hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
+           for t in tree.hidden_layers}
+    tree.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=w.device), hid)
+    tree.cost = None  # the fixed shape while profiling: exactly the nodes asked for
+
+    def draft(nodes):
+        ts = []
+        for _ in range(reps):
+            ts.append(timed(lambda: tree.propose_tree(depth, nodes, greedy), w.device)[0])
+        return min(ts)
+    one, many = draft(1), draft(cap)
+    t_node = max(0.0, (many - one) / max(1, cap - 1))
+    second = (profile_propose(tree.second, target, tree.k_second, reps)
+              if getattr(tree, "second", None) is not None else 0.0)  # two branches
+    between = lambda: tree.propose_tree(depth, cap, greedy)  # noqa: E731
+    t_chain = profile_verify(target, cap + 1, context=n_ctx, reps=reps, between=between)
+    t_tree = profile_verify(target, cap + 1, context=n_ctx, reps=reps, between=between,
+                            as_tree=True)
+    tree.cost = TreeCost(t_chain, t_tree, one - t_node, t_node, second)
+    return tree
 
 
 def timed(fn, device):

@@ -160,6 +160,11 @@ def settings_of(cls, prefix=""):
     """[(name, field)] of a settings dataclass: name is the flag's without the dashes, prefixed
     (the dflash stage's `block` is dflash_block, its flag --dflash-block); a trailing underscore
     (a field named like a Python keyword, `lambda_`) is not part of it."""
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not a setting: write it "
+                            f"{f.name}: {getattr(f.type, '__name__', f.type)} = setting(default, "
+                            "\"help\", preset=value, ...) (runtime/settings.py)")
     return [((f"{prefix}_" if prefix else "") + f.name.rstrip("_"), f)
             for f in dataclasses.fields(cls)]
 
@@ -181,6 +186,11 @@ def add_settings(group, cls, prefix, preset):
                            choices=f.metadata["choices"], default=None,
                            help=f"{f.metadata['help']} (default: "
                            f"{'none' if value is None else value}{where})")
+
+
+def values_of(settings, prefix=""):
+    """{name: value} of a settings object, by its flags' names (the dflash stage's dflash_block)."""
+    return {name: getattr(settings, f.name) for name, f in settings_of(type(settings), prefix)}
 
 
 def read_settings(cls, prefix, values):
@@ -209,7 +219,7 @@ def name_list(choices):
     def parse(text):
         names = [t.strip() for t in text.split(",") if t.strip()]
         wrong = [n for n in names if n not in choices]
-        why = (f"names {wrong[0]!r}" if wrong else "is empty" if not names
+        why = (f"names {wrong[0]!r}, which is none of them" if wrong else "is empty" if not names
                else "lists a name twice" if len(set(names)) < len(names) else None)
         if why:
             raise argparse.ArgumentTypeError(f"{text!r} {why}: give each once, from "

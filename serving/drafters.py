@@ -18,8 +18,12 @@ from serving import ragged
 from serving.batched import BatchDrafter, Confirmed
 from draft_mtp import lm_logits
 
+# -----------------------------------------------------------------------------
+# any drafter, row by row
+
+
 class PerRow(BatchDrafter):
-    """Any batch-1 Drafter batched the simple way: one copy of it per row (fresh), each
+    """Any batch-1 Drafter batched the simple way: one copy of it per row (Drafter.fresh), each
     asked in turn. Exact by construction, the reference the native batched drafters are tested
     against, and what prompt lookup (a dictionary per row, on the host) is anyway. Its draft cost
     grows with B: a network drafter run this way pays B forwards a round."""

@@ -119,7 +119,9 @@ def fitted(cache, key, fit):
 
 
 def own_tests(name):
-    """A registered drafter's own test file, tests/test_<name>.py."""
+    """A registered drafter's own test file, tests/test_<name>.py (None: it has none yet)."""
+    if not os.path.exists(os.path.join(os.path.dirname(__file__), f"test_{name}.py")):
+        return None
     return importlib.import_module(f"test_{name}")
 
 
@@ -132,10 +134,13 @@ def drafter_names():
 def make(name, target):
     """Drafter `name` (a registered drafter, or "<drafter>-<variant>") for this target, as its
     test file builds it."""
-    if name in registry.names():
-        return own_tests(name).drafter_for(target)
-    drafter, variant = name.split("-", 1)
-    return own_tests(drafter).VARIANTS[variant](target)
+    drafter, _, variant = name.partition("-")
+    tests = own_tests(drafter)
+    if tests is None or not hasattr(tests, "drafter_for"):
+        pytest.fail(f"{drafter} has no tests/test_{drafter}.py with drafter_for(target): the "
+                    "shared tests build every registered drafter with it (README: Adding a "
+                    "drafter of your own)", pytrace=False)
+    return tests.VARIANTS[variant](target) if variant else tests.drafter_for(target)
 
 
 def within(drafter, k):

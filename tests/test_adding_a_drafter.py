@@ -27,9 +27,10 @@ def add_the_toy(repo):
     shutil.copy(os.path.join(TOY, "toy_tests.py"), repo / "tests" / "test_toy.py")
     registry = repo / "registry" / "drafters.py"
     text = registry.read_text()
-    for anchor, line in (("import draft_small\n", "import draft_toy\n"),
-                         ("from training.stage import Stage\n", "from training import stages_toy\n"),
-                         ("    Entry(draft_lookup),\n", "    Entry(draft_toy, stages_toy),\n")):
+    lines = (("import draft_small\n", "import draft_toy\n"),
+             ("from training.stage import Stage\n", "from training import stages_toy\n"),
+             ("    Entry(draft_lookup),\n", "    Entry(draft_toy, stages_toy),\n"))
+    for anchor, line in lines:
         assert anchor in text, anchor
         text = text.replace(anchor, anchor + line if anchor.startswith(("import", "from"))
                             else line + anchor)
@@ -74,10 +75,20 @@ def test_the_toy_trains_benches_samples_and_runs_the_shared_tests(repo, corpus):
     assert passed >= 20, so[-500:]  # the shared tests ran the toy (its own test is one)
 
 
-def test_forgetting_its_own_test_fails_naming_it(repo, tmp_path):
+def test_forgetting_a_piece_fails_naming_it(repo, tmp_path):
+    """Its own test, or its line in the registry: the tests that need it fail, saying what is
+    missing, and the others still run."""
     fork = tmp_path / "nanospec"
     shutil.copytree(repo, fork, ignore=SKIP)
     os.remove(fork / "tests" / "test_toy.py")
     rc, so, _ = python(fork, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout.py",
-                       "-k", "piece and toy")
+                       "tests/test_speculative.py", "-k", "piece and toy or greedy and toy")
     assert rc != 0 and "toy has no test of its own: write tests/test_toy.py" in so, so[-2000:]
+    assert "toy has no tests/test_toy.py with drafter_for(target)" in so, so[-2000:]
+    assert "error" not in so.splitlines()[-1], so[-500:]  # failures, no collection error
+    shutil.copy(repo / "registry" / "drafters.py", fork / "registry" / "drafters.py")
+    registry = fork / "registry" / "drafters.py"
+    registry.write_text(registry.read_text().replace("    Entry(draft_toy, stages_toy),\n", ""))
+    rc, so, _ = python(fork, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout.py",
+                       "-k", "root")
+    assert rc != 0 and "draft_toy.py is at the root but registry/drafters.py has no line" in so

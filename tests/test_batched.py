@@ -1,7 +1,8 @@
-"""Many requests at once (serving/batched.py), for every registered drafter: in float64 every row of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with
-rows that finish early and rows that start at the edge of the context window; native batched
-drafters equal the per-row reference; rejection sampling gives every row the target's
-distribution; DSpark's batch rules cut, skip and stay exact; bad batches are one clear error."""
+"""Many requests at once (serving/batched.py), for every registered drafter: in float64 every row
+of a ragged batch equals its own batch-1 plain decoding (greedy and coupled), also with rows
+that finish early and rows that start at the edge of the context window; native batched drafters
+equal the per-row reference; rejection sampling gives every row the target's distribution;
+DSpark's batch rules cut, skip and stay exact; bad batches are one clear error."""
 
 import math
 import time

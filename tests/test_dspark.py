@@ -22,7 +22,7 @@ from test_dflash import fit_block_drafter
 
 def drafter_for(target, shift=0):
     """The shared tests' DSpark, with its Markov head and the throughput scheduler on. At load it
-    profiles the real device (registry/profiles.profile_dspark); here it gets a fixed latency
+    profiles the real device (runtime/profiling.profile_dspark); here it gets a fixed latency
     table instead (an m-token verify costs 1 + 0.5·m draft times: dear enough that it verifies ~4
     of 8 drafts), so which prefix it verifies -- and with it every test over it -- is
     deterministic. On a CPU greedy drafting takes the chain on the host (host_greedy_chain)."""
@@ -167,9 +167,9 @@ def test_markov_head_probabilities_are_exact_softmaxes(target, table):
 
 @torch.inference_mode()
 def test_greedy_drafting_on_the_host_picks_what_the_torch_chain_picks(target):
-    """cpu_speed.host_greedy_chain (numpy over the Markov table) against draft_dspark.markov_chain,
-    on many contexts, and the path greedy propose() takes on a CPU (the drafter's greedy_chain,
-    which cpu_speed.speed_up sets)."""
+    """draft_dspark.host_greedy_chain (numpy over the Markov table) against its markov_chain, on
+    many contexts, and the path greedy propose() takes on a CPU (the drafter's greedy_chain, which
+    its constructor sets where the table is on the CPU)."""
     d = make_dspark(target)
     assert d.greedy_chain is not None
     host = host_greedy_chain(d.markov_table)
@@ -261,7 +261,7 @@ def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, pre
     all: the tests once ran DSpark at shift 1 only)."""
     from training import stages_dflash
     run = train.resolve_args(["--preset", preset, "--device", "cpu"])
-    shipped = stages_dflash.network_config(run.stages["dflash"], target.config)
+    shipped = stages_dflash.network_config(run.settings["dflash"], target.config)
     sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
     for d in (make_dspark(target), make_dflash(target)):
         ours = d.net.config  # DSpark's drafter holds its backbone here

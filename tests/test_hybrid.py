@@ -13,7 +13,7 @@ from conftest import make
 from draft_hybrid import (Costs, EDGES, HybridDrafter, LOOKUP_MAX, Record, best_round, bucket,
                           outcome)
 from registry import drafters as registry
-from registry.profiles import profile_hybrid
+from runtime.profiling import profile_hybrid
 from speculative import Sampler, generate_plain, generate_speculative
 
 LEARNED = registry.partners()  # every drafter the hybrid can pair with

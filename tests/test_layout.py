@@ -6,6 +6,7 @@ runs is what the lesson shows; and a drafter is declared once: every registered 
 piece the house needs, and no file but the registry keeps its own list of drafters."""
 
 import ast
+import copy
 import dataclasses
 import doctest
 import importlib
@@ -18,6 +19,7 @@ import torch
 
 import train
 from registry import drafters as registry
+from runtime.settings import settings_of
 from speculative import Drafter
 from training import flags
 from training.stage import Stage
@@ -59,6 +61,9 @@ def imports(module):
 
 def test_the_root_is_the_lesson_and_the_commands():
     root = sorted(m for m in project_modules() if "." not in m)
+    unlisted = [m for m in root if m.startswith("draft_") and m not in LESSON]
+    assert not unlisted, (f"{unlisted[0]}.py is at the root but registry/drafters.py has no line "
+                          "for it (README: Adding a drafter of your own)")
     assert root == sorted(LESSON + COMMANDS), f"the root holds {root}"
 
 
@@ -163,7 +168,7 @@ def functions_assigned_from_outside(path):
 # (the attention when training on a CPU, a Linear's CPU product), a device wait before a clock is
 # read, and bench's ablation rows (copies of a drafter under a rule of benchmark/ablations.py's,
 # reported as their own rows)
-FROM_OUTSIDE = {"runtime.cpu_speed": {"sdpa", "__class__"}, "registry.profiles": {"sync"},
+FROM_OUTSIDE = {"runtime.cpu_speed": {"sdpa", "__class__"}, "runtime.profiling": {"sync"},
                 "benchmark.ablations": {"__class__"}}
 
 
@@ -205,12 +210,17 @@ def test_every_registered_drafter_has_each_piece_the_house_needs(entry):
     assert dataclasses.is_dataclass(stage.settings)
     for f in dataclasses.fields(stage.settings):
         assert f.metadata.get("help"), f"{name}'s setting {f.name} has no help: use setting()"
+    fields = {f.name for f in dataclasses.fields(stage.settings)}
+    assert {"iters", "lr"} <= fields, (
+        f"{name}'s settings need iters (its steps) and lr (its peak learning rate): training.stage")
     for preset in flags.PRESETS:
         try:
             run = train.resolve_args(["--preset", preset, "--device", "cpu"])
         except ValueError:  # gpt2 and gpu-small are sized for a folder's model (--init-from)
             continue
-        for phase, _ in stage.phases(run.stages[name], run):
+        for phase, _ in stage.phases(run.settings[name], run):
+            assert phase == name or phase.startswith(f"{name}-"), (
+                f"{name}'s phase {phase!r} is not named after it ({name} or {name}-<part>)")
             assert phase in stage.step_cost, (
                 f"{name}'s phase {phase!r} ({preset} preset) has no step cost in its Stage")
 
@@ -253,8 +263,22 @@ def test_a_registry_line_that_misses_a_piece_says_which():
                        types.ModuleType("training.stages_toy"))
     with pytest.raises(registry.RegistryError, match="both its network and its stage"):
         registry.Entry(importlib.import_module("draft_small"))
+    small, hybrid = registry.BY_NAME["small"], registry.BY_NAME["hybrid"]
     with pytest.raises(registry.RegistryError, match="named 'small'"):
-        registry.check([registry.BY_NAME["small"], registry.BY_NAME["small"]])
+        registry.check([small, small])
+    with pytest.raises(registry.RegistryError, match="built around 'dspark', which is no"):
+        registry.check([small, hybrid])  # its partner is not listed before it
+    @dataclasses.dataclass
+    class Plain:  # a field written without setting(): no help, no presets
+        iters: int = 300
+    with pytest.raises(TypeError, match=r"Plain.iters is not a setting: write it iters: int = "
+                       r"setting\(default"):
+        settings_of(Plain)
+    for bad in ("my-drafter", "Big", "ar", "target"):
+        renamed = copy.copy(small)
+        renamed.declared = dataclasses.replace(small.declared, name=bad)
+        with pytest.raises(registry.RegistryError, match="lower-case Python name"):
+            registry.check([renamed])
 
 
 def test_a_name_that_is_not_registered_is_one_line_listing_the_registered():
@@ -262,3 +286,6 @@ def test_a_name_that_is_not_registered_is_one_line_listing_the_registered():
     with pytest.raises(ValueError, match=f"unknown drafter '{unknown}': choose from " +
                        ", ".join(registry.names())):
         registry.entry(unknown)
+    with pytest.raises(ValueError, match="built around a learned drafter, not 'lookup': choose "
+                       "from " + ", ".join(registry.partners())):
+        registry.load_drafter("hybrid", "out", None, None, partner="lookup")

@@ -28,7 +28,7 @@ from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
-from training import data, hf_folder, pretrained, tokenizer
+from training import data, hf_folder, pretrained, stages_dflash, tokenizer
 from training.target import load_target
 
 FAMILIES = sorted(LLAMAS)
@@ -357,12 +357,13 @@ def test_the_gpu_small_preset_sizes_the_drafters_for_the_folder(tmp_path, shape,
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
                               "--device", "cpu"])
-    dflash = run.stages["dflash"]
-    assert (run.n_layer, run.n_embd, dflash.heads) == (fields["n_layer"], fields["n_embd"], heads)
+    dflash, shape = run.settings["dflash"], run.settings["target"]
+    assert (shape.n_layer, shape.n_embd) == (fields["n_layer"], fields["n_embd"])
+    assert stages_dflash.network_config(dflash, pretrained.read_config(str(tmp_path))).n_head == heads
     assert dflash.layers == 4 and run.batch_size == 16  # the gpt2 preset's
     run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
                               "--device", "cpu", "--dflash-heads", "8"])
-    assert run.stages["dflash"].heads == 8  # a flag given wins
+    assert run.settings["dflash"].heads == 8  # a flag given wins
 
 
 def test_the_docs_recipe_runs_on_a_tiny_random_folder(tmp_path, corpus):

@@ -296,8 +296,9 @@ def test_the_gpt2_preset_resolves_against_gpt2_smalls_config(tmp_path):
         **shape}))
     run = train.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
                               "--device", "cpu"])
-    assert (run.n_layer, run.n_head, run.n_embd) == (12, 12, 768)
-    dflash, small = run.stages["dflash"], run.stages["small"]
+    shape = run.settings["target"]
+    assert (shape.n_layer, shape.n_head, shape.n_embd) == (12, 12, 768)
+    dflash, small = run.settings["dflash"], run.settings["small"]
     assert run.batch_size == 16 and dflash.heads == 12 and small.embd == 384
     assert dflash.anchors == 32  # the cuda preset's, where gpt2 names none
 

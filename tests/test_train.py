@@ -104,6 +104,23 @@ def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path
     assert kept["step"] == 12 and all(torch.isfinite(v).all() for v in kept["state_dict"].values())
 
 
+def test_a_stage_that_writes_no_checkpoint_is_an_error_not_a_success(trained, corpus, tmp_path,
+                                                                       monkeypatch):
+    """train.py says a stage wrote out/<name>.pt only where it did: a stage's train() that forgot
+    tr.save ends in one error naming the call."""
+    out = shutil.copytree(trained, tmp_path / "out")
+
+    def forgetful(tr, settings):  # trains nothing, saves nothing
+        return 0.0
+        yield
+    monkeypatch.setitem(train.STAGES, "small", dataclasses.replace(train.STAGES["small"],
+                                                                    train=forgetful))
+    os.remove(out / "small.pt")
+    with pytest.raises(trainer.TrainingError, match=r"small: its stage ended without writing .*"
+                       r"small.pt: its train\(\) saves it, tr.save\('small', ...\)"):
+        train.main(tiny_args(corpus, out, "--only", "small"))
+
+
 def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
     train.main(tiny_args(corpus, tmp_path))
     for stage in train.STAGES:

@@ -4,8 +4,10 @@ and rounds where no branch survives; the cache after a round equals a fresh pref
 kept; rejection sampling is refused."""
 
 import pytest
+import torch
 
 from conftest import make
+from runtime.profiling import chain_as_tree
 from speculative import Sampler, generate_plain
 from test_speculative import assert_cache_is_a_fresh_prefill, prompts
 from tree import (BlockTree, Branches, Calibration, TreeDrafter, accept, depths, generate_tree,
@@ -54,6 +56,16 @@ def test_the_mask_shows_each_node_its_ancestors_only():
     assert trie([[5, 6, 7], [5, 6, 9], [8]]) == ([5, 6, 7, 9, 8], [0, 1, 2, 2, 0])
 
 
+@pytest.mark.parametrize("m,start", [(1, 0), (1, 5), (4, 3), (9, 0)])
+def test_the_profiles_chain_is_the_tree_a_chain_makes(m, start):
+    """runtime/profiling.py times a tree's kernels on a chain it builds itself: the very depths and
+    mask tree.py gives a chain of m tokens."""
+    parents = list(range(m - 1))
+    got_depths, got_mask = chain_as_tree(m, start, "cpu")
+    assert got_depths.tolist() == depths(parents)
+    assert torch.equal(got_mask, tree_mask(parents, start, "cpu"))
+
+
 def test_acceptance_follows_the_targets_choice_down_any_branch():
     tokens, parents = [4, 5, 6, 7], [0, 0, 2, 2]  # root -> 4, 5; 5 -> 6, 7
     choices = [5, 0, 7, 0, 9]  # the target's token after node 0..4
@@ -75,7 +87,7 @@ def test_a_scripted_tree_is_exact_on_any_branch_and_after_a_miss(target, mode, r
 
 class Dear:
     """A cost model where width is dear: each node costs `per_node`, a branched tree `fork` more,
-    a round 1; it hears every round (as registry/profiles.TreeCost does), and its learned
+    a round 1; it hears every round (as runtime/profiling.TreeCost does), and its learned
     branch (`second`) costs `second`."""
 
     def __init__(self, per_node, fork=0.0, second=0.0):

@@ -3,11 +3,10 @@ training/flags.py -- train.py's command line: a flag for every setting of the ru
 stage, in one --help group each, showing the value the preset gives it; the presets; and every
 check made before anything runs.
 
-Nothing here names a stage: train.py hands in its stages ({name: training.stage.Stage}, the
+Nothing here names a drafter: train.py hands in its stages ({name: training.stage.Stage}, the
 registry's), and each stage's settings dataclass gives its flags (--dflash-block for the dflash
 stage's `block`), their defaults and what each preset changes. What comes out is the run: its
-own settings (and the target's shape) as attributes, every stage's settings, typed, in
-run.stages.
+own settings as attributes, and every stage's settings, typed, in run.settings.
 """
 
 import argparse
@@ -20,7 +19,8 @@ from runtime.settings import (ArgumentParser, add_settings, path_arg, preset_val
 from training import data as datamod
 from training import ddp, pretrained
 from training.distill import DistillSettings
-from training.trainer import RunSettings, SharedSettings
+from training.stage import SharedSettings
+from training.trainer import RunSettings
 
 PRESETS = {
     "cpu": "the full run, sized for 2 CPU cores (docs/results.md: Training)",
@@ -35,12 +35,19 @@ PRESETS = {
                  "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
 }
 # a preset that takes another's values where it names none of its own: preset -> the chain
-PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"), "gpu-small": ("gpt2", "cuda")}
+PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"),
+              "gpu-small": ("gpu-small", "gpt2", "cuda")}
 
 
 def chain(preset):
     """The presets whose values `preset` takes, in order."""
     return PRESETS_OF.get(preset, preset)
+
+
+def prefix(stage):
+    """The prefix of a stage's flags: its name (--dflash-block), none for the target's (--n-layer,
+    --target-iters)."""
+    return "" if stage == "target" else stage
 
 
 def groups(stages):
@@ -50,7 +57,8 @@ def groups(stages):
         return cls.__module__.replace(".", "/") + ".py"
     run = [("the run", RunSettings, ""), ("target", stages["target"].settings, ""),
            ("every stage", SharedSettings, ""), ("the distillation set", DistillSettings, "")]
-    drafters = [(name, st.settings, name) for name, st in stages.items() if name != "target"]
+    drafters = [(name, st.settings, prefix(name)) for name, st in stages.items()
+                if name != "target"]
     return [(f"{title} ({home(cls)})", cls, prefix) for title, cls, prefix in run + drafters]
 
 
@@ -105,9 +113,8 @@ def preset_of(argv):
 
 def resolve_args(argv, stages):
     """The command line -> the run (an argparse.Namespace): the run's settings as attributes, and
-    run.stages, every stage's settings (its dataclass, filled in), each checked by its stage."""
+    run.settings, every stage's settings (its dataclass, filled in), each checked by its stage."""
     args = build_parser(stages, preset_of(argv)).parse_args(argv)
-    given = {name for name, value in vars(args).items() if value is not None}
     device = pick_device(args.device)
     args.preset = args.preset or device.split(":")[0]
     for name, value in values_in(stages, args.preset).items():
@@ -119,21 +126,18 @@ def resolve_args(argv, stages):
     ddp.check_split(args.world, args.grad_accum, args.batch_size)
     if args.init_from:
         take_shape(args)
-        if args.preset == "gpu-small" and "dflash_heads" not in given and "dflash" in stages:
-            args.dflash_heads = args.n_head  # a width that splits as the target's
     return the_run(args, stages)
 
 
 def the_run(args, stages):
-    """The parsed flags split: the stages' settings, typed, into run.stages; the rest stays. Each
-    stage checks its settings now (its phases), not after the stages before it have trained."""
+    """The parsed flags split: every stage's settings, typed, into run.settings (the target's
+    too); the rest is the run's. Each stage checks its settings now (its phases), not after the
+    stages before it have trained."""
     values = vars(args)
-    typed = {name: read_settings(st.settings, "" if name == "target" else name, values)
-             for name, st in stages.items()}
-    theirs = {n for name, st in stages.items() if name != "target"
-              for n, _ in settings_of(st.settings, name)}
+    typed = {name: read_settings(st.settings, prefix(name), values) for name, st in stages.items()}
+    theirs = {n for name, st in stages.items() for n, _ in settings_of(st.settings, prefix(name))}
     run = argparse.Namespace(**{k: v for k, v in values.items() if k not in theirs})
-    run.stages = typed
+    run.settings = typed
     for name, st in stages.items():
         st.phases(typed[name], run)
     return run
@@ -152,7 +156,7 @@ def take_shape(args):
 
 def check_out_dir(run, stages):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
-    phases = [n for name, st in stages.items() for n, _ in st.phases(run.stages[name], run)]
+    phases = [n for name, st in stages.items() for n, _ in st.phases(run.settings[name], run)]
     names = [*datamod.BUILT, "distill.pt", *(f for st in stages.values() for f in st.files),
              *(f"{s}.pt" for s in stages), *(f"{n}.resume.pt" for n in phases)]
     for p in (os.path.join(run.out_dir, n) for n in names):
@@ -163,7 +167,7 @@ def check_out_dir(run, stages):
 def plan(run, stages):
     """[(phase, steps)] of every stage this run may train (for the time estimate)."""
     names = [s for s in stages if not run.only or s == run.only]
-    out = [(n, steps) for s in names for n, steps in stages[s].phases(run.stages[s], run)]
+    out = [(n, steps) for s in names for n, steps in stages[s].phases(run.settings[s], run)]
     if any(s != "target" for s in names) and not os.path.exists(
             os.path.join(run.out_dir, "distill.pt")):
         out.insert(1 if names[0] == "target" else 0, ("distill", run.gen_seqs))

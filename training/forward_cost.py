@@ -21,7 +21,7 @@ from draft_dflash import DFlash, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, load_trained
-from runtime.profiling import profile_propose
+from runtime.profiling import profile_dspark, profile_propose
 from runtime.settings import preset_values, read_settings
 from training.stages_dflash import DFlashSettings, network_config
 from training.stages_dspark import DSparkSettings
@@ -52,7 +52,7 @@ def block_drafters(target):
     does not depend on them."""
     gpt2 = ("gpt2", "cuda")
     dflash = read_settings(DFlashSettings, "", {**preset_values(DFlashSettings, "", gpt2),
-                                                "heads": target.config.n_head})
+                                                "heads": None})  # the target's
     rank = preset_values(DSparkSettings, "", gpt2)["rank"]
     cfg = network_config(dflash, target.config)
     torch.manual_seed(0)
@@ -93,9 +93,19 @@ def cost_models(model, toy_path):
         except CheckpointError as e:
             raise CheckpointError(f"--toy: {e}") from None
         out = os.path.dirname(os.path.abspath(toy_path))
-        drafters = {m.DRAFTER.name: cpu_speed.speed_up(load_trained(
-                        m.DRAFTER, os.path.join(out, f"{m.DRAFTER.name}.pt"), toy, ckpt))
-                    for m in (draft_dflash, draft_dspark)
-                    if os.path.exists(os.path.join(out, f"{m.DRAFTER.name}.pt"))}
-        models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, drafters)
+        models[f"toy target ({toy.num_params() / 1e6:.1f}M)"] = (toy, trained(toy, ckpt, out))
     return models
+
+
+def trained(toy, ckpt, out):
+    """{name: drafter}: the toy target's trained DFlash and DSpark where out/ holds them, loaded
+    as the registry loads them (the CPU's kernels; DSpark's scheduler profiled on this device)."""
+    drafters = {}
+    for declared in (draft_dflash.DRAFTER, draft_dspark.DRAFTER):
+        path = os.path.join(out, f"{declared.name}.pt")
+        if os.path.exists(path):
+            d = drafters[declared.name] = cpu_speed.speed_up(load_trained(declared, path, toy,
+                                                                          ckpt))
+            if isinstance(d, DSparkDrafter):
+                profile_dspark(d)
+    return drafters

@@ -4,7 +4,7 @@ training/stage.py -- what a stage of train.py is: the training-side twin of spec
 A drafter that learns has a stage, declared once at the end of its stage file
 (training/stages_<name>.py) as STAGE = Stage(...): its settings, what it trains in which phases,
 how it trains, and what a step costs. registry/drafters.py pairs it with the drafter's lesson file;
-train.py runs the target's stage (training/target.py), then every drafter's in the registry's
+train.py runs the target's stage (training/stages_target.py), then every drafter's in the registry's
 order, each skipped while its checkpoint out/<name>.pt is current.
 
 A stage's train(trainer, cfg) is a generator, so that the loop stays in train.py: for each phase
@@ -21,11 +21,25 @@ it builds a network and yields a Fit, what train.py's loop is to train, and gets
 What a stage reads is its own settings (cfg), the run's (tr.run: the corpus, the target's shape,
 the batch, the seed) and the Trainer's services (training/trainer.py); a stage whose network is
 built from another stage's settings (DSpark's backbone: DFlash's) declares it (builds_on) and
-reads them as tr.run.stages[name].
+reads them as tr.run.settings[name].
 """
 
 from dataclasses import dataclass
 from typing import Callable
+
+from runtime.settings import number, setting, settings_of, values_of
+from training.distill import DistillSettings
+
+
+@dataclass
+class SharedSettings:
+    """What every stage shares: train.py's flags --block-size, --batch-size, --warmup."""
+    block_size: int = setting(256, "context window (target and drafters; with --init-from at most "
+                              "the model's, whose first positions are kept)", cuda=512, tiny=64)
+    batch_size: int = setting(8, "sequences per optimizer step (every stage; under torchrun the "
+                              "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4)
+    warmup: int = setting(60, "linear warmup steps before the cosine decay (every stage)",
+                          type=number(int, 0), cuda=200, quick=20, tiny=5)
 
 
 @dataclass
@@ -67,6 +81,12 @@ class Stage:
     builds_on   the stage whose settings also build this one's network (DSpark: DFlash's): they
                 go in its checkpoint's record of its settings too
     files       the other files it writes in out/ (DFlash: the state DSpark branches off)
+    records     records(run) -> the settings its checkpoint records, where they are not the usual
+                ones (usual_record, below: the target's stage says its own)
+
+    Its settings include `iters` (the steps its checkpoint's budget records, unless its train says
+    otherwise) and `lr` (the flag named when a phase diverges); its phases are named after it
+    (`dflash`, `dflash-narrow`): they name its resume files and their step costs.
     """
     settings: type
     phases: Callable
@@ -74,3 +94,16 @@ class Stage:
     step_cost: dict
     builds_on: str = None
     files: tuple = ()
+    records: Callable = None
+
+
+def usual_record(run, name, stage):
+    """What a drafter's checkpoint records of the settings (one trained with other values is not
+    current): the seed, the shared settings, its own (and those of the stage it builds on, under
+    their flags' names: dflash_block), and the distillation set's."""
+    values = {n: getattr(run, n) for n, _ in settings_of(SharedSettings)}
+    for own in (name, stage.builds_on):
+        if own is not None:
+            values.update(values_of(run.settings[own], own))
+    values.update({n: getattr(run, n) for n, _ in settings_of(DistillSettings)})
+    return {"seed": run.seed, **values}

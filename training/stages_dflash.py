@@ -23,7 +23,8 @@ class DFlashSettings:
     layers: int = setting(DFlashConfig.n_layer, "dflash: draft layers (the paper: 5 at 8B scale)",
                           cuda=3, gpt2=4, tiny=1)
     heads: int = setting(DFlashConfig.n_head, "dflash: attention heads (its width is the "
-                         "target's)", gpt2=12, tiny=2)
+                         "target's; none: the target's heads)", gpt2=12, tiny=2,
+                         **{"gpu-small": None})
     block: int = setting(DFlashConfig.block, "dflash and dspark: the block they draft with, "
                          "anchor + block-1 masks (so up to block-1 drafts a round)",
                          type=number(int, 2), quick=8)
@@ -54,20 +55,21 @@ class DFlashSettings:
 # its phases: the narrow block, then the full block (the recipe: draft_dflash.py, widen)
 
 
-def training_phases(cfg, run):
+def training_phases(settings, run):
     """DFlash's training as phases (phase name, block, anchors a sequence, steps, peak lr): with
     --dflash-narrow-iters, the narrow block first, then the full block."""
-    if run.n_embd % cfg.heads:
-        raise ValueError(f"--dflash-heads ({cfg.heads}) must divide the target's width, "
-                         f"--n-embd ({run.n_embd})")
-    full = ("dflash", cfg.block, cfg.anchors, cfg.iters, cfg.lr)
-    if cfg.narrow_iters == 0:
+    target = run.settings["target"]
+    if target.n_embd % heads(settings, target):
+        raise ValueError(f"--dflash-heads ({settings.heads}) must divide the target's width, "
+                         f"--n-embd ({target.n_embd})")
+    full = ("dflash", settings.block, settings.anchors, settings.iters, settings.lr)
+    if settings.narrow_iters == 0:
         return [full]
-    if cfg.narrow_block >= cfg.block:
-        raise ValueError(f"--dflash-narrow-block ({cfg.narrow_block}) must be smaller than "
-                         f"--dflash-block ({cfg.block}), or use --dflash-narrow-iters 0")
-    return [("dflash-narrow", cfg.narrow_block, cfg.narrow_anchors, cfg.narrow_iters,
-             cfg.narrow_lr), full]
+    if settings.narrow_block >= settings.block:
+        raise ValueError(f"--dflash-narrow-block ({settings.narrow_block}) must be smaller than "
+                         f"--dflash-block ({settings.block}), or use --dflash-narrow-iters 0")
+    return [("dflash-narrow", settings.narrow_block, settings.narrow_anchors, settings.narrow_iters,
+             settings.narrow_lr), full]
 
 
 def check_anchors(run, block, n_anchors, flag):
@@ -79,28 +81,28 @@ def check_anchors(run, block, n_anchors, flag):
                          f"{n_anchors} ({flag}): use fewer, or a longer --block-size")
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
-    plan = training_phases(cfg, run)
+    plan = training_phases(settings, run)
     for name, block, n_anchors, _, _ in plan:
         check_anchors(run, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
                       else "--dflash-anchors")
     return [(name, steps) for name, _, _, steps, _ in plan]
 
 
-def total_steps(cfg, run):
-    return sum(steps for _, steps in phases(cfg, run))
+def total_steps(settings, run):
+    return sum(steps for _, steps in phases(settings, run))
 
 
-def branch_step(cfg, run):
+def branch_step(settings, run):
     """Where DSpark branches off DFlash's training (--dspark-init dflash): after total_steps -
     dspark's iters steps, counted across the phases, so that DSpark's steps (the backbone's from
     DFlash, then its own) equal DFlash's. None: no branch (no DSpark stage, DSpark starts from
     scratch, or it gets as many steps as DFlash or more and starts from DFlash's final weights)."""
-    dspark = run.stages.get("dspark")
+    dspark = run.settings.get("dspark")
     if dspark is None or dspark.init != "dflash":
         return None
-    n = total_steps(cfg, run) - dspark.iters
+    n = total_steps(settings, run) - dspark.iters
     return n if n >= 1 else None
 
 
@@ -115,67 +117,73 @@ def dflash_taps(spec, n_layer):
                          f"1,3,5 (got {spec!r})") from None
 
 
-def network_config(cfg, target_cfg, block=None):
+def network_config(settings, target_cfg, block=None):
     """The DFlash network the settings ask for (also DSpark's backbone: the same shape, so DSpark
     can start from it). The mask slots predict (shift 0), as in the DFlash paper: letting the
     anchor slot predict too (DeepSpec's shift 1) drafted worse (docs/experiments.md: DFlash: the
     masks predict (shift 0))."""
-    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=cfg.heads, n_layer=cfg.layers,
-                        taps=dflash_taps(cfg.taps, target_cfg.n_layer), block=block or cfg.block)
+    return DFlashConfig(n_embd=target_cfg.n_embd, n_head=heads(settings, target_cfg),
+                        n_layer=settings.layers, block=block or settings.block,
+                        taps=dflash_taps(settings.taps, target_cfg.n_layer))
 
 
-def anchored(tr, x, t_logits, hid, step, net_cfg, n_anchors):
+def heads(settings, target_cfg):
+    """The draft layers' attention heads: the setting's, or (none) the target's."""
+    return settings.heads or target_cfg.n_head
+
+
+def anchored(tr, x, t_logits, hid, step, cfg, n_anchors):
     """A training batch for a block drafter: windows x, the target's tapped states on them (the
     context), its logits (the soft labels) and n_anchors random anchors a row. The anchors of
     step s come from a generator seeded with (seed, s), so a resumed run replays them."""
     g = torch.Generator().manual_seed(tr.run.seed * 7_919 + step)
-    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, net_cfg.block,
-                                                  net_cfg.shift, g, tr.device), x.size(0))
-    return x, {t: hid[t] for t in net_cfg.taps}, t_logits, anchors
+    anchors = tr.per_row(lambda B: sample_anchors(B, x.size(1), n_anchors, cfg.block,
+                                                  cfg.shift, g, tr.device), x.size(0))
+    return x, {t: hid[t] for t in cfg.taps}, t_logits, anchors
 
 
 # -----------------------------------------------------------------------------
 # the stage
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """Every phase of training_phases, each starting from the one before -> out/dflash.pt (and
     out/dflash.branch.pt, DSpark's starting point)."""
     run = tr.run
     target, target_ckpt = tr.target()
-    net_cfg = network_config(cfg, target.config)
-    batches = tr.distill.batches(cfg.text)
-    plan = training_phases(cfg, run)
-    fingerprint = {"stage": "dflash", "config": net_cfg.to_dict(),
+    cfg = network_config(settings, target.config)
+    batches = tr.distill.batches(settings.text)
+    plan = training_phases(settings, run)
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(),
                    "target": target_ckpt["model_hash"], "phases": [p[1:] for p in plan],
-                   "text": cfg.text, "gen": tr.distill.key(cfg.text), "gamma": cfg.gamma,
-                   "seed": run.seed, "branch": branch_step(cfg, run)}
+                   "text": settings.text, "gen": tr.distill.key(settings.text),
+                   "gamma": settings.gamma, "seed": run.seed, "branch": branch_step(settings, run)}
     net, done = None, 0
     for i, phase in enumerate(plan):
-        net, val = yield from train_phase(tr, cfg, fingerprint, batches, i, phase, net, done)
+        net, val = yield from train_phase(tr, settings, fingerprint, batches, i, phase, net, done)
         done += phase[3]
-    tr.save("dflash", net_cfg.to_dict(), net, {"val_loss": val, "text": cfg.text,
+    tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": settings.text,
                                                "fingerprint": fingerprint}, steps=done)
     return val
 
 
-def train_phase(tr, cfg, fingerprint, batches, i, phase, before, done):
+def train_phase(tr, settings, fingerprint, batches, i, phase, before, done):
     """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
     the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
     file when finished: a rerun skips it."""
     name, block, n_anchors, steps, lr = phase
     target = tr.target()[0]
-    net_cfg = network_config(cfg, target.config, block)
+    cfg = network_config(settings, target.config, block)
     torch.manual_seed(tr.run.seed + 3)
-    net = DFlash(net_cfg, target).to(tr.device)
+    net = DFlash(cfg, target).to(tr.device)
     if before is not None:
         widen(net, cpu_state_dict(before))
     n_params = sum(p.numel() for p in net.parameters())
-    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {net_cfg}, {n_anchors} anchors")
+    print(f"dflash: {n_params / 1e6:.2f}M trainable parameters, {cfg}, {n_anchors} anchors")
 
     def loss_of(x, t_logits, hid, step):
-        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, net_cfg, n_anchors),
-                           cfg.gamma)
+        return dflash_loss(net, *anchored(tr, x, t_logits, hid, step, cfg, n_anchors),
+                           settings.gamma)
 
     def after_step(n):
         if done + n == fingerprint["branch"]:  # written once, when reached (a resumed run has it)

@@ -45,32 +45,33 @@ class DSparkSettings:
                                    tiny=4)
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
-    backbone = run.stages["dflash"]
-    if cfg.sampled_iters and cfg.sampled_block > backbone.block:
-        raise ValueError(f"--dspark-sampled-block ({cfg.sampled_block}) must be at most "
+    backbone = run.settings["dflash"]
+    if settings.sampled_iters and settings.sampled_block > backbone.block:
+        raise ValueError(f"--dspark-sampled-block ({settings.sampled_block}) must be at most "
                          f"--dflash-block ({backbone.block})")
     check_anchors(run, backbone.block, backbone.anchors, "--dflash-anchors")
-    if cfg.sampled_iters:
-        check_anchors(run, cfg.sampled_block, cfg.sampled_anchors, "--dspark-sampled-anchors")
-    out = [("dspark", cfg.iters)]
-    return out + ([("dspark-sampled", cfg.sampled_iters)] if cfg.sampled_iters else [])
+    if settings.sampled_iters:
+        check_anchors(run, settings.sampled_block, settings.sampled_anchors,
+                      "--dspark-sampled-anchors")
+    out = [("dspark", settings.iters)]
+    return out + ([("dspark-sampled", settings.sampled_iters)] if settings.sampled_iters else [])
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """The backbone (from DFlash's branch), the Markov and confidence heads, then calibration and
     the sampling weights -> out/dspark.pt."""
-    run, dflash = tr.run, tr.run.stages["dflash"]
+    run, dflash = tr.run, tr.run.settings["dflash"]
     target, target_ckpt = tr.target()
     backbone_cfg = network_config(dflash, target.config)
-    spark_cfg = DSparkConfig(rank=cfg.rank)
+    spark_cfg = DSparkConfig(rank=settings.rank)
     torch.manual_seed(run.seed + 4)
     spark = DSpark(backbone_cfg, spark_cfg, target).to(tr.device)
     n_params = sum(p.numel() for p in spark.parameters())
     print(f"dspark: {n_params / 1e6:.2f}M trainable parameters, {backbone_cfg}, {spark_cfg}")
     init_budget = None
-    if cfg.init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
+    if settings.init == "dflash":  # warm start: DFlash's network is exactly DSpark's backbone
         state, init_budget = start_from_dflash(tr, backbone_cfg)
         widen(spark.backbone, state)  # a branch from the narrow phase: widened
     batches = tr.distill.batches(dflash.text)
@@ -81,23 +82,24 @@ def train(tr, cfg):
 
     fingerprint = {"stage": "dspark", "backbone": backbone_cfg.to_dict(),
                    "config": spark_cfg.to_dict(), "target": target_ckpt["model_hash"],
-                   "init": cfg.init, "iters": cfg.iters, "lr": cfg.lr, "text": dflash.text,
+                   "init": settings.init, "iters": settings.iters, "lr": settings.lr,
+                   "text": dflash.text,
                    "gen": tr.distill.key(dflash.text), "anchors": dflash.anchors,
                    "gamma": dflash.gamma, "seed": run.seed, "init_budget": init_budget}
-    tune = sampling_weights_wanted(tr, cfg)
+    tune = sampling_weights_wanted(tr, settings)
     # keep_resume: a run stopped in the sampling steps that follow does not redo these
     val, _ = yield Fit("dspark", spark, lambda s: loss_of(*batches(s), s),
                        lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
                        tokens_per_step=run.batch_size * dflash.anchors * backbone_cfg.block,
                        keep_resume=tune)
     extra = {"val_loss": val, "text": dflash.text, "init_budget": init_budget}
-    if cfg.calib_seqs > 0:
-        extra["ece_before"], extra["ece_after"] = calibrate_on_held_out(tr, cfg, spark,
+    if settings.calib_seqs > 0:
+        extra["ece_before"], extra["ece_after"] = calibrate_on_held_out(tr, settings, spark,
                                                                         backbone_cfg)
     budget = tr.budget()  # DSpark's own: it ends here, before the sampling weights
     if tune:
-        extra["sampled"] = yield from sampling_weights(tr, cfg, spark, fingerprint)
+        extra["sampled"] = yield from sampling_weights(tr, settings, spark, fingerprint)
     config = {"backbone": backbone_cfg.to_dict(), "dspark": spark_cfg.to_dict()}
     tr.save("dspark", config, spark, extra, budget=budget)
     return val
@@ -106,7 +108,7 @@ def train(tr, cfg):
 def start_from_dflash(tr, backbone_cfg):
     """--dspark-init dflash: DSpark's backbone weights and the budget they cost, from DFlash's
     branch (out/dflash.branch.pt, see branch_step) or, without one, its final out/dflash.pt."""
-    dflash = tr.run.stages["dflash"]
+    dflash = tr.run.settings["dflash"]
     dfl = load_checkpoint(tr.path("dflash"), "dflash")
     same_target = dfl.get("target_hash") == tr.target()[1]["model_hash"]
     if not same_target or dfl["config"] != backbone_cfg.to_dict():
@@ -123,19 +125,19 @@ def start_from_dflash(tr, backbone_cfg):
                          f"{tr.path('dflash')}: run `python train.py --only dflash --force`")
     if branch != branch_step(dflash, tr.run):
         print(f"dspark: note: DFlash branched at step {branch}, not at DFlash's steps - "
-              f"--dspark-iters = {total_steps(dflash, tr.run) - tr.run.stages['dspark'].iters}: "
+              f"--dspark-iters = {total_steps(dflash, tr.run) - tr.run.settings['dspark'].iters}: "
               "the budgets differ (retrain dflash to match them)")
     print(f"dspark: backbone initialised from DFlash's state at step {branch} "
           f"({tr.path('dflash.branch')})")
     return br["state_dict"], br["budget"]
 
 
-def calibrate_on_held_out(tr, cfg, spark, backbone_cfg):
+def calibrate_on_held_out(tr, settings, spark, backbone_cfg):
     """calibrate() on held-out text: the target's own greedy continuations of validation
     prompts, with 4x the training anchors a sequence (the late positions are fitted only on
     blocks that got that far). -> ECE before, after."""
-    run, dflash = tr.run, tr.run.stages["dflash"]
-    held = tr.distill.write(cfg.calib_seqs, 0, "val")
+    run, dflash = tr.run, tr.run.settings["dflash"]
+    held = tr.distill.write(settings.calib_seqs, 0, "val")
     n_anchors = min(4 * dflash.anchors, held.size(1) - backbone_cfg.block - backbone_cfg.shift)
     held = [held[i:i + run.batch_size] for i in range(0, len(held), run.batch_size)]
     # a generator, not a list: one batch's target logits at a time (they are large at scale)
@@ -148,18 +150,18 @@ def calibrate_on_held_out(tr, cfg, spark, backbone_cfg):
     return before, after
 
 
-def sampling_weights_wanted(tr, cfg):
+def sampling_weights_wanted(tr, settings):
     """Whether DSpark gets sampling weights: --dspark-sampled-iters, and sampled text to learn."""
-    if not cfg.sampled_iters:
+    if not settings.sampled_iters:
         return False
-    if tr.run.stages["dflash"].text != "gen" or tr.distill.settings()["sampled"] == 0:
+    if tr.run.settings["dflash"].text != "gen" or tr.distill.settings()["sampled"] == 0:
         print("dspark: no sampling weights (they learn from the sampled share of the distillation "
               "set: --dflash-text gen and --gen-sampled > 0)")
         return False
     return True
 
 
-def sampling_weights(tr, cfg, spark, fingerprint):
+def sampling_weights(tr, settings, spark, fingerprint):
     """DSpark's weights for sampling: a copy of the trained network, fine-tuned on the sampled
     share of the distillation set only, and only on a block's first slots (the anchor and
     --dspark-sampled-block - 1 masks), what a sampled round drafts. Why a copy: DSpark's own steps
@@ -167,25 +169,25 @@ def sampling_weights(tr, cfg, spark, fingerprint):
     for sampled tau; a copy serves each mode (docs/experiments.md: DSpark: sampling weights). The
     later slots keep their weights, so any k still drafts. -> the 'sampled' entry of out/dspark.pt
     (the loader reads it: runtime/checkpoint.load_drafter_checkpoint)."""
-    run, dflash = tr.run, tr.run.stages["dflash"]
+    run, dflash = tr.run, tr.run.settings["dflash"]
     t0 = time.time()
     tuned = DSpark(spark.backbone.config, spark.config, tr.target()[0]).to(tr.device)
     tuned.load_state_dict(spark.state_dict())  # the calibrated confidence temperatures too
-    narrow = dataclasses.replace(spark.backbone.config, block=cfg.sampled_block)
+    narrow = dataclasses.replace(spark.backbone.config, block=settings.sampled_block)
     batches = tr.distill.batches("gen", sampled_only=True)
 
     def loss_of(x, t_logits, hid, step):
-        batch = anchored(tr, x, t_logits, hid, step, narrow, cfg.sampled_anchors)
+        batch = anchored(tr, x, t_logits, hid, step, narrow, settings.sampled_anchors)
         return dspark_loss(tuned, *batch, dflash.gamma, block=narrow.block)
 
-    fingerprint = {**fingerprint, "sampled": [cfg.sampled_iters, cfg.sampled_block,
-                                              cfg.sampled_anchors]}
+    fingerprint = {**fingerprint, "sampled": [settings.sampled_iters, settings.sampled_block,
+                                              settings.sampled_anchors]}
     val, _ = yield Fit("dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
                        lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=cfg.sampled_iters, lr=cfg.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * cfg.sampled_anchors * narrow.block)
+                       steps=settings.sampled_iters, lr=settings.lr, fingerprint=fingerprint,
+                       tokens_per_step=run.batch_size * settings.sampled_anchors * narrow.block)
     return {"state_dict": cpu_state_dict(tuned), "val_loss": val, "block": narrow.block,
-            "budget": {"steps": cfg.sampled_iters, "seconds": round(time.time() - t0)}}
+            "budget": {"steps": settings.sampled_iters, "seconds": round(time.time() - t0)}}
 
 
 STAGE = Stage(settings=DSparkSettings, phases=phases, train=train,

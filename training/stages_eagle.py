@@ -48,41 +48,42 @@ def eagle_taps(spec, n_layer):
     return taps
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
-    eagle_taps(cfg.taps, run.n_layer)
-    check_unroll("--eagle-unroll", cfg.unroll, run.block_size)
-    return [("eagle", cfg.iters)]
+    eagle_taps(settings.taps, run.settings["target"].n_layer)
+    check_unroll("--eagle-unroll", settings.unroll, run.block_size)
+    return [("eagle", settings.iters)]
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """EAGLE-3 on the frozen target, on the distillation set -> out/eagle.pt."""
     run = tr.run
     target, target_ckpt = tr.target()
     torch.manual_seed(run.seed + 5)
-    net_cfg = EagleConfig.for_target(target.config, eagle_taps(cfg.taps, target.config.n_layer))
-    net = Eagle(net_cfg).to(tr.device)
+    cfg = EagleConfig.for_target(target.config, eagle_taps(settings.taps, target.config.n_layer))
+    net = Eagle(cfg).to(tr.device)
     print(f"eagle: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M trainable parameters, "
-          f"{net_cfg}, {cfg.unroll} steps unrolled at {cfg.anchors} anchors")
+          f"{cfg}, {settings.unroll} steps unrolled at {settings.anchors} anchors")
     batches = tr.distill.batches("gen")
 
     def loss_of(w, t_logits, hid, step):
         """Its draft steps unroll at anchors drawn by the step (the validation's: step -1)."""
         g = torch.Generator().manual_seed(run.seed * 1_000_003 + step + 3_333_333)
-        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, cfg.unroll, cfg.anchors,
-                                                      g, w.device), w.size(0))
-        return eagle_loss(net, target, w, t_logits, hid, anchors, cfg.unroll, cfg.beta,
-                          cfg.distill)
+        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, settings.unroll,
+                                                      settings.anchors, g, w.device), w.size(0))
+        return eagle_loss(net, target, w, t_logits, hid, anchors, settings.unroll, settings.beta,
+                          settings.distill)
 
-    fingerprint = {"stage": "eagle", "config": net_cfg.to_dict(),
-                   "target": target_ckpt["model_hash"], "iters": cfg.iters, "lr": cfg.lr,
-                   "gen": tr.distill.key("gen"), "unroll": (cfg.unroll, cfg.anchors, cfg.beta),
-                   "distill": cfg.distill, "seed": run.seed}
+    fingerprint = {"stage": "eagle", "config": cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "iters": settings.iters, "lr": settings.lr,
+                   "gen": tr.distill.key("gen"),
+                   "unroll": (settings.unroll, settings.anchors, settings.beta),
+                   "distill": settings.distill, "seed": run.seed}
     val, _ = yield Fit("eagle", net, lambda s: loss_of(*batches(s), s),
                        lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
                        tokens_per_step=run.batch_size * run.block_size)
-    tr.save("eagle", net_cfg.to_dict(), net, {"val_loss": val})
+    tr.save("eagle", cfg.to_dict(), net, {"val_loss": val})
     return val
 
 

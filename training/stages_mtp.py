@@ -1,8 +1,9 @@
 """
 training/stages_mtp.py -- MTP's stage of train.py: the modules trained post hoc on the frozen target
 (the default), or alongside the target in its own stage (--mtp-mode joint: new_mtp and save_mtp,
-which training/target.py calls). The loss is draft_mtp.py's; this file holds MTP's settings, builds
-the modules from them, draws the anchors its unrolled steps train at, and saves out/mtp.pt.
+which training/stages_target.py calls). The loss is draft_mtp.py's; this file holds MTP's
+settings, builds the modules from them, draws the anchors its unrolled steps train at, and saves
+out/mtp.pt.
 """
 
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ class MTPSettings:
                              type=number(float, 0))
     iters: int = setting(1500, "mtp: optimizer steps in posthoc mode", gpt2=6000, quick=60, tiny=10)
     lr: float = setting(2e-3, "mtp: peak learning rate in posthoc mode", cuda=1e-3, tiny=3e-3)
-    distill: float = setting(0.5, "mtp: posthoc loss, weight of the KL to the target's distribution "
-                             "of the token after next (1 = pure distillation, 0 = the text's own "
-                             "tokens only)", type=number(float, 0, 1))
+    distill: float = setting(0.5, "mtp: posthoc loss, weight of the KL to the target's "
+                             "distribution of the token after next (1 = pure distillation, 0 = "
+                             "the text's own tokens only)", type=number(float, 0, 1))
     text: str = setting("gen", "mtp: posthoc training text, 'gen' (the distillation set the target "
                         "wrote) or 'data' (the corpus)", choices=["gen", "data"])
     unroll: int = setting(4, "mtp: posthoc, draft steps the one module is unrolled over in "
@@ -48,21 +49,21 @@ def check_unroll(flag, steps, block_size):
         raise ValueError(f"{flag} {steps} needs a longer --block-size than {block_size}")
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The phases this stage runs: (name, steps); none in joint mode, where the head trains inside
     the target's stage. Checks the settings too."""
-    if cfg.mode == "posthoc" and cfg.unroll > 1 and cfg.modules > 1:
-        raise ValueError(f"--mtp-unroll {cfg.unroll} unrolls ONE module over its own recursion, "
-                         f"but --mtp-modules is {cfg.modules}: use one of them (--mtp-unroll 1 "
-                         "trains chained modules)")
-    check_unroll("--mtp-unroll", cfg.unroll, run.block_size)
-    return [("mtp", cfg.iters)] if cfg.mode == "posthoc" else []
+    if settings.mode == "posthoc" and settings.unroll > 1 and settings.modules > 1:
+        raise ValueError(f"--mtp-unroll {settings.unroll} unrolls ONE module over its own "
+                         f"recursion, but --mtp-modules is {settings.modules}: use one of them "
+                         "(--mtp-unroll 1 trains chained modules)")
+    check_unroll("--mtp-unroll", settings.unroll, run.block_size)
+    return [("mtp", settings.iters)] if settings.mode == "posthoc" else []
 
 
-def new_mtp(tr, cfg, target_cfg):
+def new_mtp(tr, settings, target_cfg):
     """A freshly initialised MTP for a target of this config."""
     torch.manual_seed(tr.run.seed + 2)
-    return MTP(MTPConfig.for_target(target_cfg, cfg.modules)).to(tr.device)
+    return MTP(MTPConfig.for_target(target_cfg, settings.modules)).to(tr.device)
 
 
 def save_mtp(tr, mtp, mode, steps=None):
@@ -78,19 +79,19 @@ def save_mtp(tr, mtp, mode, steps=None):
     return val
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """MTP post hoc: the head trains on the frozen target's hidden states. (In joint mode the
     target stage already wrote out/mtp.pt; this runs only if that target predates it.)"""
     run = tr.run
     target, target_ckpt = tr.target()
-    if cfg.mode == "joint":
+    if settings.mode == "joint":
         print("mtp: out/target.pt was trained without the MTP loss, so the head trains post hoc "
               "on it (`python train.py --only target --force` retrains both jointly)")
-    mtp = new_mtp(tr, cfg, target.config)
+    mtp = new_mtp(tr, settings, target.config)
     last = target.config.n_layer
     n_params = sum(p.numel() for p in mtp.parameters())
     print(f"mtp: {n_params / 1e6:.2f}M trainable parameters, {mtp.config}")
-    batches = tr.distill.batches(cfg.text)
+    batches = tr.distill.batches(settings.text)
 
     def loss_of(w, t_logits, hid, step=-1):
         """w (B, T) windows: inputs w[:, :-1], labels w[:, 1:]; the target's features on w give
@@ -98,19 +99,19 @@ def train(tr, cfg):
         x's. The unrolled steps' anchors are drawn from a generator seeded by the step (the
         validation's: step -1)."""
         g = torch.Generator().manual_seed(run.seed * 1_000_003 + step + 5_555_555)
-        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, cfg.unroll, cfg.anchors,
-                                                      g, w.device), w.size(0))
+        anchors = tr.per_row(lambda B: unroll_anchors(B, w.size(1) - 1, settings.unroll,
+                                                      settings.anchors, g, w.device), w.size(0))
         return mtp_loss(mtp, target, hid[last][:, :-1], w[:, :-1], w[:, 1:], t_logits[:, :-1],
-                        cfg.distill, cfg.unroll, cfg.beta, anchors)
+                        settings.distill, settings.unroll, settings.beta, anchors)
 
     fingerprint = {"stage": "mtp", "config": mtp.config.to_dict(),
                    "target": target_ckpt["model_hash"],
-                   "iters": cfg.iters, "lr": cfg.lr, "distill": cfg.distill,
-                   "text": cfg.text, "gen": tr.distill.key(cfg.text), "seed": run.seed,
-                   "unroll": (cfg.unroll, cfg.anchors, cfg.beta)}
+                   "iters": settings.iters, "lr": settings.lr, "distill": settings.distill,
+                   "text": settings.text, "gen": tr.distill.key(settings.text), "seed": run.seed,
+                   "unroll": (settings.unroll, settings.anchors, settings.beta)}
     yield Fit("mtp", mtp, lambda s: loss_of(*batches(s), s),
               lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus
-              steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+              steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
               tokens_per_step=run.batch_size * run.block_size)
     return save_mtp(tr, mtp, "posthoc")
 

@@ -1,6 +1,6 @@
 """
-training/stages_small.py -- the small drafter's stage of train.py: a 1-2 layer GPT distilled from the
-target on its own text (draft_small.py: small_loss), out/small.pt.
+training/stages_small.py -- the small drafter's stage of train.py: a 1-2 layer GPT distilled from
+the target on its own text (draft_small.py: small_loss), out/small.pt.
 """
 
 from dataclasses import dataclass
@@ -27,32 +27,34 @@ class SmallSettings:
                         "wrote) or 'data' (the corpus)", choices=["gen", "data"])
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
-    if cfg.embd % cfg.heads:
-        raise ValueError(f"--small-embd ({cfg.embd}) must be a multiple of --small-heads "
-                         f"({cfg.heads})")
-    return [("small", cfg.iters)]
+    if settings.embd % settings.heads:
+        raise ValueError(f"--small-embd ({settings.embd}) must be a multiple of --small-heads "
+                         f"({settings.heads})")
+    return [("small", settings.iters)]
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """A 1-2 layer GPT, distilled from the target on its own text -> out/small.pt."""
     run = tr.run
     target, target_ckpt = tr.target()
-    gpt_cfg = GPTConfig(sequence_len=run.block_size, vocab_size=target.config.vocab_size,
-                        n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.embd)
+    cfg = GPTConfig(sequence_len=run.block_size, vocab_size=target.config.vocab_size,
+                        n_layer=settings.layers, n_head=settings.heads, n_embd=settings.embd)
     torch.manual_seed(run.seed + 1)
-    model = GPT(gpt_cfg).to(tr.device)
-    print(f"small: {model.num_params() / 1e6:.2f}M parameters, {gpt_cfg}")
-    fingerprint = {"stage": "small", "config": gpt_cfg.to_dict(),
-                   "target": target_ckpt["model_hash"], "iters": cfg.iters, "lr": cfg.lr,
-                   "distill": cfg.distill, "seed": run.seed, "text": tr.distill.key(cfg.text)}
-    batches = tr.distill.batches(cfg.text)
-    val, _ = yield Fit("small", model, lambda s: small_loss(model, *batches(s)[:2], cfg.distill),
+    model = GPT(cfg).to(tr.device)
+    print(f"small: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
+    fingerprint = {"stage": "small", "config": cfg.to_dict(),
+                   "target": target_ckpt["model_hash"], "iters": settings.iters, "lr": settings.lr,
+                   "distill": settings.distill, "seed": run.seed,
+                   "text": tr.distill.key(settings.text)}
+    batches = tr.distill.batches(settings.text)
+    val, _ = yield Fit("small", model,
+                       lambda s: small_loss(model, *batches(s)[:2], settings.distill),
                        lambda: tr.val_loss(lambda x, y: model(x, y)[1]),
-                       steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
                        tokens_per_step=run.batch_size * run.block_size)
-    tr.save("small", gpt_cfg.to_dict(), model, {"val_loss": val})
+    tr.save("small", cfg.to_dict(), model, {"val_loss": val})
     return val
 
 

@@ -20,9 +20,9 @@ from draft_mtp import mtp_loss
 from gpt import GPT, GPTConfig
 from runtime import cpu_speed
 from runtime.checkpoint import cpu_state_dict, cpu_tree, save_checkpoint, state_hash
-from runtime.settings import setting
+from runtime.settings import setting, settings_of, values_of
 from training import ddp, pretrained
-from training.stage import Fit, Stage
+from training.stage import Fit, SharedSettings, Stage
 from training.stages_mtp import new_mtp, save_mtp
 
 
@@ -41,10 +41,10 @@ class TargetSettings:
 # the stage
 
 
-def phases(cfg, run):
+def phases(settings, run):
     """The target stage's phases: (name, steps); none when it is read from a folder. Checks its
     settings too."""
-    mtp = run.stages.get("mtp")
+    mtp = run.settings.get("mtp")
     joint = mtp is not None and mtp.mode == "joint"
     if run.init_from:
         if joint:
@@ -52,54 +52,57 @@ def phases(cfg, run):
                              "and with --init-from the target is not trained: use --mtp-mode "
                              "posthoc")
         return []
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"--n-embd ({cfg.n_embd}) must be a multiple of --n-head ({cfg.n_head})")
-    return [("target", cfg.target_iters)]
+    if settings.n_embd % settings.n_head:
+        raise ValueError(f"--n-embd ({settings.n_embd}) must be a multiple of --n-head "
+                         f"({settings.n_head})")
+    return [("target", settings.target_iters)]
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """The target GPT on the corpus (with the MTP head in joint mode) -> out/target.pt."""
     run = tr.run
     if run.init_from:
         return import_target(tr)
-    gpt_cfg = GPTConfig(sequence_len=run.block_size, vocab_size=tr.info["vocab_size"],
-                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+    cfg = GPTConfig(sequence_len=run.block_size, vocab_size=tr.info["vocab_size"],
+                        n_layer=settings.n_layer, n_head=settings.n_head, n_embd=settings.n_embd)
     torch.manual_seed(run.seed)
-    model = GPT(gpt_cfg).to(tr.device)
-    print(f"target: {model.num_params() / 1e6:.2f}M parameters, {gpt_cfg}")
-    joint = run.stages.get("mtp")
+    model = GPT(cfg).to(tr.device)
+    print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
+    joint = run.settings.get("mtp")
     joint = joint if joint is not None and joint.mode == "joint" else None
-    mtp = new_mtp(tr, joint, gpt_cfg) if joint else None
-    taps = (gpt_cfg.n_layer,) if mtp is not None else ()  # the last block's states, for the head
+    mtp = new_mtp(tr, joint, cfg) if joint else None
+    taps = (cfg.n_layer,) if mtp is not None else ()  # the last block's states, for the head
 
     def loss_fn(step):
         x, y = tr.data.get("train", step, tr.device)
         _, loss, hid = model(x, y, hidden_layers=taps)
         if mtp is not None:  # DeepSeek-V3: L_main + lambda L_mtp, into the whole target
-            loss = loss + joint.lambda_ * mtp_loss(mtp, model, hid[gpt_cfg.n_layer], x, y)
+            loss = loss + joint.lambda_ * mtp_loss(mtp, model, hid[cfg.n_layer], x, y)
         return loss
 
-    fingerprint = {"stage": "target", "config": gpt_cfg.to_dict(),
+    fingerprint = {"stage": "target", "config": cfg.to_dict(),
                    "tokenizer": tr.info["tokenizer_hash"],
-                   "iters": cfg.target_iters, "lr": cfg.target_lr, "batch": run.batch_size,
+                   "iters": settings.target_iters, "lr": settings.target_lr,
+                   "batch": run.batch_size,
                    "seed": run.seed, "mtp": None if mtp is None else (joint.modules, joint.lambda_)}
     module = model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp})
     val, opt_state = yield Fit("target", module, loss_fn,
                                lambda: tr.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
-                               steps=cfg.target_iters, lr=cfg.target_lr, fingerprint=fingerprint,
+                               steps=settings.target_iters, lr=settings.target_lr,
+                               fingerprint=fingerprint,
                                tokens_per_step=run.batch_size * run.block_size)
     sd = cpu_state_dict(model)
-    save_checkpoint({"kind": "target", "config": gpt_cfg.to_dict(), "state_dict": sd,
+    save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
-                     "data": tr.info["recipe"], "step": cfg.target_iters,
+                     "data": tr.info["recipe"], "step": settings.target_iters,
                      "optimizer": cpu_tree(opt_state), "val_loss": val,
-                     "tokens_seen": cfg.target_iters * run.batch_size * run.block_size,
+                     "tokens_seen": settings.target_iters * run.batch_size * run.block_size,
                      "settings": tr.recorded("target")},
                     tr.path("target"))
     if mtp is not None:  # the head belongs to exactly this target: the mtp stage is now current
         ddp.barrier(tr.world)  # every rank reads the target.pt rank 0 just wrote
         tr.forget_target()
-        save_mtp(tr, mtp, "joint", steps=cfg.target_iters)
+        save_mtp(tr, mtp, "joint", steps=settings.target_iters)
     return val
 
 
@@ -134,5 +137,23 @@ def weights_id(folder):
     return f"{' + '.join(names)} {h.hexdigest()[:16]}"
 
 
+def records(run):
+    """What out/target.pt records of the settings (one that records others is not current): read
+    from a folder, which folder, which weights and what context; trained here, the seed, the
+    shared settings, its own, and the MTP head's where it trains inside (--mtp-mode joint)."""
+    if run.init_from:
+        return {"init_from": os.path.abspath(run.init_from), "weights": weights_id(run.init_from),
+                "block_size": run.block_size}
+    values = {n: getattr(run, n) for n, _ in settings_of(SharedSettings)}
+    values.update(values_of(run.settings["target"]))
+    mtp = run.settings.get("mtp")
+    if mtp is not None:
+        values["mtp_mode"] = mtp.mode
+        if mtp.mode == "joint":
+            values.update(mtp_modules=mtp.modules, mtp_lambda=mtp.lambda_)
+    return {"seed": run.seed, **values}
+
+
 # one step costs 1: the unit of the run's time estimate
-STAGE = Stage(settings=TargetSettings, phases=phases, train=train, step_cost={"target": 1.0})
+STAGE = Stage(settings=TargetSettings, phases=phases, train=train, step_cost={"target": 1.0},
+              records=records)

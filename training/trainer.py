@@ -5,7 +5,7 @@ a trained target, what a stage's checkpoint records of its settings, and the run
 
 train.py holds the loop itself (fit: forward, loss.backward(), clip, optimizer.step(), the
 learning-rate schedule) and runs the stages in order, each a generator that yields the phases it
-wants trained (training/stage.py); training/target.py and training/stages_*.py say what each
+wants trained (training/stage.py); training/stages_target.py and training/stages_*.py say what each
 trains. A Trainer is everything a stage gets besides its own settings: the training-side twin of
 speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that checkpoint belongs
 to the current target and records the same settings (unless --force). A running phase saves its
@@ -19,18 +19,19 @@ under torchrun every stage trains data-parallel, one shard of each step's batch 
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint, save_checkpoint
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
 from training import ddp, distill, pretrained
-from training.distill import DistillSettings
-from training.stages_target import weights_id
+from training.stage import usual_record
 from training.target import load_target
+
+# -----------------------------------------------------------------------------
+# the run's own settings (each stage's are in its file; what they share, in training/stage.py)
 
 
 @dataclass
@@ -56,23 +57,12 @@ class RunSettings:
                               "memory, the same step)")
 
 
-@dataclass
-class SharedSettings:
-    """What every stage shares: train.py's flags --block-size, --batch-size, --warmup."""
-    block_size: int = setting(256, "context window (target and drafters; with --init-from at most "
-                              "the model's, whose first positions are kept)", cuda=512, tiny=64)
-    batch_size: int = setting(8, "sequences per optimizer step (every stage; under torchrun the "
-                              "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4)
-    warmup: int = setting(60, "linear warmup steps before the cosine decay (every stage)",
-                          type=number(int, 0), cuda=200, quick=20, tiny=5)
-
 # -----------------------------------------------------------------------------
 # one phase of the loop: resume, the NaN stop, progress
 
 
 class TrainingError(RuntimeError):
     """Training went wrong in a way a flag can fix (the message names it)."""
-
 
 
 def resume(name, module, opt, path, fingerprint, iters):
@@ -219,31 +209,12 @@ def kept():
 
 
 def recorded(run, stages, name):
-    """The settings out/<name>.pt records: one trained with other values is not current. A
-    drafter's: the shared ones, its own (and those of the stage it builds on), the distillation
-    set's. The target's: the shared ones, its own, and the MTP head's where it trains inside the
-    target (--mtp-mode joint); read from a folder, which folder and weights, and the context."""
-    if name == "target" and run.init_from:  # read, not trained: which weights, what context
-        return {"init_from": os.path.abspath(run.init_from), "weights": weights_id(run.init_from),
-                "block_size": run.block_size}
-    values = {n: getattr(run, n) for n, _ in settings_of(SharedSettings)}
-    for stage in (name, stages[name].builds_on):
-        if stage is not None:
-            prefix = "" if stage == "target" else stage
-            values.update(settings_of_config(run.stages[stage], prefix))
-    if name != "target":
-        values.update({n: getattr(run, n) for n, _ in settings_of(DistillSettings)})
-    elif "mtp" in run.stages:
-        mtp = run.stages["mtp"]
-        values["mtp_mode"] = mtp.mode
-        if mtp.mode == "joint":
-            values.update(mtp_modules=mtp.modules, mtp_lambda=mtp.lambda_)
-    return {"seed": run.seed, **values}
-
-
-def settings_of_config(cfg, prefix):
-    """{name: value} of a stage's settings object, by their flags' names (dflash_block, ...)."""
-    return {n: getattr(cfg, f.name) for n, f in settings_of(type(cfg), prefix)}
+    """The settings out/<name>.pt records: one trained with other values is not current. Its
+    stage's own record (the target's), else the usual one (training.stage.usual_record)."""
+    stage = stages[name]
+    if stage.records is not None:
+        return stage.records(run)
+    return usual_record(run, name, stage)
 
 
 def is_current(tr, stage):
@@ -326,7 +297,8 @@ def keep_trained_target(run, stages):
     except CheckpointError:  # unreadable: it is remade anyway, with a notice
         return
     had, now = ckpt.get("settings") or {}, recorded(run, stages, "target")
-    seen, tokens = ckpt.get("tokens_seen", 0), run.target_iters * run.batch_size * run.block_size
+    steps = run.settings["target"].target_iters
+    seen, tokens = ckpt.get("tokens_seen", 0), steps * run.batch_size * run.block_size
     if run.init_from and had.get("init_from") != now["init_from"]:
         why = f"--init-from {run.init_from} would be imported over it"
     elif not run.init_from and had != now and tokens < seen:
@@ -348,7 +320,7 @@ def keep_trained_target(run, stages):
 class Trainer:
     """Everything a stage gets besides its own settings, so that no stage imports train.py:
 
-    run, device            the run's settings (run.block_size, run.seed, ...; run.stages: every
+    run, device            the run's settings (run.block_size, run.seed, ...; run.settings: every
                            stage's settings, where one builds on another's) and the device
     target()               (the trained, frozen target, its checkpoint dict)
     distill                the drafters' text and the target's features on it (training/distill.py):
@@ -381,19 +353,21 @@ class Trainer:
 
     def budget(self, steps=None):
         """What the running stage cost: its optimizer steps and seconds (bench.py prints it)."""
-        return {"steps": steps or self.run.stages[self.stage].iters, "seconds": self.elapsed()}
+        return {"steps": steps or self.run.settings[self.stage].iters, "seconds": self.elapsed()}
 
     def recorded(self, stage):
         """The settings out/<stage>.pt records (recorded(), above)."""
         return recorded(self.run, self.stages, stage)
 
     def lr_flag(self, phase):
-        """The flag of a phase's learning rate (--dflash-narrow-lr), else of its stage's."""
-        stage = phase.split("-")[0]
+        """The flag of a phase's learning rate: its own (--dflash-narrow-lr), else its stage's."""
+        stage = self.stage or phase.split("-")[0]
         prefix = "" if stage == "target" else stage
         names = {n for n, _ in settings_of(self.stages[stage].settings, prefix)}
-        own = f"{phase.replace('-', '_')}_lr"
-        return "--" + (own if own in names else f"{stage}_lr").replace("_", "-")
+        for name in (f"{phase.replace('-', '_')}_lr", f"{stage}_lr"):
+            if name in names:
+                return "--" + name.replace("_", "-")
+        return f"{stage}'s learning rate"
 
     def forget_target(self):
         """Drop the loaded target and everything computed from it (after it is retrained)."""

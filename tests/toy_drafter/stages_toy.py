@@ -20,24 +20,25 @@ class ToySettings:
     lr: float = setting(2e-3, "toy: peak learning rate")
 
 
-def phases(cfg, run):
-    return [("toy", cfg.iters)]
+def phases(settings, run):
+    return [("toy", settings.iters)]
 
 
-def train(tr, cfg):
+def train(tr, settings):
     """The heads on the frozen target, on the distillation set -> out/toy.pt."""
     run = tr.run
     target, target_ckpt = tr.target()
     torch.manual_seed(run.seed + 6)
-    net = ToyHeads(ToyConfig(n_embd=target.config.n_embd, heads=cfg.heads), target).to(tr.device)
+    cfg = ToyConfig(n_embd=target.config.n_embd, heads=settings.heads)
+    net = ToyHeads(cfg, target).to(tr.device)
     batches, last = tr.distill.batches("gen"), target.config.n_layer
-    fingerprint = {"stage": "toy", "config": net.config.to_dict(), "iters": cfg.iters,
-                   "lr": cfg.lr, "target": target_ckpt["model_hash"], "seed": run.seed,
+    fingerprint = {"stage": "toy", "config": net.config.to_dict(), "iters": settings.iters,
+                   "lr": settings.lr, "target": target_ckpt["model_hash"], "seed": run.seed,
                    "gen": tr.distill.key("gen")}
     val, _ = yield Fit("toy", net, lambda s: toy_loss(net, *batches(s), last),
                        lambda: tr.val_loss(lambda x, y: toy_loss(net, x, *tr.distill.features(x),
                                                                  last)),
-                       steps=cfg.iters, lr=cfg.lr, fingerprint=fingerprint,
+                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
                        tokens_per_step=run.batch_size * run.block_size)
     tr.save("toy", net.config.to_dict(), net, {"val_loss": val})
     return val
