@@ -16,14 +16,18 @@ concatenated, projected d*n -> d and normalised into a context, and in EVERY dra
 context is injected as extra keys/values in front of the block ("KV injection"). Queries come
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
-Three departures from the paper, all because we train for minutes, not GPU-days (see
-DFlash.__init__, alibi_bias, and widen): one mask embedding per block offset instead of one
-shared mask, an ALiBi distance penalty on top of RoPE, and a narrow block first: block 8, then
-widened to 16, which keeps the first slot as good as block 8's.
+What the draft layers are made of follows the target's family (DraftLayer). For a Llama or
+Qwen target they are the papers' (and speculators', which vLLM serves): Qwen3 decoder layers
+(RMSNorm, RoPE, SwiGLU, per-head q/k norm, grouped K/V), every mask slot the embedding of one
+mask token, and a final norm of their own. For the lesson's GPT-2 target they are GPT-2's
+(LayerNorm, GELU, biases) with two departures, because we train for minutes, not GPU-days:
+one mask embedding per block offset instead of one shared mask, and an ALiBi distance penalty
+on top of RoPE. Both kinds train a narrow block first (block 8, then widened to 16). On that
+target the papers' layers drafted fewer tokens a round (docs/experiments.md: DFlash: the
+papers' layers).
 
 The file reads in order: the config, the draft layers, the network, the Drafter (how it drafts),
-then how it learns: anchors, the training mask, the loss, and the narrow-then-full recipe
-(training/stages_dflash.py runs it in train.py's loop).
+then how it learns (anchors, mask, loss, narrow-then-full; training/stages_dflash.py runs it).
 
 Bookkeeping at inference: the context is the target's states of every confirmed token BEFORE
 the anchor t*, which enters the block as a token at its absolute position. Each draft layer
@@ -45,6 +49,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt import MLP, attention
+from llama import LlamaConfig, RMSNorm, SwiGLU, rope_frequencies
 from draft_small import total_variation
 from speculative import Declaration, Drafter
 
@@ -56,20 +61,46 @@ from speculative import Declaration, Drafter
 class DFlashConfig:
     n_embd: int = 256        # must be the target's width: we use its embedding and LM head
     n_head: int = 8          # head size n_embd / n_head (32 on the CPU preset, as the target's)
-    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale
-    #                          (training/stages_dflash.py: 3 on CUDA, to fit its budget)
-    # target layers read as context (network_config picks them with default_taps)
-    taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    n_layer: int = 2         # draft layers; the paper uses 5 at 8B scale (3 on CUDA here)
+    taps: list = field(default_factory=lambda: [1, 2, 3, 4, 5])  # target layers read (default_taps)
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
     rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
-    alibi: bool = True       # plus a distance penalty per attention head (see alibi_bias())
-    bias: bool = True        # like the target's Linears and LayerNorms
+    arch: str = "gpt2"       # the draft layers: "gpt2" or "qwen3" (the papers'; see DraftLayer)
+    alibi: bool | None = None  # ALiBi on top of RoPE (see alibi_bias()); None: "gpt2" only
+    bias: bool | None = None   # like the target's Linears and LayerNorms (None: "gpt2" only)
     dropout: float = 0.0     # gpt.MLP wants it; 0 for runs this short
+    # "qwen3" layers only (the target's own where it is a Llama or a Qwen; None: as GPT-2's)
+    n_kv_head: int | None = None  # key/value heads, each shared by n_head / n_kv_head query heads
+    head_dim: int | None = None   # None: n_embd / n_head
+    n_hidden: int | None = None   # SwiGLU's inner width; None: 8/3 n_embd, rounded up to 64
+    norm_eps: float = 1e-6
+    rope_scaling: dict | None = None  # as llama.LlamaConfig's
+    mask_token: int | None = None  # whose embedding fills every mask slot; None: the last id
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown DFlash layers {self.arch!r}: use {' or '.join(ARCHS)}")
+        gpt2 = self.arch == "gpt2"
+        self.alibi = gpt2 if self.alibi is None else self.alibi
+        self.bias = gpt2 if self.bias is None else self.bias
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.n_hidden = self.n_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+    def layer_config(self):
+        """The "qwen3" layers' shape as llama.py reads it (its RMSNorm, SwiGLU, RoPE angles)."""
+        return LlamaConfig(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.n_kv_head,
+                           head_dim=self.head_dim, n_hidden=self.n_hidden, norm_eps=self.norm_eps,
+                           rope_theta=self.rope_base, rope_scaling=self.rope_scaling, qk_norm=True)
 
     def to_dict(self):
-        return asdict(self)
+        d = asdict(self)
+        if self.arch == "gpt2":  # as written before there were two: old checkpoints stay current
+            for name in ("arch",) + QWEN3_ONLY:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d):
@@ -80,22 +111,31 @@ class DFlashConfig:
         return cls(**d)
 
 
-def default_taps(n_layer):
+ARCHS = ("gpt2", "qwen3")
+QWEN3_ONLY = ("n_kv_head", "head_dim", "n_hidden", "norm_eps", "rope_scaling", "mask_token")
+
+
+def default_taps(n_layer, arch="gpt2"):
     """Which target layers feed the context. The paper spreads 5 taps over 36 layers; our targets
     have few, so we take every block output but the last (1..n_layer-1): the last block is
     specialised on predicting the *next* token, which at the anchor we already know. A 2-layer
-    target keeps both."""
-    return list(range(1, n_layer)) if n_layer > 2 else list(range(1, n_layer + 1))
+    target keeps both, but for "qwen3" layers (training/speculators_folder.py's exportable: why)."""
+    return list(range(1, n_layer + (n_layer == 1 or n_layer == 2 and arch == "gpt2")))
 
 
 # -----------------------------------------------------------------------------
 # the draft layers: RoPE, KV-injected attention, a block
 
 
-def rope_table(n, hs, base, device=None):
-    """cos and sin of the RoPE angles for positions 0..n-1, each (n, hs/2), in float32: built
-    once (a bfloat16 angle would turn position 200 by the wrong amount)."""
-    inv = base ** (-torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)  # (hs/2,)
+def rope_table(n, cfg, device=None):
+    """cos and sin of the RoPE angles for positions 0..n-1, each (n, hs/2), in float32 (a
+    bfloat16 angle would turn position 200 by the wrong amount): pair i of dimensions turns by
+    base^(-2i/hs) a position; "qwen3" layers take llama.py's angles, rope scaling included."""
+    hs = cfg.head_dim
+    if cfg.arch == "qwen3":
+        inv = rope_frequencies(cfg.layer_config()).to(device)
+    else:
+        inv = cfg.rope_base ** (-torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
     ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv  # (n, hs/2)
     return ang.cos(), ang.sin()
 
@@ -119,9 +159,8 @@ def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
     uniform over the whole context, the few states that matter (the last before the anchor) are
     drowned, and learning starts slowly (docs/experiments.md: DFlash: ALiBi). The bias gives some
     attention heads a recency prior from step 0; heads with small slopes stay global.
-    Memory: in training this is (batch, nh, Tq, Tk), the largest tensor of a DFlash step, so the
-    distances are made in one float tensor (no int64 copies) and only the result is per
-    attention head."""
+    Memory: in training this is (batch, nh, Tq, Tk), a DFlash step's largest tensor, so distances
+    are one float tensor (no int64 copies) and only the result is per attention head."""
     wide = torch.promote_types(dtype, torch.float32)  # positions and distances exact (< 2^24)
     dist = (q_pos.to(wide)[..., :, None] - k_pos.to(wide)[..., None, :]).abs_()  # (..., Tq, Tk)
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=q_pos.device, dtype=wide) / n_head)
@@ -130,49 +169,70 @@ def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
 
 class InjectedAttention(nn.Module):
     """Queries from the block only; keys/values = [context ; block] along the sequence axis.
-    One key/value projection serves both, so context and block live in the same key space."""
+    One key/value projection serves both, so context and block live in the same key space.
+    "qwen3" layers add what Qwen3's attention has: n_kv_head K/V heads, each shared by a group of
+    query heads (gpt.attention repeats them), and an RMSNorm on each head of q and k, before the
+    rotation (the context's keys too)."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.c_kv = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.n_head = cfg.n_head
+        nh, nkv, hs = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.c_q = nn.Linear(cfg.n_embd, nh * hs, bias=cfg.bias)
+        self.c_kv = nn.Linear(cfg.n_embd, 2 * nkv * hs, bias=cfg.bias)  # keys, then values
+        self.c_proj = nn.Linear(nh * hs, cfg.n_embd, bias=cfg.bias)
+        if cfg.arch == "qwen3":
+            self.q_norm, self.k_norm = RMSNorm(hs, cfg.norm_eps), RMSNorm(hs, cfg.norm_eps)
+        self.head_dim = hs
 
     def heads(self, t):
-        B, T, C = t.shape
-        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = t.shape
+        return t.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
 
-    def kv(self, x, cs):
-        """(B, T, C) -> keys (rotated to their absolute positions) and values, (B, nh, T, hs)."""
-        k, v = self.c_kv(x).split(x.size(-1), dim=2)
-        return rope(self.heads(k), *cs), self.heads(v)
+    def queries(self, q, cs):
+        """c_q's output (B, T, nh*hs) -> queries, normed ("qwen3") and rotated, (B, nh, T, hs)."""
+        q = self.heads(q)
+        return rope(self.q_norm(q) if hasattr(self, "q_norm") else q, *cs)
+
+    def keys_values(self, kv, cs):
+        """c_kv's output (B, T, 2*nkv*hs) -> keys (normed, rotated to their absolute positions)
+        and values, each (B, nkv, T, hs)."""
+        k, v = self.heads(kv).chunk(2, dim=1)
+        return rope(self.k_norm(k) if hasattr(self, "k_norm") else k, *cs), v
 
     def forward(self, x, cs, kv, start=None, mask=None):
         """kv = (context keys, context values). Training: start None, the block's K/V are appended
         to them. Inference (gpt-fast style): kv is a static cache whose first `start` positions
         hold the context; the block's K/V are written at start.. (overwritten next round)."""
-        B, T, C = x.shape
-        q = rope(self.heads(self.c_q(x)), *cs)  # (B, nh, T, hs)
-        k, v = self.kv(x, cs)
+        B, T, _ = x.shape
+        q = self.queries(self.c_q(x), cs)  # (B, nh, T, hs)
+        k, v = self.keys_values(self.c_kv(x), cs)
         if start is None:
-            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # (B, nh, Tc + T, hs)
+            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # (B, nkv, Tc+T, hs)
         else:
             kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
             k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
         # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
         y = attention(q, k, v, mask)  # (B, nh, T, hs)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+def norm_of(cfg, dim):
+    """A norm of the draft layers: GPT-2's LayerNorm, or (qwen3) RMSNorm."""
+    return nn.LayerNorm(dim, bias=cfg.bias) if cfg.arch == "gpt2" else RMSNorm(dim, cfg.norm_eps)
 
 
 class DraftLayer(nn.Module):
+    """A pre-norm block: attention over [context ; block], then an MLP. Its parts are the
+    target's family's: "gpt2" layers are gpt.py's (LayerNorm, GELU, biases, with ALiBi on top of
+    RoPE); "qwen3" layers are the DFlash and DSpark papers' and speculators' (llama.py's RMSNorm
+    and SwiGLU, per-head q/k RMSNorm, grouped K/V, no biases), which vLLM serves."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm_of(cfg, cfg.n_embd)
         self.attn = InjectedAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln_2 = norm_of(cfg, cfg.n_embd)
+        self.mlp = MLP(cfg) if cfg.arch == "gpt2" else SwiGLU(cfg.layer_config())
 
     def forward(self, x, cs, kv, start=None, mask=None):
         x = x + self.attn(self.ln_1(x), cs, kv, start, mask)
@@ -185,8 +245,7 @@ class DraftLayer(nn.Module):
 
 class DFlash(nn.Module):
     """Fusion projection + mask embedding + draft layers. The target (embedding, ln_f, LM head)
-    is held but not registered as a submodule: its weights stay frozen, out of the optimizer and
-    out of our state_dict."""
+    is held, not registered as a submodule: frozen, out of the optimizer and our state_dict."""
 
     def __init__(self, cfg, target):
         super().__init__()
@@ -198,13 +257,22 @@ class DFlash(nn.Module):
         self.config = cfg
         self.__dict__["target"] = target  # plain attribute, not a submodule (see above)
         self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
-        self.ctx_norm = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        # one learned mask embedding per block offset 1..block-1: with one shared mask (the paper's)
-        # only RoPE tells slot 3 from slot 9, and in our short training every slot made the same
-        # guess. At the scale of the target's token embeddings (row norm ~1): at 0.02 the slots
-        # still collapsed (docs/experiments.md: DFlash: mask embeddings)
-        self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) / math.sqrt(cfg.n_embd))
+        self.ctx_norm = norm_of(cfg, cfg.n_embd)
+        if cfg.arch == "gpt2":
+            # one learned mask embedding per block offset 1..block-1: with one shared mask only
+            # RoPE tells slot 3 from slot 9, and in our short training every slot made the same
+            # guess; at the target's embeddings' scale (row norm ~1), not 0.02, where they still
+            # collapsed (docs/experiments.md: DFlash: mask embeddings)
+            self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) /
+                                         math.sqrt(cfg.n_embd))
+        else:  # the papers': every mask slot is one token's embedding, the target's own, frozen
+            V = target.config.vocab_size
+            self.mask_token = V - 1 if cfg.mask_token is None else cfg.mask_token
+            if not 0 <= self.mask_token < V:
+                raise ValueError(f"mask token {self.mask_token} is not a target token (0..{V - 1})")
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
+        if cfg.arch == "qwen3":
+            self.norm = norm_of(cfg, cfg.n_embd)  # its own final norm before the target's LM head
         for pn, p in self.named_parameters():
             if p.dim() == 2 and pn != "mask_emb":
                 scale = math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1
@@ -215,13 +283,13 @@ class DFlash(nn.Module):
 
     def tables(self, device, dtype):
         """RoPE cos/sin for every position a block can reach (float32 angles, then cast), and the
-        ALiBi bias between every pair of such positions, (1, nh, N, N): inference slices them, never
-        rebuilds them. Plain attributes, not buffers: they are derived, not learned."""
+        ALiBi bias between every pair of them, (1, nh, N, N): inference slices them, never rebuilds
+        them. Plain attributes, not buffers: derived, not learned."""
         key = (str(device), dtype)
         if key not in self._tables:
             cfg = self.config
             N = self.target.config.sequence_len + cfg.block
-            cos, sin = rope_table(N, cfg.n_embd // cfg.n_head, cfg.rope_base, device)
+            cos, sin = rope_table(N, cfg, device)
             pos = torch.arange(N, device=device)
             # (1, nh, N, N): 4-d, as SDPA's fused CPU kernel wants it (for a 3-d mask it falls
             # back to its slower unfused path; docs/experiments.md: DFlash: lean round)
@@ -242,15 +310,19 @@ class DFlash(nn.Module):
     def context_kv(self, ctx, pos):
         """Every draft layer's keys/values for these context positions: [(k, v)] * n_layer."""
         cs = self.cs(pos, ctx.dtype)
-        return [layer.attn.kv(ctx, cs) for layer in self.layers]
+        return [layer.attn.keys_values(layer.attn.c_kv(ctx), cs) for layer in self.layers]
 
     def block_input(self, anchors, n_slots):
         """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the
         masks."""
         B, A = anchors.shape
-        masks = self.mask_emb[:n_slots - 1].expand(B, A, -1, -1)  # (B, A, n_slots-1, d)
-        anchor_emb = self.target.transformer.wte(anchors)[:, :, None]  # (B, A, 1, d)
-        x = torch.cat([anchor_emb, masks], dim=2)  # (B, A, n_slots, d)
+        wte = self.target.transformer.wte
+        if self.config.arch == "gpt2":
+            masks = self.mask_emb[:n_slots - 1]  # (n_slots-1, d)
+        else:
+            masks = wte(torch.full((n_slots - 1,), self.mask_token, device=anchors.device))
+        masks = masks.expand(B, A, -1, -1)  # (B, A, n_slots-1, d)
+        x = torch.cat([wte(anchors)[:, :, None], masks], dim=2)  # (B, A, n_slots, d)
         return x.view(B, A * n_slots, -1)
 
     def forward_training(self, x, pos, ctx_kvs, visible):
@@ -281,9 +353,13 @@ class DFlash(nn.Module):
             x = layer(x, cs, kv, start, mask)
         return x
 
+    def final_norm(self, h):
+        """The norm before the LM head: the target's own ln_f, or ("qwen3") the drafter's."""
+        return self.target.transformer.ln_f(h) if self.config.arch == "gpt2" else self.norm(h)
+
     def logits(self, h):
-        """The target's own ln_f and LM head on h."""
-        return self.target.lm_head(self.target.transformer.ln_f(h))
+        """The target's LM head on the final norm of h."""
+        return self.target.lm_head(self.final_norm(h))
 
 
 # -----------------------------------------------------------------------------
@@ -327,19 +403,19 @@ class DFlashDrafter(Drafter):
         # every layer's c_kv stacked into one Linear, for the commit's single product (_extend). A
         # copy, taken here: a drafter is built after training, never trained itself
         c_kvs = [layer.attn.c_kv for layer in net.layers]
-        self.ctx_kv = nn.Linear(cfg.n_embd, cfg.n_layer * 2 * cfg.n_embd, bias=cfg.bias,
-                             device=p.device, dtype=p.dtype).requires_grad_(False)
+        self.ctx_kv = nn.Linear(cfg.n_embd, cfg.n_layer * c_kvs[0].out_features, bias=cfg.bias,
+                                device=p.device, dtype=p.dtype).requires_grad_(False)
         with torch.no_grad():
             self.ctx_kv.weight.copy_(torch.cat([c.weight for c in c_kvs]))
             if cfg.bias:
                 self.ctx_kv.bias.copy_(torch.cat([c.bias for c in c_kvs]))
 
     def new_caches(self):
-        """Its own static K/V caches, (n_layer, 1, nh, Tmax, hs): Tmax = the target's context
+        """Its own static K/V caches, (n_layer, 1, nkv, Tmax, hs): Tmax = the target's context
         window plus one block."""
         cfg, p = self.net.config, self.net.fc.weight
-        shape = (cfg.n_layer, 1, cfg.n_head, self.net.target.config.sequence_len + cfg.block,
-                 cfg.n_embd // cfg.n_head)
+        Tmax = self.net.target.config.sequence_len + cfg.block
+        shape = (cfg.n_layer, 1, cfg.n_kv_head, Tmax, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
@@ -356,13 +432,18 @@ class DFlashDrafter(Drafter):
         is a few dozen tiny ops on a CPU, so it pays to do it in one pass, not one per layer)."""
         ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})[0]  # (m, d)
         n, m = self.n_ctx, ctx.size(0)
-        n_layer, _, nh, _, hs = self.k_cache.shape
-        kv = self.ctx_kv(ctx).view(m, n_layer, 2, nh, hs)
-        kv = kv.permute(1, 2, 3, 0, 4)  # (n_layer, 2, nh, m, hs)
+        n_layer, _, nkv, _, hs = self.k_cache.shape
+        kv = self.ctx_kv(ctx).view(m, n_layer, 2, nkv, hs).permute(1, 2, 3, 0, 4)  # (L,2,nkv,m,hs)
         cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
-        self.k_cache[:, 0, :, n:n + m] = rope(kv[:, 0], cos[n:n + m], sin[n:n + m])
+        self.k_cache[:, 0, :, n:n + m] = rope(self.norm_keys(kv[:, 0]), cos[n:n + m], sin[n:n + m])
         self.v_cache[:, 0, :, n:n + m] = kv[:, 1]
         self.n_ctx += m
+
+    def norm_keys(self, k):
+        """The stacked keys k (n_layer, ..., hs) through each layer's per-head norm ("qwen3")."""
+        if self.net.config.arch == "gpt2":
+            return k
+        return torch.stack([layer.attn.k_norm(k[i]) for i, layer in enumerate(self.net.layers)])
 
     @torch.inference_mode()
     def begin(self, tokens, hidden):
@@ -475,14 +556,13 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
 
 
 # -----------------------------------------------------------------------------
-# how it learns (3): a narrow block first, then the full block
+# how it learns (2): a narrow block first, then the full block
 #
 # The first slots of a block decide whether a round goes on at all. Trained at block 16 from the
 # start, the first slot stayed worse than a block-8 network's (docs/experiments.md: DFlash: narrow
-# block first). So training runs in two phases: block 8 with twice the anchors a step, then the
-# full block 16 starting from that network, widened, which learns its later slots. Every weight
-# has the same shape at any block but the mask embeddings, one per block offset; widening keeps
-# the trained ones and gives the new offsets their initial values:
+# block first). So training runs block 8 with twice the anchors a step, then the full block 16
+# from that network, widened: every weight has the same shape at any block but "gpt2" layers'
+# mask embeddings, one per offset; widening keeps the trained ones, the new ones start at init:
 #
 #     net = DFlash(replace(cfg, block=8), target)        # phase 1: dflash_loss at block 8
 #     ...train...
@@ -495,8 +575,10 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
 def widen(net, state_dict):
     """Load into the DFlash network `net` the weights of one trained at its block or a narrower
     one: offsets 1..b-1 of the mask embeddings take the narrower network's, the later ones keep
-    their init."""
+    their init. ("qwen3" networks have no mask embeddings of their own: the same at any block.)"""
     sd = dict(state_dict)
+    if "mask_emb" not in sd:
+        return net.load_state_dict(sd)
     m, own = sd["mask_emb"], net.mask_emb.detach()
     if m.size(0) > own.size(0):
         raise ValueError(f"a block-{m.size(0) + 1} DFlash does not fit a block-"

@@ -103,8 +103,14 @@ class DSpark(nn.Module):
         one row lookup, where W1[x] W2 reads all of W2 (r x V) for every token."""
         return self.w1.weight @ self.w2
 
+    def features(self, h):
+        """The backbone state the confidence head reads: h as the layers leave it, or, for
+        "qwen3" layers, after the backbone's final norm, as speculators' DSpark reads it."""
+        return h if self.backbone.config.arch == "gpt2" else self.backbone.final_norm(h)
+
     def confidence_logit(self, h, prev):
-        """w . [h_j; W1[x_{j-1}]] (before the sigmoid): h (..., d), prev (...) -> (...)."""
+        """w . [h_j; W1[x_{j-1}]] (before the sigmoid): h (..., d) the features, prev (...) ->
+        (...)."""
         return self.conf(torch.cat([h, self.w1(prev)], dim=-1)).squeeze(-1)
 
     @torch.no_grad()
@@ -138,7 +144,7 @@ def dspark_terms(spark, x, hidden, t_logits, anchors, block=None):
     tv = total_variation(logp, p_t)
     ce = -(p_t * logp).sum(-1)
     # the confidence head is a probe on the backbone: its BCE does not pull the drafting features
-    z = spark.confidence_logit(h.detach(), prev)
+    z = spark.confidence_logit(spark.features(h).detach(), prev)
     hit = (logp.argmax(-1) == p_t.argmax(-1)).float()
     return ce, tv, z, hit
 
@@ -447,7 +453,8 @@ class DSparkDrafter(DFlashDrafter):
         t0 = time.perf_counter()
         self.scored += 1
         prev = torch.cat([self.seq[-1:], toks[:-1]])  # x_{j-1}: the token before each draft
-        z = (h @ self.conf_h + self.conf_code[prev]).tolist()  # (k,) logits: the host sync
+        f = self.spark.features(h)
+        z = (f @ self.conf_h + self.conf_code[prev]).tolist()  # (k,) logits: the host sync
         survival, prefix = [], 1.0
         for z_j, temp in zip(z, self.conf_temp):  # on the host: k tiny steps, not k more ops
             prefix *= 0.5 * (1 + math.tanh(0.5 * z_j / temp))  # sigmoid(z_j / T_j)

@@ -18,7 +18,7 @@ from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
-from runtime.profiling import profile_tree
+from runtime.profiling import most_tree_nodes, profile_tree
 from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
 from speculative import Sampler, generate_speculative, k_for
 from training import data, tokenizer
@@ -110,6 +110,10 @@ def main(argv=None):
     trace = []
     a.k = a.k if a.k is not None else k_for(drafter, a.sampling)
     if a.tree:  # sized each round by what it is expected to keep and what it costs here
+        if a.tree > most_tree_nodes(target):
+            print(f"--tree {a.tree}: at most {most_tree_nodes(target)} nodes, what a round can "
+                  f"verify in the target's {target.config.sequence_len}-token window")
+            a.tree = most_tree_nodes(target)
         tree = profile_tree(BlockTree(drafter, nodes=a.tree, k=a.k), target)
         out, stats = generate_tree(target, tree, ids, a.max_new_tokens, sampler, trace=trace)
     else:

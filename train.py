@@ -177,6 +177,8 @@ def main(argv=None):
         if sys.stdout is not stdout:
             sys.stdout.close()
             sys.stdout = stdout
+        if world.size > 1 and isinstance(sys.exc_info()[1], Exception):
+            command.ending()  # ending on an error: torchrun's SIGTERM in the teardown is quiet
         ddp.stop(world)
 
 

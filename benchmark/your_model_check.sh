@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # docs/your_model.md's recipe as one device check: a random folder of a real model's shape (by
 # default SmolLM2-135M's), its target imported, a DFlash drafter trained for it on text it writes,
-# then bench.py, every row checked exact. On a lent GPU, from the project's root:
+# then bench.py, every row checked exact; the drafter exported as speculators' folder (vLLM serves
+# it), and, where speculators is installed, its logits checked against speculators' own model.
+# On a lent GPU, from the project's root:
 #     bash benchmark/your_model_check.sh                      # ~5 minutes budgeted on cuda
 # The tests run the same script on the CPU with a tiny folder:
 #     SHAPE=llama-tiny DEVICE=cpu PRESET=tiny STEPS=8 BLOCK=64 bash benchmark/your_model_check.sh
@@ -27,4 +29,10 @@ $PY -c "import json, sys; m = json.load(open(sys.argv[1]))['methods']; \
 bad = [k for k, r in m.items() if r['exact_match'] != 1.0]; \
 print('every row exact' if not bad else f'NOT EXACT: {bad}'); sys.exit(1 if bad else 0)" \
     "$OUT/bench.json"
+$PY -m training.speculators_folder export "$OUT/drafter" --out-dir "$run" --method dflash --force
+if $PY -c "import speculators" 2>/dev/null; then
+    $PY -m training.speculators_folder check "$OUT/drafter" --out-dir "$run" 2>&1 | tail -n 1
+else
+    echo "speculators is not installed here: the exported drafter's logits are not checked"
+fi
 echo "total seconds: $(( $(date +%s) - t0 ))"

@@ -33,21 +33,34 @@ def sigterm_as_interrupt():
     return signal.signal(signal.SIGTERM, _terminate)
 
 
+def ending(code=1):
+    """The command is ending on an error, its line printed or on its way: from here an interrupt
+    (Ctrl-C, or the SIGTERM torchrun sends every other rank when one fails) ends it at once with
+    exit status `code` and nothing more, instead of a second traceback from wherever it is
+    waiting or tearing down."""
+    def quietly(signum, frame):
+        raise SystemExit(code)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, quietly)
+
+
 def run(main, errors=(), interrupted="nothing was written"):
     """main() as a command. An exception of `errors` ends in 'error: ...' and exit status 1; an
     interruption in 'interrupted: <interrupted>' (a string, or a function giving one then) and
     exit status 130 (Ctrl-C) or 143 (SIGTERM)."""
-    previous = sigterm_as_interrupt()
+    previous = sigterm_as_interrupt(), signal.getsignal(signal.SIGINT)
     try:
         return main()
     except errors as e:
+        ending()
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt as e:
         note = interrupted() if callable(interrupted) else interrupted
         print(f"interrupted: {note}", file=sys.stderr)
         raise SystemExit(status(e)) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def status(interruption):

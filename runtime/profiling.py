@@ -27,6 +27,9 @@ def profile_verify(target, m_max, context=None, reps=9, between=None, as_tree=Fa
     (docs/experiments.md: DSpark: scheduler at batch 1). as_tree: through a tree's mask (a chain
     of m tokens as tree.py verifies it), whose kernels are not the chain's."""
     dev = target.lm_head.weight.device
+    if not 1 <= m_max < target.config.sequence_len:
+        raise ValueError(f"a verify of {m_max} tokens does not fit the target's window of "
+                         f"{target.config.sequence_len} after a context")
     n_ctx = context if context is not None else target.config.sequence_len // 2
     n_ctx = min(n_ctx, target.config.sequence_len - m_max)
     cache = target.new_cache()
@@ -159,12 +162,21 @@ class TreeCost:
         self.now[what] = statistics.median(seen)
 
 
+def most_tree_nodes(target):
+    """The most nodes a tree can have: a round verifies them and the root after at least one
+    token of context, in the target's window."""
+    return target.config.sequence_len - 2
+
+
 def profile_tree(tree, target, reps=5):
     """A sized tree's starting costs (sets tree.cost, a TreeCost): a block tree's drafting with one
     node and with all `nodes` (the difference is its per-node cost), a two-branch tree's learned
     draft, then the verify of m = 1..nodes + 1 tokens as a chain and through the tree mask, each
     try after the tree's own drafting, as in the loop. Leaves a dummy context begun."""
     tcfg, w = target.config, target.lm_head.weight
+    if not 1 <= tree.nodes <= most_tree_nodes(target):
+        raise ValueError(f"a tree of {tree.nodes} nodes: a round of this target verifies 1 to "
+                         f"{most_tree_nodes(target)}")
     cap, n_ctx, depth, greedy = tree.nodes, tcfg.sequence_len // 2, tree.max_k, Sampler("greedy")
     hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
            for t in tree.hidden_layers}

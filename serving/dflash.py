@@ -34,9 +34,9 @@ def injected_attention(attn, x, cs, kv, rag, mask):
     """draft_dflash.InjectedAttention over a ragged batch. x: the real slots packed (N, C), or
     (B, T, C) with no padding. The projections run on the packed rows, the attention on the padded
     (B, nh, T, hs); K/V written per row."""
-    q = rope(attn.heads(rag.unpack(attn.c_q(x))), *cs)  # (B, nh, T, hs)
-    k, v = rag.unpack(attn.c_kv(x)).split(x.size(-1), dim=2)
-    k, v = rag.write(kv[0], rope(attn.heads(k), *cs)), rag.write(kv[1], attn.heads(v))
+    q = attn.queries(rag.unpack(attn.c_q(x)), cs)  # (B, nh, T, hs)
+    k, v = attn.keys_values(rag.unpack(attn.c_kv(x)), cs)  # (B, nkv, T, hs)
+    k, v = rag.write(kv[0], k), rag.write(kv[1], v)
     y = attention(q, k, v, mask)  # (B, nh, T, hs)
     B, nh, T, hs = y.shape
     return attn.c_proj(rag.pack(y.transpose(1, 2).reshape(B, T, nh * hs)))
@@ -66,7 +66,7 @@ class BatchDFlash(BatchDrafter):
         width = self.net.target.config.sequence_len + self.slack
         if getattr(self, "states", None) is None or self.states.size(0) != B:
             # made once per batch size: everything past a row's valid length is stale, never read
-            shape = (cfg.n_layer, B, cfg.n_head, width, cfg.n_embd // cfg.n_head)
+            shape = (cfg.n_layer, B, cfg.n_kv_head, width, cfg.head_dim)
             self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
             self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
             self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
@@ -110,7 +110,8 @@ class BatchDFlash(BatchDrafter):
         pos_rope = pos.clamp_max(cos.size(0) - 1)
         at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
               pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
-        self.k_cache[at] = rope(kv[:, 0], cos[pos_rope][:, None], sin[pos_rope][:, None])
+        self.k_cache[at] = rope(self.one.norm_keys(kv[:, 0]), cos[pos_rope][:, None],
+                                sin[pos_rope][:, None])
         self.v_cache[at] = kv[:, 1]
         self.n_ctx = list(self.n_states)
 
@@ -298,7 +299,7 @@ class BatchDSpark(BatchDFlash):
         product and one host read for the whole batch (as the head gives them: choose() scales
         them by what verification has shown, recalibrate)."""
         prev = torch.cat([self.rows.last()[:, None], toks[:, :-1]], 1)
-        z = h @ self.conf_h + self.conf_code[prev]  # (B, K) confidence logits
+        z = self.spark.features(h) @ self.conf_h + self.conf_code[prev]  # (B, K) logits
         surv = torch.sigmoid(z / self.conf_temp[:z.size(1)]).cumprod(1)
         return surv.to("cpu", torch.float64).numpy(), np.array(ks)  # host sync
 

@@ -223,3 +223,16 @@ def test_a_real_signal_ends_train_py_in_one_line(out, corpus, sig, status):
     assert p.returncode == status, err
     assert err.startswith("interrupted: ") and err.count("\n") == 1, err
     assert not leftovers(out)
+
+
+# -----------------------------------------------------------------------------
+# a tree larger than the context can hold
+
+
+@pytest.mark.parametrize("nodes", [100_000, 10 ** 30])
+def test_a_tree_larger_than_the_window_is_capped_and_runs(trained, nodes):
+    """A tree never asks for a forward over nothing: --tree beyond what a round can verify is
+    capped at what it can, and said."""
+    out = succeeded(run("sample.py", "--out-dir", trained, "--method", "dspark", "--tree", nodes,
+                        "--max-new-tokens", "8", "--no-color", "--prompt", "def f("))
+    assert f"--tree {nodes}: at most " in out and "tau =" in out

@@ -244,6 +244,10 @@ def test_an_error_every_rank_meets_is_one_line_from_rank_0(corpus, tmp_path):
     ours = [line for line in err.splitlines() if line.startswith("error: ")]
     assert rc != 0 and len(ours) == 1, err[-3000:]
     assert ours[0].startswith("error: rank 0 of 2: --batch-size 3 does not split into 2 "), ours
+    # rank 1, waiting to let rank 0 speak, is stopped by torchrun's SIGTERM, quietly: the one
+    # traceback left is torchrun's own report that the job failed (ChildFailedError)
+    assert err.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in err, err
+    assert "During handling" not in err and "Terminated" not in err, err[-3000:]
 
 
 def test_torchrun_on_an_apple_gpu_is_refused_before_it_starts():

@@ -20,16 +20,18 @@ from speculative import Sampler, generate_plain, generate_speculative
 _FITTED = {}
 
 
-def fit_block_drafter(target, kind, steps=40, shift=0):
+def fit_block_drafter(target, kind, steps=40, shift=0, arch="gpt2"):
     """A DFlash (kind 'dflash') or DSpark ('dspark') network reading both tiny-target layers:
     random weights, then a few Adam steps on the target's own samples, so it agrees with the
     target some of the time and the loop sees full, partial and no acceptance. shift 0 is what
     train.py builds (the mask slots predict), at block 9; shift 1 (the anchor slot predicts too)
-    at block 8. Either way it drafts up to 8, so the shared tests' k = 1..8 are all allowed."""
+    at block 8. Either way it drafts up to 8, so the shared tests' k = 1..8 are all allowed.
+    arch "qwen3": the papers' layers, with two query heads a K/V head."""
     def fit():
         torch.manual_seed(3)
-        cfg = DFlashConfig(n_embd=target.config.n_embd, n_head=2, n_layer=2, taps=[1, 2],
-                           block=9 - shift, shift=shift)
+        heads = dict(n_head=4, n_kv_head=2) if arch == "qwen3" else dict(n_head=2)
+        cfg = DFlashConfig(n_embd=target.config.n_embd, n_layer=2, taps=[1, 2], block=9 - shift,
+                           shift=shift, arch=arch, **heads)
         if kind == "dspark":
             net, loss_fn = DSpark(cfg, DSparkConfig(rank=8), target).double(), dspark_loss
         else:
@@ -41,12 +43,16 @@ def fit_block_drafter(target, kind, steps=40, shift=0):
         anchors = torch.arange(1, x.size(1) - cfg.block - shift + 1, 3).expand(16, -1)
         return adam_fit(net, lambda: loss_fn(net, x, hid, logits, anchors, gamma=4.0), steps,
                         target)
-    return fitted(_FITTED, (id(target), kind, steps, shift), fit)
+    return fitted(_FITTED, (id(target), kind, steps, shift, arch), fit)
 
 
-def drafter_for(target, shift=0):
+def drafter_for(target, shift=0, arch="gpt2"):
     """The shared tests' DFlash: fitted a few steps, so that it agrees sometimes."""
-    return speed_up(DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift)))
+    return speed_up(DFlashDrafter(fit_block_drafter(target, "dflash", shift=shift, arch=arch)))
+
+
+# the shared tests run the papers' layers too, as "dflash-qwen3"
+VARIANTS = {"qwen3": lambda target: drafter_for(target, arch="qwen3")}
 
 
 def test_training_mask_matches_the_definition():

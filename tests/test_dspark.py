@@ -20,15 +20,20 @@ from test_dflash import drafter_for as make_dflash
 from test_dflash import fit_block_drafter
 
 
-def drafter_for(target, shift=0):
+def drafter_for(target, shift=0, arch="gpt2"):
     """The shared tests' DSpark, with its Markov head and the throughput scheduler on. At load it
     profiles the real device (runtime/profiling.profile_dspark); here it gets a fixed latency
     table instead (an m-token verify costs 1 + 0.5·m draft times: dear enough that it verifies ~4
     of 8 drafts), so which prefix it verifies -- and with it every test over it -- is
     deterministic. On a CPU greedy drafting takes the chain on the host (host_greedy_chain)."""
-    d = speed_up(DSparkDrafter(fit_block_drafter(target, "dspark", shift=shift), schedule="auto"))
+    net = fit_block_drafter(target, "dspark", shift=shift, arch=arch)
+    d = speed_up(DSparkDrafter(net, schedule="auto"))
     d.t_draft, d.t_verify = 1.0, [0.0] + [1.0 + 0.5 * m for m in range(1, d.max_k + 2)]
     return d
+
+
+# the shared tests run the papers' layers too, as "dspark-qwen3"
+VARIANTS = {"qwen3": lambda target: drafter_for(target, arch="qwen3")}
 
 
 make_dspark = drafter_for
@@ -262,7 +267,7 @@ def test_the_shared_block_drafters_are_built_as_train_py_builds_them(target, pre
     from training import stages_dflash
     run = train.resolve_args(["--preset", preset, "--device", "cpu"])
     shipped = stages_dflash.network_config(run.settings["dflash"], target.config)
-    sizes = {"n_embd", "n_head", "n_layer", "taps", "block"}
+    sizes = {"n_embd", "n_head", "n_layer", "taps", "block", "n_kv_head", "head_dim", "n_hidden"}
     for d in (make_dspark(target), make_dflash(target)):
         ours = d.net.config  # DSpark's drafter holds its backbone here
         for f in (f.name for f in fields(ours) if f.name not in sizes):

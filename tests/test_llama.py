@@ -28,7 +28,8 @@ from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
-from training import data, hf_folder, pretrained, stages_dflash, tokenizer
+from training import (data, hf_folder, pretrained, speculators_folder, stages_dflash,
+                      tokenizer)
 from training.target import load_target
 
 FAMILIES = sorted(LLAMAS)
@@ -384,12 +385,20 @@ def test_the_docs_recipe_runs_on_a_tiny_random_folder(tmp_path, corpus):
               lambda: bench.main(["--out-dir", out, "--methods", "ar,dflash", "--dtype",
                                   "float64", "--n-prompts", "2", "--max-new-tokens", "10",
                                   "--repeats", "1", "--plot", "", "--json",
-                                  str(tmp_path / "b.json")]))]
+                                  str(tmp_path / "b.json")])),
+             ("python -m training.speculators_folder export /tmp/tiny-drafter --out-dir "
+              "/tmp/tiny-out --method dflash",
+              lambda: speculators_folder.main(["export", str(tmp_path / "drafter"), "--out-dir",
+                                               out, "--method", "dflash"]))]
+    results = []
     for command, step in steps:
         assert command in recipe
-        res = step()
+        results.append(step())
+    res = results[3]
     assert set(res["methods"]) == {"ar", "dflash"}
     assert all(r["exact_match"] == 1.0 for r in res["methods"].values())
+    c = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert c["speculators_config"]["verifier"]["name_or_path"] == folder
 
 
 def test_the_model_runs_built_as_its_docstring_shows():
@@ -412,6 +421,8 @@ def test_the_device_check_of_the_recipe_runs_on_the_cpu(tmp_path, corpus):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "every row exact" in p.stdout
+    c = json.loads((tmp_path / "o" / "drafter" / "config.json").read_text())
+    assert c["speculators_model_type"] == "dflash"  # exported for vLLM
     rows = json.loads((tmp_path / "o" / "bench.json").read_text())["methods"]
     assert set(rows) == {"ar", "dflash", "lookup"}
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from runtime import command
+
 # -----------------------------------------------------------------------------
 # the world: this process's rank among how many
 
@@ -92,6 +94,7 @@ def fail(world, e, shared):
     ones), which rank 0 reports for all; another rank reports it only if the run is still going
     5 seconds later (its error was its own). A collective that failed because another rank had
     already stopped says nothing: that rank's line says why."""
+    command.ending()  # torchrun's SIGTERM, once rank 0 has spoken, ends this rank quietly
     text = str(e).strip()
     if any(s in text for s in LOST):
         raise SystemExit(1)

@@ -160,10 +160,11 @@ def read_safetensors(path):
     return out
 
 
-def write_safetensors(tensors, path):
-    """The inverse of read_safetensors (the tests' folders; --random)."""
+def write_safetensors(tensors, path, metadata=None):
+    """The inverse of read_safetensors (the tests' folders; --random; a drafter's export, whose
+    readers want metadata {"format": "pt"})."""
     names = {v: k for k, v in DTYPES.items()}
-    header, chunks, at = {}, [], 0
+    header, chunks, at = ({"__metadata__": metadata} if metadata else {}), [], 0
     for name, t in tensors.items():
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),

@@ -5,6 +5,8 @@ out/dflash.pt, and the state at the step where DSpark branches off (out/dflash.b
 training/stages_dspark.py starts there, so that the two drafters train the same number of steps).
 """
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +15,8 @@ import draft_dflash
 from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
 from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from runtime.settings import number, setting
-from training.stage import Fit, Stage
+from training import hf_folder
+from training.stage import Fit, Stage, usual_record
 
 
 @dataclass
@@ -49,6 +52,12 @@ class DFlashSettings:
                         "way", choices=["gen", "data"])
     taps: str = setting("auto", "dflash and dspark: target layers read as context, e.g. "
                         "'1,2,3,4,5' ('auto': every block but the last)")
+    arch: str = setting("auto", "dflash and dspark: their draft layers, 'gpt2' (GPT-2's, with "
+                        "ALiBi and a learned embedding per mask slot) or 'qwen3' (the papers', "
+                        "which speculators and vLLM serve: training/speculators_folder.py exports "
+                        "them); "
+                        "'auto': qwen3 for a Llama or Qwen target, gpt2 for a GPT-2 one",
+                        choices=["auto", "gpt2", "qwen3"])
 
 
 # -----------------------------------------------------------------------------
@@ -106,10 +115,10 @@ def branch_step(settings, run):
     return n if n >= 1 else None
 
 
-def dflash_taps(spec, n_layer):
+def dflash_taps(spec, n_layer, arch="gpt2"):
     """'auto' or '1,3,5' -> a list of target layers."""
     if spec == "auto":
-        return draft_dflash.default_taps(n_layer)
+        return draft_dflash.default_taps(n_layer, arch)
     try:
         return [int(t) for t in spec.split(",")]
     except ValueError:
@@ -122,9 +131,36 @@ def network_config(settings, target_cfg, block=None):
     can start from it). The mask slots predict (shift 0), as in the DFlash paper: letting the
     anchor slot predict too (DeepSpec's shift 1) drafted worse (docs/experiments.md: DFlash: the
     masks predict (shift 0))."""
+    layers = layers_like(settings, target_cfg)
     return DFlashConfig(n_embd=target_cfg.n_embd, n_head=heads(settings, target_cfg),
                         n_layer=settings.layers, block=block or settings.block,
-                        taps=dflash_taps(settings.taps, target_cfg.n_layer))
+                        taps=dflash_taps(settings.taps, target_cfg.n_layer, layers["arch"]),
+                        **layers)
+
+
+def arch_of(settings, family):
+    """--dflash-arch as it resolves: 'auto' is the papers' layers for a Llama-family target (the
+    family speculators and vLLM serve drafters for), GPT-2's for a GPT-2 one."""
+    return settings.arch if settings.arch != "auto" else ("qwen3" if family == "llama" else "gpt2")
+
+
+def layers_like(settings, target_cfg):
+    """The draft layers' kind and, for the papers' ("qwen3"), their shape: the target's own
+    where it is a Llama or a Qwen (its K/V heads and head size where the drafter has its head
+    count, its MLP width, RoPE and norm), as speculators builds a drafter from its verifier's
+    config; the mask slots take the target's last token id."""
+    family = getattr(target_cfg, "family", "gpt2")
+    arch = arch_of(settings, family)
+    if arch == "gpt2":
+        return {"arch": arch}
+    shape = {"arch": arch, "mask_token": target_cfg.vocab_size - 1}
+    if family == "llama":
+        same_heads = heads(settings, target_cfg) == target_cfg.n_head
+        shape.update(n_kv_head=target_cfg.n_kv_head if same_heads else None,
+                     head_dim=target_cfg.head_dim if same_heads else None,
+                     n_hidden=target_cfg.n_hidden, rope_base=target_cfg.rope_theta,
+                     rope_scaling=target_cfg.rope_scaling, norm_eps=target_cfg.norm_eps)
+    return shape
 
 
 def heads(settings, target_cfg):
@@ -200,5 +236,28 @@ def train_phase(tr, settings, fingerprint, batches, i, phase, before, done):
     return net, val
 
 
+def with_arch(values, run):
+    """A record of the settings (training.stage.usual_record) with --dflash-arch as it resolves
+    for the --init-from folder's family; GPT-2's layers are recorded as before there were two
+    kinds, not at all, so that a checkpoint written then stays current."""
+    family = "llama" if run.init_from and folder_type(run.init_from) in hf_folder.FAMILIES \
+        else "gpt2"
+    arch = arch_of(run.settings["dflash"], family)
+    values.pop("dflash_arch")
+    return values if arch == "gpt2" else {**values, "dflash_arch": arch}
+
+
+def folder_type(folder):
+    """The model_type a folder's config.json names (train.py has read and checked it by now)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f).get("model_type")
+
+
+def records(run):
+    """What out/dflash.pt records of the settings (one trained with others is not current)."""
+    return with_arch(usual_record(run, "dflash", STAGE), run)
+
+
 STAGE = Stage(settings=DFlashSettings, phases=phases, train=train,
-              step_cost={"dflash-narrow": 0.31, "dflash": 0.30}, files=("dflash.branch.pt",))
+              step_cost={"dflash-narrow": 0.31, "dflash": 0.30}, files=("dflash.branch.pt",),
+              records=records)

@@ -15,9 +15,9 @@ from draft_dflash import widen
 from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
 from runtime.checkpoint import cpu_state_dict, load_checkpoint
 from runtime.settings import number, setting
-from training.stage import Fit, Stage
+from training.stage import Fit, Stage, usual_record
 from training.stages_dflash import (anchored, branch_step, check_anchors, network_config,
-                                    total_steps)
+                                    total_steps, with_arch)
 
 
 @dataclass
@@ -190,5 +190,11 @@ def sampling_weights(tr, settings, spark, fingerprint):
             "budget": {"steps": settings.sampled_iters, "seconds": round(time.time() - t0)}}
 
 
+def records(run):
+    """What out/dspark.pt records of the settings: its own and DFlash's (stages_dflash.with_arch)."""
+    return with_arch(usual_record(run, "dspark", STAGE), run)
+
+
 STAGE = Stage(settings=DSparkSettings, phases=phases, train=train,
-              step_cost={"dspark": 0.39, "dspark-sampled": 0.27}, builds_on="dflash")
+              step_cost={"dspark": 0.39, "dspark-sampled": 0.27}, builds_on="dflash",
+              records=records)

@@ -1,0 +1,307 @@
+"""A drafter leaves the project and comes back (training/speculators_folder.py): DFlash and DSpark
+drafters of the papers' layers, trained here for a tiny Qwen3 folder, written as speculators'
+folder (vLLM's library), which vLLM serves; such a folder read back as a drafter that decodes
+exactly. Everywhere: the folder's names and config, the round trip tensor for tensor, the imported
+drafter exact through the loop, bench.py and sample.py, every refusal one line. Where speculators
+is installed (a virtual environment of its own: CI runs without it): its own DFlashDraftModel and
+DSparkDraftModel compute our logits on a folder transformers wrote, and a drafter speculators
+wrote drafts exactly here."""
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+import torch
+
+import bench
+import train
+from commands import refused, run, snapshot, succeeded
+from conftest import tiny_args
+from runtime.checkpoint import load_checkpoint
+from speculative import Sampler, generate_plain, generate_speculative
+from test_llama import VOCAB, folder_model, their_folder
+from training import pretrained, speculators_folder as sf, stages_dflash, trainer
+from training.target import load_target
+
+SCRIPT = "training/speculators_folder.py"
+KINDS = ["dflash", "dspark"]
+
+
+def pipeline(corpus, folder, out):
+    """The tiny preset's target, DFlash and DSpark for the folder's model (the papers' layers:
+    the default for a Llama or Qwen target)."""
+    for stage in ("target", "dflash", "dspark"):
+        train.main(tiny_args(corpus, out, "--init-from", str(folder), "--only", stage))
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(corpus, tmp_path_factory):
+    """A tiny Qwen3 folder this project wrote, and a run of it."""
+    folder = tmp_path_factory.mktemp("qwen3")
+    merges = pretrained.synthetic_merges(VOCAB - 257)
+    pretrained.write_llama_folder(folder_model("qwen3", n_layer=3), merges, folder, "qwen3")
+    return folder, pipeline(corpus, folder, tmp_path_factory.mktemp("qwen3_out"))
+
+
+def exported(out, kind, folder, *extra):
+    return run(SCRIPT, "export", folder, "--out-dir", out, "--method", kind, *extra)
+
+
+def copy_of(out, tmp_path):
+    shutil.copytree(out, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def exact_everywhere(out, tmp_path, kinds):
+    """bench.py greedy and coupled in float64 (every row exact), and sample.py, on out/."""
+    for mode in ("greedy", "coupled"):
+        res = bench.main(["--out-dir", str(out), "--methods", ",".join(["ar", *kinds]),
+                          "--n-prompts", "2", "--max-new-tokens", "12", "--prompt-len", "16",
+                          "--repeats", "1", "--sweep", "", "--plot", "", "--dtype", "float64",
+                          "--sampling", mode, "--temperature", "0.8",
+                          "--json", str(tmp_path / f"{mode}.json")])
+        assert set(res["methods"]) == {"ar", *kinds}
+        assert all(r["exact_match"] == 1.0 for r in res["methods"].values()), res["methods"]
+    for kind in kinds:
+        assert "tau =" in succeeded(run("sample.py", "--out-dir", out, "--method", kind,
+                                        "--max-new-tokens", "12", "--no-color", "--device",
+                                        "cpu"))
+
+
+# -----------------------------------------------------------------------------
+# everywhere: the folder, the round trip, the imported drafter exact, the refusals
+
+
+def test_a_llama_or_qwen_target_gets_the_papers_layers_shaped_like_it(qwen3_run):
+    target, _ = load_target(str(qwen3_run[1] / "target.pt"))
+    run_ = train.resolve_args(["--preset", "tiny", "--init-from", str(qwen3_run[0])])
+    cfg = stages_dflash.network_config(run_.settings["dflash"], target.config)
+    tc = target.config
+    assert (cfg.arch, cfg.alibi, cfg.bias, cfg.taps) == ("qwen3", False, False, [1, 2])
+    assert (cfg.n_kv_head, cfg.head_dim, cfg.n_hidden, cfg.rope_base, cfg.norm_eps) == \
+        (tc.n_kv_head, tc.head_dim, tc.n_hidden, tc.rope_theta, tc.norm_eps)
+    assert cfg.mask_token == tc.vocab_size - 1
+    gpt2 = stages_dflash.network_config(train.resolve_args(["--preset", "tiny"]).settings["dflash"],
+                                        types.SimpleNamespace(n_embd=32, n_head=2, n_layer=2,
+                                                              vocab_size=64))
+    assert (gpt2.arch, gpt2.alibi, gpt2.taps) == ("gpt2", True, [1, 2])
+    assert "arch" not in gpt2.to_dict()  # a GPT-2 drafter's checkpoint is written as before
+    # what a checkpoint records: the layers as they resolve, GPT-2's not at all (as before)
+    assert trainer.recorded(run_, train.STAGES, "dspark")["dflash_arch"] == "qwen3"
+    assert "dflash_arch" not in trainer.recorded(train.resolve_args(["--preset", "tiny"]),
+                                                 train.STAGES, "dflash")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exported_drafter_is_speculators_layout_and_reads_back_tensor_for_tensor(
+        qwen3_run, kind, tmp_path):
+    folder, out = qwen3_run
+    succeeded(exported(out, kind, tmp_path / "exp", "--uncalibrated"))
+    c = json.loads((tmp_path / "exp" / "config.json").read_text())
+    net, target, _ = sf.trained_network(str(out), kind)
+    cfg = net.config if kind == "dflash" else net.backbone.config
+    assert c["speculators_model_type"] == kind and c["block_size"] == cfg.block
+    assert c["aux_hidden_state_layer_ids"] == cfg.taps and c["mask_token_id"] == VOCAB - 1
+    assert c["speculators_config"]["verifier"]["name_or_path"] == os.path.abspath(folder)
+    layer = c["transformer_layer_config"]
+    assert (layer["model_type"], layer["hidden_size"], layer["num_key_value_heads"]) == \
+        ("qwen3", 32, cfg.n_kv_head)
+    tensors = pretrained.read_safetensors(str(tmp_path / "exp" / "model.safetensors"))
+    per_layer = {"input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj", *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj",
+                                                                "o_proj", "q_norm", "k_norm"))}
+    want = {f"layers.{i}.{m}.weight" for i in range(cfg.n_layer) for m in per_layer}
+    want |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    if kind == "dspark":
+        want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                 "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert set(tensors) == want  # the target's embedding and head are the verifier's
+
+    back = copy_of(out, tmp_path)
+    succeeded(run(SCRIPT, "import", tmp_path / "exp", "--out-dir", back, "--force"))
+    ours = load_checkpoint(str(out / f"{kind}.pt"), kind)["state_dict"]
+    theirs = load_checkpoint(str(back / f"{kind}.pt"), kind)["state_dict"]
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():  # the temperatures are the one thing speculators' head lacks
+        assert torch.equal(theirs[name], torch.ones_like(t) if name == "conf_temp" else t), name
+
+
+def test_an_imported_drafter_decodes_exactly_through_the_loop_bench_and_sample(qwen3_run,
+                                                                                tmp_path):
+    out = copy_of(qwen3_run[1], tmp_path)
+    for kind in KINDS:
+        succeeded(exported(out, kind, tmp_path / kind, "--uncalibrated"))
+        os.remove(out / f"{kind}.pt")
+        succeeded(run(SCRIPT, "import", tmp_path / kind, "--out-dir", out))
+        assert load_checkpoint(str(out / f"{kind}.pt"), kind)["imported_from"] == \
+            str(tmp_path / kind)
+    exact_everywhere(out, tmp_path, KINDS)
+
+
+def test_a_drafter_of_gpt2s_layers_is_refused_naming_the_flag(trained, tmp_path):
+    assert "--dflash-arch qwen3" in refused(exported(trained, "dflash", tmp_path / "x"),
+                                            "GPT-2's layers")
+    assert not (tmp_path / "x").exists()
+
+
+def test_eagle3_is_refused_saying_what_differs(qwen3_run, tmp_path):
+    refused(exported(qwen3_run[1], "eagle", tmp_path / "x"), "EAGLE-3 is not exported",
+            "d2t/t2d")
+    assert not (tmp_path / "x").exists()
+
+
+def test_confidences_calibrated_per_position_are_refused_unless_asked(qwen3_run, tmp_path):
+    net, _, _ = sf.trained_network(str(qwen3_run[1]), "dspark")
+    if bool((net.conf_temp == net.conf_temp[0]).all()):
+        pytest.skip("the tiny preset calibrated one temperature")
+    refused(exported(qwen3_run[1], "dspark", tmp_path / "x"), "--uncalibrated", "per position")
+
+
+def test_one_temperature_folds_into_the_confidence_head():
+    spark = types.SimpleNamespace(conf=torch.nn.Linear(5, 1), conf_temp=torch.full((4,), 2.5))
+    w, b = sf.confidence(spark, uncalibrated=False)
+    x = torch.randn(3, 5)
+    want = torch.sigmoid(spark.conf(x) / 2.5)
+    assert torch.allclose(torch.sigmoid(x @ w.T + b), want, atol=1e-7)
+    spark.conf_temp = torch.tensor([1.0, 2.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="per position"):
+        sf.confidence(spark, uncalibrated=False)
+    assert sf.confidence(spark, uncalibrated=True)[0] is not None
+
+
+def damaged(folder, how):
+    """A copy-edit of a speculators folder: its config changed, or a tensor removed or added."""
+    c = json.loads((folder / "config.json").read_text())
+    tensors = pretrained.read_safetensors(str(folder / "model.safetensors"))
+    if how == "eagle3":
+        c["speculators_model_type"] = "eagle3"
+    elif how == "reduced vocabulary":
+        c["draft_vocab_size"] = 100
+    elif how == "wider":
+        c["transformer_layer_config"]["hidden_size"] = 64
+    elif how == "lacks a tensor":
+        del tensors["layers.0.mlp.up_proj.weight"]
+    elif how == "an extra tensor":
+        tensors["d2t"] = torch.zeros(3)
+    elif how == "no model.safetensors":
+        os.remove(folder / "model.safetensors")
+        tensors = None
+    (folder / "config.json").write_text(json.dumps(c))
+    if tensors is not None:
+        pretrained.write_safetensors(tensors, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("eagle3", "EAGLE-3"), ("reduced vocabulary", "reduced draft vocabulary"),
+    ("wider", "width"), ("lacks a tensor", "lacks layers.0.mlp.up_proj.weight"),
+    ("an extra tensor", "d2t"), ("no model.safetensors", "model.safetensors not found")])
+def test_a_folder_this_project_cannot_compute_is_refused_and_nothing_is_replaced(
+        qwen3_run, tmp_path, how, needle):
+    out = copy_of(qwen3_run[1], tmp_path)
+    succeeded(exported(out, "dflash", tmp_path / "exp"))
+    damaged(tmp_path / "exp", how)
+    before = snapshot(out)
+    refused(run(SCRIPT, "import", tmp_path / "exp", "--out-dir", out, "--force"), needle)
+    assert snapshot(out) == before
+
+
+def test_nothing_is_written_over_without_force(qwen3_run, tmp_path):
+    out = copy_of(qwen3_run[1], tmp_path)
+    succeeded(exported(out, "dflash", tmp_path / "exp"))
+    before = snapshot(tmp_path)
+    refused(exported(out, "dflash", tmp_path / "exp"), "--force")
+    refused(run(SCRIPT, "import", tmp_path / "exp", "--out-dir", out), "--force")
+    assert snapshot(tmp_path) == before
+
+
+# -----------------------------------------------------------------------------
+# where speculators is installed: its own models against ours
+
+
+@pytest.fixture(scope="module")
+def hf_run(corpus, tmp_path_factory):
+    """A tiny Qwen3 folder transformers wrote, and a run of it."""
+    pytest.importorskip("speculators")
+    folder = tmp_path_factory.mktemp("hf_qwen3")
+    their_folder("qwen3", folder, pretrained.synthetic_merges(VOCAB - 257))
+    return folder, pipeline(corpus, folder, tmp_path_factory.mktemp("hf_qwen3_out"))
+
+
+def float64_norms(monkeypatch):
+    """Qwen3's RMSNorm in transformers casts to float32 (right for half precision): in the
+    input's own precision instead, so that float64 compares with float64."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                                              self.variance_epsilon))
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", forward)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculators_own_model_of_an_exported_drafter_computes_our_logits(hf_run, kind,
+                                                                          tmp_path, monkeypatch):
+    folder = tmp_path / "exp"
+    succeeded(exported(hf_run[1], kind, folder, "--uncalibrated"))
+    _, diff = sf.compare(str(folder), str(hf_run[1]), torch.float32, "eager")
+    assert max(diff.values()) <= 1e-4, diff
+    # float64 as far as their code allows: their norms in float64 (float64_norms), and SDPA's
+    # attention, as eager attention's softmax is float32 in transformers
+    float64_norms(monkeypatch)
+    _, diff = sf.compare(str(folder), str(hf_run[1]), torch.float64, "sdpa")
+    assert max(diff.values()) <= 1e-10, diff
+    assert "max |difference|" in succeeded(run(SCRIPT, "check", folder, "--out-dir", hf_run[1]))
+
+
+def speculators_wrote(kind, verifier, folder, seed=0):
+    """A drafter written by speculators' own class: random weights (moved off their init, so a
+    weight read into the wrong place shows), the verifier's embedding and head."""
+    import transformers
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    vc = transformers.AutoConfig.from_pretrained(verifier).to_dict()
+    vc.pop("layer_types", None)
+    layers = transformers.Qwen3Config(**{**vc, "num_hidden_layers": 2})
+    common = dict(transformer_layer_config=layers, draft_vocab_size=VOCAB, block_size=8,
+                  aux_hidden_state_layer_ids=[1], mask_token_id=VOCAB - 1,
+                  speculators_config=SpeculatorsConfig(
+                      algorithm=kind, default_proposal_method="greedy",
+                      proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=7)],
+                      verifier=VerifierConfig(name_or_path=str(verifier),
+                                              architectures=["Qwen3ForCausalLM"])))
+    if kind == "dflash":
+        model = DFlashDraftModel(DFlashSpeculatorConfig(**common))
+    else:
+        model = DSparkDraftModel(DSparkSpeculatorConfig(**common, markov_rank=8))
+    model.load_verifier_weights()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" not in name and "lm_head" not in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_drafter_speculators_wrote_drafts_exactly_and_as_speculators_computes(hf_run,
+                                                                                 tmp_path):
+    out = copy_of(hf_run[1], tmp_path)
+    for kind in KINDS:
+        folder = speculators_wrote(kind, hf_run[0], tmp_path / f"their_{kind}")
+        succeeded(run(SCRIPT, "import", folder, "--out-dir", out, "--force"))
+        _, diff = sf.compare(str(folder), str(out), torch.float32, "eager")
+        assert max(diff.values()) <= 1e-4, diff
+        net, target, _ = sf.trained_network(str(out), kind)
+        drafter = sf.KINDS[kind].drafter(net.double(), target.double())
+        for mode in ("greedy", "coupled"):
+            sampler = Sampler(mode, temperature=0.8, seed=3)
+            prompt = list(range(5, 21))
+            got, _ = generate_speculative(target, drafter, prompt, 16, 4, sampler)
+            assert got == generate_plain(target, prompt, 16, Sampler(mode, temperature=0.8,
+                                                                     seed=3))
+    exact_everywhere(out, tmp_path, KINDS)

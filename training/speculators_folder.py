@@ -1,0 +1,438 @@
+"""
+training/speculators_folder.py -- a DFlash or DSpark drafter as the serving engines read one:
+speculators' folder (vLLM's library), and such a folder read back as a drafter of this project.
+
+speculators writes a drafter as two files, which vLLM serves beside its target with
+--speculative-config:
+
+    config.json        speculators_model_type (dflash | dspark), the draft layers' shape as a
+                       Qwen3 config (transformer_layer_config), block_size, the target layers it
+                       reads (aux_hidden_state_layer_ids: hidden_states[L] in transformers, the
+                       output of block L, as this project's taps), mask_token_id, whether the
+                       anchor slot drafts (sample_from_anchor: this project's shift 1), DSpark's
+                       Markov rank, and the verifier it drafts for
+    model.safetensors  the drafter's own weights by Qwen3's names (fc, hidden_norm,
+                       layers.N.self_attn.q_proj, ..., norm; DSpark's markov_head and
+                       confidence_head); the embedding and LM head are the verifier's, not saved
+
+Only a drafter of the papers' layers (draft_dflash.py's "qwen3": --dflash-arch qwen3, the default
+for a Llama or Qwen target) has this layout; the rest is refused in one line naming what differs.
+
+    python -m training.speculators_folder export DIR --out-dir out --method dflash
+    python -m training.speculators_folder import DIR --out-dir out     # -> out/dflash.pt
+    python -m training.speculators_folder check DIR --out-dir out      # speculators' own logits
+
+docs/your_model.md takes a model folder to a served drafter with these.
+"""
+
+import json
+import os
+
+import torch
+
+import draft_dflash
+import draft_dspark
+from draft_dflash import DFlashConfig
+from runtime.checkpoint import CheckpointError, load_drafter_checkpoint, save_checkpoint
+from runtime.command import atomic_write, run
+from runtime.settings import ArgumentParser, expand
+from training import hf_folder
+from training.pretrained import read_safetensors, write_safetensors
+from training.target import load_target
+
+KINDS = {"dflash": draft_dflash.DRAFTER, "dspark": draft_dspark.DRAFTER}
+VERSION = "0.9.0"  # the speculators release whose layout this writes (and was checked against)
+
+# this project's module names -> speculators' (two where this project stacks two matrices in one:
+# the first half of its rows is the first name's)
+NAMES = {"fc": ("fc",), "ctx_norm": ("hidden_norm",), "norm": ("norm",),
+         "ln_1": ("input_layernorm",), "attn.c_q": ("self_attn.q_proj",),
+         "attn.c_kv": ("self_attn.k_proj", "self_attn.v_proj"),
+         "attn.c_proj": ("self_attn.o_proj",), "attn.q_norm": ("self_attn.q_norm",),
+         "attn.k_norm": ("self_attn.k_norm",), "ln_2": ("post_attention_layernorm",),
+         "mlp.c_fc": ("mlp.gate_proj", "mlp.up_proj"), "mlp.c_proj": ("mlp.down_proj",),
+         "w1": ("markov_head.markov_w1",), "conf": ("confidence_head.proj",)}
+
+
+def their_names(name):
+    """One of our state_dict's names (a DSpark's backbone.* included) -> speculators' names."""
+    module, param = name.removeprefix("backbone.").rsplit(".", 1)
+    layer = ""
+    if module.startswith("layers."):
+        _, i, module = module.split(".", 2)
+        layer = f"layers.{i}."
+    if module not in NAMES:
+        raise KeyError(name)
+    return [f"{layer}{m}.{param}" for m in NAMES[module]]
+
+
+def to_speculators(state_dict):
+    """Our state_dict -> speculators' tensors (W2 of the Markov head is stored (r, V) here, as a
+    Linear (V, r) there; the confidence temperatures are not weights: see confidence())."""
+    out = {}
+    for name, t in state_dict.items():
+        if name == "w2":
+            out["markov_head.markov_w2.weight"] = t.t().contiguous()
+        elif name != "conf_temp":
+            names = their_names(name)
+            out.update(zip(names, (c.contiguous() for c in t.chunk(len(names)))))
+    return out
+
+
+def from_speculators(tensors, like, folder):
+    """speculators' tensors -> a state_dict shaped as `like` (a freshly built network's), every
+    tensor accounted for: one missing, one left over or one of the wrong shape is an error."""
+    left, sd = dict(tensors), {}
+    for name, want in like.items():
+        if name == "conf_temp":
+            sd[name] = torch.ones_like(want)  # no temperatures there: sigmoid(z) as it is
+            continue
+        names = ["markov_head.markov_w2.weight"] if name == "w2" else their_names(name)
+        missing = [n for n in names if n not in left]
+        if missing:
+            raise ValueError(f"{folder}/model.safetensors lacks {missing[0]}")
+        t = torch.cat([left.pop(n) for n in names]).float()
+        t = t.t() if name == "w2" else t
+        if t.shape != want.shape:
+            raise ValueError(f"{folder}/model.safetensors: {names[0]} is {tuple(t.shape)}, its "
+                             f"config.json makes it {tuple(want.shape)}")
+        sd[name] = t
+    if left:
+        raise ValueError(f"{folder}/model.safetensors holds weights this project does not compute "
+                         f"({', '.join(sorted(left)[:3])})")
+    return sd
+
+
+# -----------------------------------------------------------------------------
+# export: out/<method>.pt -> config.json + model.safetensors
+
+
+EAGLE3 = ("this project's EAGLE-3 mixes the fused state and the token's embedding into one "
+          "state (2d -> d) before a GPT-2 layer without positions; speculators' eagle3 feeds "
+          "both to a Llama layer's attention (a first layer of doubled input), with rotary "
+          "positions, over a reduced draft vocabulary (d2t/t2d) (docs/your_model.md)")
+
+
+def exportable(kind, net, target_cfg):
+    """Why this network cannot be written as speculators' (one line), or None."""
+    cfg = net.config if kind == "dflash" else net.backbone.config
+    if cfg.arch != "qwen3":
+        return (f"this {kind} drafter is built of GPT-2's layers (LayerNorm, GELU, ALiBi, a "
+                "learned embedding per mask slot) and speculators' of Qwen3's: train it with "
+                "--dflash-arch qwen3")
+    if cfg.alibi:
+        return f"this {kind} drafter adds ALiBi to its attention, which speculators' does not"
+    if target_cfg.n_layer in cfg.taps:
+        return (f"this {kind} drafter reads the target's last layer ({target_cfg.n_layer}), which "
+                "this project taps before the final norm and transformers' hidden_states after "
+                "it: train it with --dflash-taps naming earlier layers")
+    return None
+
+
+def confidence(spark, uncalibrated):
+    """DSpark's confidence head as speculators' computes it: one linear layer for every position.
+    Temperatures the same at every position fold into it; per-position ones do not."""
+    temps = spark.conf_temp
+    w, b = spark.conf.weight.detach(), spark.conf.bias.detach()
+    if uncalibrated or bool((temps == 1).all()):
+        return w, b
+    if bool((temps == temps[0]).all()):
+        return w / temps[0], b / temps[0]
+    raise ValueError("this DSpark's confidences are calibrated per position (temperatures "
+                     f"{[round(t, 2) for t in temps.tolist()]}) and speculators' confidence head "
+                     "has none: pass --uncalibrated to export the head as trained (the drafts are "
+                     "the same, only its confidences differ), or train with --dspark-calib-seqs 0")
+
+
+def layer_config(cfg, vocab_size, max_positions):
+    """Our "qwen3" layers' shape as the transformer_layer_config speculators reads (Qwen3's)."""
+    rope = {"rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+    return {"model_type": "qwen3", "hidden_size": cfg.n_embd, "intermediate_size": cfg.n_hidden,
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+            "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "attention_bias": cfg.bias,
+            "rope_parameters": {**rope, "rope_theta": cfg.rope_base},
+            "layer_types": ["full_attention"] * cfg.n_layer, "vocab_size": vocab_size,
+            "max_position_embeddings": max_positions, "tie_word_embeddings": False}
+
+
+def speculators_config(kind, net, target_cfg, verifier):
+    """config.json for the network `net` (a DFlash, or a DSpark), drafting for `verifier`."""
+    cfg = net.config if kind == "dflash" else net.backbone.config
+    backbone = net if kind == "dflash" else net.backbone
+    V = target_cfg.vocab_size
+    c = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "DSparkDraftModel"],
+         "speculators_model_type": kind, "speculators_version": VERSION,
+         "transformer_layer_config": layer_config(cfg, V, verifier["max_position_embeddings"]),
+         "draft_vocab_size": V, "block_size": cfg.block, "aux_hidden_state_layer_ids": cfg.taps,
+         "mask_token_id": backbone.mask_token, "sample_from_anchor": cfg.shift == 1,
+         "sliding_window_non_causal": False, "target_hidden_size": None,
+         "tie_word_embeddings": False, "dtype": "float32",
+         "speculators_config": {
+             "algorithm": kind, "default_proposal_method": "greedy",
+             "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
+                                   "speculative_tokens": cfg.block - 1 + cfg.shift,
+                                   "verifier_accept_k": 1}],
+             "verifier": {"name_or_path": verifier["name_or_path"],
+                          "architectures": verifier["architectures"]}}}
+    if kind == "dspark":
+        c.update(markov_rank=net.config.rank, markov_head_type="vanilla",
+                 enable_confidence_head=True, confidence_head_with_markov=True)
+    return c
+
+
+def verifier_of(target_ckpt, name):
+    """What config.json says of the verifier: the folder the target was read from (its
+    architecture and context), or `name` where given (a hub id vLLM fetches)."""
+    folder = target_ckpt.get("init_from")
+    if not (name or folder):
+        raise ValueError("the target was trained here, not read from a model folder, and vLLM "
+                         "serves a drafter beside one: name it with --verifier")
+    c = {}
+    if folder and os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+    return {"name_or_path": name or os.path.abspath(folder),
+            "architectures": c.get("architectures", []),
+            "max_position_embeddings": c.get("max_position_embeddings",
+                                             target_ckpt["config"]["sequence_len"])}
+
+
+def trained_network(out_dir, kind):
+    """out/<kind>.pt's network (its greedy weights) and the target it drafts for, in float32."""
+    target, target_ckpt = load_target(os.path.join(out_dir, "target.pt"))
+    ckpt, _ = load_drafter_checkpoint(os.path.join(out_dir, f"{kind}.pt"), kind, target_ckpt)
+    net = KINDS[kind].network(ckpt["config"], target)
+    net.load_state_dict(ckpt["state_dict"])
+    return net.eval(), target, target_ckpt
+
+
+def export(out_dir, kind, folder, verifier=None, uncalibrated=False, force=False):
+    """out/<kind>.pt -> folder/config.json + folder/model.safetensors."""
+    if kind == "eagle":
+        raise ValueError(f"EAGLE-3 is not exported: {EAGLE3}")
+    net, target, target_ckpt = trained_network(out_dir, kind)
+    why = exportable(kind, net, target.config)
+    if why:
+        raise ValueError(why)
+    config = speculators_config(kind, net, target.config, verifier_of(target_ckpt, verifier))
+    tensors = to_speculators({k: v.detach().float() for k, v in net.state_dict().items()})
+    if kind == "dspark":
+        w, b = confidence(net, uncalibrated)
+        tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = w, b
+    ready_folder(folder, force)
+    write_safetensors(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
+    atomic_write(os.path.join(folder, "config.json"),
+                 (json.dumps(config, indent=2) + "\n").encode())
+    return config
+
+
+def ready_folder(folder, force):
+    """A folder to write into, holding no drafter already unless --force."""
+    held = [n for n in ("config.json", "model.safetensors")
+            if os.path.exists(os.path.join(folder, n))]
+    if held and not force:
+        raise ValueError(f"{folder} already holds {held[0]}: pick another folder, or pass --force "
+                         "to replace it")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{folder} is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
+
+
+# -----------------------------------------------------------------------------
+# import: config.json + model.safetensors -> out/<kind>.pt
+
+
+def read_folder(folder):
+    """A speculators folder's config.json (parsed) and model.safetensors; one line why not."""
+    paths = [os.path.join(folder, n) for n in ("config.json", "model.safetensors")]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"{missing[0]} not found: a speculators folder holds config.json and "
+                         "model.safetensors")
+    try:
+        with open(paths[0]) as f:
+            c = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{paths[0]} is not readable JSON ({str(e)[:80]})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{paths[0]} holds {type(c).__name__}, not a config")
+    return c, read_safetensors(paths[1])
+
+
+def network_config(c, folder):
+    """speculators' config.json -> (kind, the config our checkpoint of it holds)."""
+    kind = c.get("speculators_model_type")
+    if kind == "eagle3":
+        raise ValueError(f"{folder} is an EAGLE-3 drafter, which this project does not read: "
+                         f"{EAGLE3}")
+    if kind not in KINDS:
+        raise ValueError(f"{folder} is a {kind!r} drafter, not one of {', '.join(KINDS)}")
+    tl = c.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise ValueError(f"{folder}/config.json has no transformer_layer_config")
+    tl = {"model_type": "qwen3", "max_position_embeddings": 1, **tl, "architectures": None}
+    if tl["model_type"] not in hf_folder.FAMILIES:
+        raise ValueError(f"{folder}'s draft layers are {tl['model_type']!r}, not Qwen3's")
+    try:
+        layer = hf_folder.read_llama_config(folder, tl)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    sliding = "sliding_attention" in (tl.get("layer_types") or [])
+    reduced = c.get("draft_vocab_size", layer.vocab_size) != layer.vocab_size
+    odd = [w for w, on in (("a sliding window", sliding), ("biases in the MLP", layer.mlp_bias),
+                           ("a reduced draft vocabulary", reduced),
+                           ("no mask_token_id", c.get("mask_token_id") is None)) if on]
+    if kind == "dspark":
+        odd += [w for w, on in (("no Markov head", c.get("markov_rank", 256) < 1),
+                                (f"a {c.get('markov_head_type')!r} Markov head",
+                                 c.get("markov_head_type", "vanilla") != "vanilla"),
+                                ("no confidence head", not c.get("enable_confidence_head", True)))
+                if on]
+    if odd:
+        raise ValueError(f"{folder}'s {kind} drafter has {odd[0]}, which this project does not "
+                         "compute")
+    cfg = DFlashConfig(n_embd=layer.n_embd, n_head=layer.n_head, n_layer=layer.n_layer,
+                       taps=list(c.get("aux_hidden_state_layer_ids") or []),
+                       block=int(c.get("block_size", 8)), shift=int(bool(c.get(
+                           "sample_from_anchor", kind == "dspark"))),
+                       rope_base=layer.rope_theta, arch="qwen3", bias=layer.qkv_bias,
+                       n_kv_head=layer.n_kv_head, head_dim=layer.head_dim,
+                       n_hidden=layer.n_hidden, norm_eps=layer.norm_eps,
+                       rope_scaling=layer.rope_scaling, mask_token=int(c["mask_token_id"]))
+    if kind == "dflash":
+        return kind, cfg.to_dict()
+    return kind, {"backbone": cfg.to_dict(), "dspark": {"rank": int(c.get("markov_rank", 256))}}
+
+
+def imported(folder, out_dir, force=False):
+    """folder (speculators') -> out/<kind>.pt, a drafter of the target in out/. -> its path."""
+    c, tensors = read_folder(folder)
+    kind, config = network_config(c, folder)
+    target, target_ckpt = load_target(os.path.join(out_dir, "target.pt"))
+    if c["transformer_layer_config"].get("vocab_size") != target.config.vocab_size:
+        raise ValueError(f"{folder} drafts a vocabulary of "
+                         f"{c['transformer_layer_config'].get('vocab_size')} tokens, the target "
+                         f"in {out_dir} has {target.config.vocab_size}")
+    net = KINDS[kind].network(config, target)  # a width or a tap the target lacks: refused here
+    if kind == "dspark" and c.get("confidence_head_with_markov") is False and \
+            "confidence_head.proj.weight" in tensors:
+        w = tensors["confidence_head.proj.weight"]  # reads h only: the code part weighs nothing
+        tensors["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, net.config.rank)], 1)
+    state = from_speculators(tensors, net.state_dict(), folder)
+    net.load_state_dict(state)
+    path = os.path.join(out_dir, f"{kind}.pt")
+    if os.path.exists(path) and not force:
+        raise ValueError(f"{path} exists: move it away, or pass --force to replace it")
+    save_checkpoint({"kind": kind, "config": config, "state_dict": state,
+                     "target_hash": target_ckpt["model_hash"],
+                     "tokenizer_hash": target_ckpt["tokenizer_hash"],
+                     "imported_from": os.path.abspath(folder)}, path)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# check: speculators' own model of a folder against this project's drafter
+
+
+def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
+    """Max |difference| between speculators' own model of `folder` (its eager attention, or
+    `attention`) and this project's drafter in out/<kind>.pt, on the same target states and
+    blocks: their draft logits (DSpark's with the Markov bias) and DSpark's confidence logits.
+    Needs speculators (and transformers) installed."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+    kind = read_folder(folder)[0].get("speculators_model_type")
+    net, target, _ = trained_network(out_dir, kind)
+    cls = DFlashDraftModel if kind == "dflash" else DSparkDraftModel
+    config = cls.config_class.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = attention
+    theirs = cls.from_pretrained(folder, config=config).eval().to(dtype)
+    net, target = net.to(dtype), target.to(dtype)
+    backbone = net if kind == "dflash" else net.backbone
+    cfg = backbone.config
+    T = min(64, target.config.sequence_len)
+    x = torch.randint(0, target.config.vocab_size, (1, T),
+                      generator=torch.Generator().manual_seed(seed))
+    anchors = torch.arange(1, T - cfg.block - 1, max(1, (T - cfg.block) // 4))[None]  # (1, A)
+    with torch.no_grad():
+        _, _, hid = target(x, hidden_layers=cfg.taps)
+        h, tpos = draft_dflash.training_states(backbone, x, hid, anchors)  # (1, A, P, d)
+        ours = backbone.logits(h)
+        mask = torch.zeros(1, T, dtype=torch.long)
+        mask[0, anchors[0]] = 1  # exactly these anchors: speculators picks from the valid ones
+        hidden, logits, *_ = theirs._backbone_forward(
+            torch.cat([hid[t] for t in cfg.taps], -1), x, mask, hid[cfg.taps[-1]],
+            torch.zeros(1, T, dtype=torch.long), max_anchors=anchors.size(1))
+        A, B = anchors.size(1), cfg.block
+        logits, hidden = logits.view(A, B, -1), hidden.view(A, B, -1)
+        out = {}
+        if kind == "dspark":
+            prev = x[0, tpos[0] - 1]  # (A, P): the token before each prediction
+            ours = ours + net.markov(prev)
+            slot_prev = torch.cat([prev[:, :1], prev], 1) if cfg.shift == 0 else prev
+            logits = logits + theirs.markov_head.block_bias(prev_token_ids=slot_prev,
+                                                            hidden_states=hidden)
+            z = theirs.confidence_head(torch.cat([hidden, theirs.markov_head.markov_w1(
+                slot_prev)], -1))[:, 1 - cfg.shift:]
+            w, b = confidence(net, uncalibrated=not bool((net.conf_temp == net.conf_temp[0]).all()))
+            mine = torch.cat([net.features(h)[0], net.w1(prev)], -1) @ w[0].to(dtype) + b.to(dtype)
+            out["confidence"] = (z - mine).abs().max().item()
+        out["logits"] = (logits[:, 1 - cfg.shift:] - ours[0]).abs().max().item()
+    return kind, out
+
+
+# -----------------------------------------------------------------------------
+# the command
+
+
+def build_parser():
+    p = ArgumentParser(prog="python -m training.speculators_folder",
+                       description="Write a trained DFlash or DSpark drafter as speculators' "
+                       "folder (vLLM serves it), or read one as a drafter of out/'s target.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="out/<method>.pt -> DIR/config.json + model.safetensors")
+    im = sub.add_parser("import", help="DIR -> out/<its kind>.pt, for bench.py and sample.py")
+    ck = sub.add_parser("check", help="speculators' own logits of DIR against out/'s drafter "
+                        "(needs speculators installed)")
+    for s in (ex, im, ck):
+        s.add_argument("folder", type=expand, help="the speculators folder")
+        s.add_argument("--out-dir", type=expand, default="out",
+                       help="the run: its target.pt and the drafter (default: out)")
+    for s in (ex, im):
+        s.add_argument("--force", action="store_true",
+                       help="replace what is there already (default: refuse)")
+    ex.add_argument("--method", choices=[*sorted(KINDS), "eagle"], default="dflash",
+                    help="the drafter to export (default: dflash; eagle is refused, saying why)")
+    ex.add_argument("--verifier", default=None,
+                    help="the verifier config.json names, a folder or a hub id (default: the "
+                    "folder the target was read from)")
+    ex.add_argument("--uncalibrated", action="store_true",
+                    help="dspark: export its confidence head without the per-position "
+                    "temperatures it was calibrated with (default: refuse such a head)")
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    if a.command == "export":
+        c = export(a.out_dir, a.method, a.folder, a.verifier, a.uncalibrated, a.force)
+        verifier = c["speculators_config"]["verifier"]["name_or_path"]
+        print(f"wrote {a.folder}: {a.method}, block {c['block_size']}, reading target layers "
+              f"{c['aux_hidden_state_layer_ids']}, for {verifier}")
+    elif a.command == "import":
+        print(f"wrote {imported(a.folder, a.out_dir, a.force)} from {a.folder}")
+    else:
+        try:
+            kind, diff = compare(a.folder, a.out_dir)
+        except ImportError as e:
+            raise ValueError(f"check needs speculators installed ({e}): pip install "
+                             "speculators, in a virtual environment of its own") from None
+        print(f"{kind}: max |difference| against speculators' own model, float32: " +
+              ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
+        if max(diff.values()) > 1e-4:
+            raise ValueError("the logits differ by more than 1e-4")
+
+
+if __name__ == "__main__":
+    run(main, errors=(ValueError, CheckpointError, OSError))
