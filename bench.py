@@ -142,6 +142,28 @@ def prompts_arg(text):
     return text if text == prompt_sets.HUMANEVAL else path_arg("in")(text)
 
 
+def check_pairings(args):
+    """Flags that cannot apply together, refused before anything loads: never silently
+    dropped."""
+    methods = [m for m in args.methods or registry.names() if m != "ar"]
+    trees = registry.tree_drafters()
+    if args.trees and args.batch_size is not None:
+        raise ValueError("--trees adds token-tree rows to the one-request bench; the serving "
+                         "sweep (--batch-size) decodes chains: drop --trees")
+    if args.trees and args.sampling == "rejection":
+        raise ValueError("--trees keeps greedy and coupled sampling exact; rejection sampling "
+                         "over a tree needs a multi-candidate rule (SpecInfer's) that is not "
+                         "built: drop --trees, or use --sampling greedy or coupled")
+    if args.trees and not set(trees) & set(methods):
+        raise ValueError(f"--trees grows the trees of {' or '.join(trees)}, and --methods has "
+                         f"neither: add one to --methods, or drop --trees")
+    built_around = registry.built_around()
+    if args.hybrid_with and not set(built_around) & set(methods):
+        raise ValueError(f"--hybrid-with picks the learned drafter {' or '.join(built_around)} "
+                         f"pairs with, and --methods has no {' or '.join(built_around)}: add it, "
+                         "or drop --hybrid-with")
+
+
 def sized(args):
     """The flags left unset take the headline's values, or --full's (the serving sweep keeps
     the full prompt count and repeats: its largest batch needs the prompts)."""
@@ -308,6 +330,8 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
                 drafters[vname] = (vd, args.k or k_for(vd, args.sampling))
     if args.full or args.trees:
         drafters.update(ablations.trees(drafters, args.sampling))
+        if args.sampling == "rejection":  # --full's tree rows: named, not silently missing
+            print("no token-tree rows: rejection sampling over a tree is not built")
     if args.full and "mtp" in drafters and args.k is None and drafters["mtp"][1] != 1:
         # second-token acceptance, as DeepSeek-V3 reports it, is k = 1
         drafters["mtp-k1"] = (drafters["mtp"][0], 1)
@@ -474,7 +498,9 @@ def sweep_k(target, prompts, drafters, args, device, cache, progress):
 
 
 def main(argv=None):
-    args = sized(parse_args(build_parser(), argv))  # warns about sampling flags the mode ignores
+    args = parse_args(build_parser(), argv)  # warns about sampling flags the mode ignores
+    check_pairings(args)
+    args = sized(args)
     cpu_speed.enable()
     if args.batch_size is not None:
         args.max_new_tokens = args.max_new_tokens or serving_sweep.NEW_TOKENS

@@ -84,8 +84,13 @@ def build_parser():
     return p
 
 
-def check_tree(a):
-    """--tree's pairings, before anything loads."""
+def check_pairings(a):
+    """Flags that cannot apply to --method, refused before anything loads."""
+    built_around = registry.built_around()
+    if a.hybrid_with and a.method not in built_around:
+        raise ValueError(f"--hybrid-with picks the learned drafter {' or '.join(built_around)} "
+                         f"pairs with: use it with --method {' or '.join(built_around)}, not "
+                         f"{a.method}")
     if a.tree and not registry.entry(a.method).declared.trees:
         raise ValueError(f"--tree grows a block drafter's tree: use it with --method "
                          f"{' or '.join(registry.tree_drafters())}, not {a.method}")
@@ -97,7 +102,7 @@ def check_tree(a):
 
 def main(argv=None):
     a = parse_args(build_parser(), argv)
-    check_tree(a)
+    check_pairings(a)
     cpu_speed.enable()
     device = pick_device(a.device)
     target, target_ckpt = load_target(os.path.join(a.out_dir, "target.pt"), device)

@@ -361,10 +361,12 @@ class Stats:
             self.accepted_at[i] += i < n_accepted
 
 
-def check_k(drafter, k):
-    """k, the tokens drafted per round, must be one this drafter can draft."""
-    if k <= 0:
-        raise ValueError(f"k (tokens drafted per round) must be at least 1 (got {k})")
+def check_k(drafter, k, window):
+    """k, the tokens drafted per round, must be one this drafter can draft and a round of the
+    target's window (k + 1 tokens verified) can hold."""
+    if not 1 <= k < window:
+        raise ValueError(f"k (tokens drafted per round) must be 1 to {window - 1}, what a round "
+                         f"of the target's {window}-token window verifies (got {k})")
     if drafter.max_k is not None and k > drafter.max_k:
         raise ValueError(f"the {drafter.name} drafter can draft at most {drafter.max_k} tokens "
                          f"per round (asked for k={k})")
@@ -396,7 +398,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     drafter takes itself (DSpark's scheduler reads its confidences once a round). sync: called
     between draft and verify, so that Stats' draft/verify split is true on a GPU (one more wait
     a round: None when timing throughput; a CPU runs nothing asynchronously)."""
-    check_k(drafter, k)
+    check_k(drafter, k, target.config.sequence_len)
     seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
     stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
     layers = drafter.hidden_layers

@@ -24,6 +24,10 @@ import argparse
 import itertools
 import json
 import os
+import sys
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.command import replacing, run
 from runtime.settings import ArgumentParser, expand, path_arg

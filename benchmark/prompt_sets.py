@@ -81,6 +81,9 @@ def prompts_for(args, out_dir, enc, block_size):
     room for the new tokens, a file's not at all)."""
     if not args.prompts:
         prompt_len = args.prompt_len or min(64, block_size // 4)
+        if prompt_len >= block_size:
+            raise ValueError(f"--prompt-len {prompt_len} leaves no room in the target's "
+                             f"{block_size}-token window: give at most {block_size - 1}")
         return val_prompts(out_dir, args.n_prompts, prompt_len)
     if args.prompts == HUMANEVAL:
         # room for every new token where the context allows it, and at least a quarter of it
@@ -125,6 +128,9 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     if not cands:
         raise data.DataError(f"No validation document has {prompt_len} tokens; use a shorter "
                         "prompt_len or more data.")
+    if n > sum(len(c) for c in cands):
+        raise ValueError(f"--n-prompts {n}: the validation text holds "
+                         f"{sum(len(c) for c in cands)} prompts of {prompt_len} tokens")
     order = rng.permutation(len(cands))
     # round-robin over a shuffled document order, so n <= #documents gives n different documents
     picks = [cands[order[i % len(cands)]] for i in range(n)]

@@ -18,9 +18,13 @@ is downloaded, the model comes from out/target.pt.
 
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import data
 from benchmark.prompt_sets import read_jsonl

@@ -139,6 +139,11 @@ def tree_drafters():
     return [e.name for e in DRAFTERS if e.declared.trees]
 
 
+def built_around():
+    """The drafters built around a partner (those --hybrid-with applies to)."""
+    return [e.name for e in DRAFTERS if e.declared.partner]
+
+
 def default_partner():
     """The partner the first drafter built around one takes unless told (--hybrid-with)."""
     return next((e.declared.partner for e in DRAFTERS if e.declared.partner), None)

@@ -14,6 +14,7 @@ shell's for that signal: 130 for Ctrl-C, 143 for SIGTERM.
 
 import contextlib
 import os
+import re
 import signal
 import sys
 
@@ -54,6 +55,14 @@ def run(main, errors=(), interrupted="nothing was written"):
     except errors as e:
         ending()
         raise SystemExit(f"error: {e}") from None
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        ending()
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        size = f"{int(asked.group(1)) / 2 ** 30:,.1f} GiB at once" if asked else str(e)[:100]
+        raise SystemExit("error: what the flags ask for does not fit in this machine's memory "
+                         f"({size}): lower the sizes") from None
     except KeyboardInterrupt as e:
         note = interrupted() if callable(interrupted) else interrupted
         print(f"interrupted: {note}", file=sys.stderr)
@@ -61,6 +70,12 @@ def run(main, errors=(), interrupted="nothing was written"):
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
+
+
+def out_of_memory(e):
+    """Did an allocation fail (a size too large for the machine's memory)?"""
+    text = str(e)
+    return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
 def status(interruption):

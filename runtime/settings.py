@@ -22,9 +22,21 @@ DEFAULT_VOCAB = 4096  # BPE vocabulary size, end-of-text included (training/data
 # command-line values: checked where they are parsed, so a bad one fails before anything loads
 
 
+class RangeInHelp(argparse.HelpFormatter):
+    """--help shows each numeric flag's range (the rule its type, number(), checks)."""
+
+    def _get_help_string(self, action):
+        rule = getattr(action.type, "rule", "")
+        return f"{action.help} [{rule}]" if rule and action.help else action.help
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a refusal is one line, 'error: argument --flag: ...' (exit code 2), like every
-    other refusal of the project's commands; --help still prints the usage."""
+    other refusal of the project's commands; --help still prints the usage, with every numeric
+    flag's range."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=RangeInHelp, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
@@ -47,8 +59,12 @@ def number(kind=int, lo=None, hi=None, above=None):
         if not (math.isfinite(x) and (lo is None or x >= lo) and (hi is None or x <= hi)
                 and (above is None or x > above)):
             raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {what} {rule}")
+        if kind is int and abs(x) >= 2 ** 31:  # no count or size here is that large
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {what} {rule}"
+                                             " and below 2^31")
         return x
     parse.__name__ = what  # argparse names the type by it in its own messages
+    parse.rule = f"{what} {rule}".strip()  # what --help shows
     return parse
 
 
@@ -211,6 +227,7 @@ def number_list(kind=int, lo=1):
                                              "than once: give each value once")
         return values
     parse.__name__ = "list"
+    parse.rule = f"comma-separated, each {one.rule}"
     return parse
 
 

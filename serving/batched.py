@@ -321,7 +321,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     alone. A row that has all its tokens gets nothing more: zero tokens in every forward.
     Returns (token lists, BatchStats). Host syncs: one after the prefill, one a round (verify),
     plus what a drafter takes itself (DSpark's scheduler reads its confidences)."""
-    check_k(drafter, k)
+    check_k(drafter, k, target.config.sequence_len)
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
     if len(prompts) == 1:

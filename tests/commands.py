@@ -102,9 +102,10 @@ def damage(path, how):
 DAMAGES = ["truncate", "garbage", "delete", "folder"]
 
 
-def fast(script, out, corpus):
+def fast(script, out, corpus, *extra):
     """The cheapest full run of each command on the tiny out/ (every train.py stage is current;
-    one thread: the tiny models gain nothing from more, and a busy machine loses a lot)."""
+    one thread: the tiny models gain nothing from more, and a busy machine loses a lot); extra:
+    more of train.py's flags."""
     if script == "training/pretrained.py":  # a random GPT-2 folder, timed beside the tiny target
         gpt2 = out.parent / "gpt2"
         if not gpt2.exists():
@@ -117,7 +118,7 @@ def fast(script, out, corpus):
         short.write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
         return ["--out-dir", out, "--prompts", short, "--max-new-tokens", "3", "--repeats", "1",
                 "--threads", "1"]
-    return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1"),
+    return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1", *extra),
             "training/data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
             "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1",
                          "--max-new-tokens", "3", "--repeats", "1", "--sweep", "",

@@ -173,7 +173,8 @@ def tiny_args(corpus, out, *extra):
     seed, bit-identical checkpoints). A later --device in `extra` wins (tests/test_device.py's
     device mode). bfloat16 autocast is set, not measured: measured on a busy machine, one run of
     a pair could train in float32 and the other in bfloat16, and their weights would differ."""
-    return ["--preset", "tiny", "--data", corpus, "--vocab-size", "384", "--out-dir", str(out),
+    vocab = [] if "--init-from" in extra else ["--vocab-size", "384"]  # a folder's own
+    return ["--preset", "tiny", "--data", corpus, *vocab, "--out-dir", str(out),
             "--log-interval", "10", "--eval-interval", "1000", "--device", "cpu", "--bf16", "on",
             *extra]
 

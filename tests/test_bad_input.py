@@ -229,10 +229,127 @@ def test_a_real_signal_ends_train_py_in_one_line(out, corpus, sig, status):
 # a tree larger than the context can hold
 
 
-@pytest.mark.parametrize("nodes", [100_000, 10 ** 30])
-def test_a_tree_larger_than_the_window_is_capped_and_runs(trained, nodes):
+def test_a_tree_larger_than_the_window_is_capped_and_runs(trained):
     """A tree never asks for a forward over nothing: --tree beyond what a round can verify is
-    capped at what it can, and said."""
-    out = succeeded(run("sample.py", "--out-dir", trained, "--method", "dspark", "--tree", nodes,
-                        "--max-new-tokens", "8", "--no-color", "--prompt", "def f("))
-    assert f"--tree {nodes}: at most " in out and "tau =" in out
+    capped at what it can, and said; a size no count reaches is refused as it is parsed."""
+    argv = ["--out-dir", trained, "--method", "dspark", "--max-new-tokens", "8", "--no-color",
+            "--prompt", "def f("]
+    out = succeeded(run("sample.py", *argv, "--tree", 100_000))
+    assert "--tree 100000: at most " in out and "tau =" in out
+    refused(run("sample.py", *argv, "--tree", 10 ** 30), "--tree", "below 2^31")
+
+
+# -----------------------------------------------------------------------------
+# a stage whose validation loss is not finite is never written as done
+
+
+def test_a_target_whose_validation_loss_is_nan_is_not_written_as_done(corpus, tmp_path,
+                                                                      monkeypatch):
+    from training import trainer
+    monkeypatch.setattr(trainer.Trainer, "val_loss", lambda self, fn, n=8: float("nan"))
+    out = tmp_path / "out"
+    line = refused(run("train.py", *tiny_args(corpus, out, "--only", "target")),
+                   "target: its validation loss is nan", "--target-lr")
+    assert "kept in" in line
+    assert not (out / "target.pt").exists() and (out / "target.resume.pt").exists()
+
+
+# -----------------------------------------------------------------------------
+# flags that cannot apply together: refused in one line, never silently dropped
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--trees", "--batch-size", "1,2"], ["--trees", "--batch-size", "drop --trees"]),
+    (["--trees", "--sampling", "rejection"], ["--trees", "rejection", "not built"]),
+    (["--trees", "--methods", "ar,lookup"], ["--trees", "dflash or dspark", "--methods"]),
+    (["--hybrid-with", "dflash", "--methods", "ar,small"], ["--hybrid-with", "hybrid"]),
+])
+def test_bench_refuses_flags_that_cancel_each_other(trained, flags, needles):
+    refused(run("bench.py", "--out-dir", trained, *flags), *needles)
+
+
+def test_sample_refuses_a_partner_for_a_drafter_built_around_none(trained):
+    refused(run("sample.py", "--out-dir", trained, "--method", "small", "--hybrid-with",
+                "dflash"), "--hybrid-with", "--method hybrid, not small")
+
+
+@pytest.mark.parametrize("flag,value", [("--n-embd", "64"), ("--vocab-size", "512"),
+                                        ("--n-layer", "3"), ("--target-iters", "5"),
+                                        ("--tokenizer", "gpt2")])
+def test_a_flag_the_init_from_folder_decides_is_refused(tmp_path, corpus, flag, value):
+    folder = tmp_path / "tiny"
+    succeeded(run("training/pretrained.py", folder, "--random", "llama-tiny"))
+    out = tmp_path / "out"
+    refused(run("train.py", "--init-from", folder, "--preset", "tiny", "--data", corpus,
+                "--out-dir", out, "--device", "cpu", flag, value), flag, "--init-from",
+            f"drop {flag}")
+    assert not out.exists()
+
+
+def test_a_preset_for_a_folder_without_one_names_init_from_first(tmp_path):
+    for preset in ("gpu-small", "gpt2"):
+        refused(run("train.py", "--preset", preset, "--out-dir", tmp_path / "out"),
+                f"--preset {preset}", "--init-from DIR")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
+                    reason="a machine with a GPU runs the GPU presets")
+def test_a_preset_for_a_gpu_on_a_machine_without_one_says_how_long_and_asks(tmp_path):
+    line = refused(run("train.py", "--preset", "cuda", "--out-dir", tmp_path / "out"),
+                   "--preset cuda is sized for a GPU", "--device cpu")
+    assert re.search(r"about \d+ hours", line), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_llama_folder_without_its_tokenizer_names_tokenizer_json(tmp_path, corpus):
+    folder = tmp_path / "tiny"
+    succeeded(run("training/pretrained.py", folder, "--random", "llama-tiny"))
+    for name in ("vocab.json", "merges.txt", "tokenizer.json"):
+        if (folder / name).exists():
+            os.remove(folder / name)
+    refused(run("train.py", "--init-from", folder, "--preset", "tiny", "--data", corpus,
+                "--out-dir", tmp_path / "out", "--device", "cpu"), "no tokenizer.json")
+
+
+def test_every_numeric_flag_shows_its_range_in_help():
+    for script in ("train.py", "bench.py", "sample.py"):
+        out = " ".join(succeeded(run(script, "--help")).split())  # argparse wraps lines
+        assert "[an integer >= 1]" in out, script
+
+
+# -----------------------------------------------------------------------------
+# a module a user runs by its path, from another folder
+
+
+@pytest.mark.parametrize("module", ["training/pretrained.py", "training/data.py",
+                                    "training/speculators_folder.py", "benchmark/plot.py",
+                                    "benchmark/vs_transformers.py"])
+def test_a_module_runs_by_its_path_from_any_folder(module, tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, module), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage:" in p.stdout, p.stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# absurd numbers: one line, whatever the size
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--k", "100000", "k (tokens drafted per round) must be 1 to"),
+    ("--prompt-len", "100000", "leaves no room"),
+    ("--n-prompts", "100000000", "the validation text holds"),
+    ("--k", str(10 ** 30), "below 2^31"),
+])
+def test_bench_refuses_an_absurd_number(trained, flag, value, needle):
+    refused(run("bench.py", *with_flag(fast("bench.py", trained, None), flag, value)), needle)
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--block-size", str(10 ** 30), "below 2^31"),
+    ("--n-embd", "100000000", "does not fit in this machine's memory"),
+])
+def test_train_refuses_an_absurd_size(corpus, tmp_path, flag, value, needle):
+    out = tmp_path / "out"
+    refused(run("train.py", *with_flag(tiny_args(corpus, out, "--only", "target"), flag, value)),
+            needle)
+    assert not (out / "target.pt").exists()

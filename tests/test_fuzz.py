@@ -242,7 +242,8 @@ def test_train_py_keeps_a_trained_target_unless_forced(out, corpus, tmp_path, gp
     preset over the full run), another corpus in the same out/."""
     argv = fast("train.py", out, corpus)
     if change == "init_from":
-        argv = [*argv, "--init-from", gpt2_folder, "--block-size", "64", "--mtp-mode", "posthoc"]
+        argv = fast("train.py", out, corpus, "--init-from", gpt2_folder)  # the folder's vocabulary
+        argv = [*argv, "--block-size", "64", "--mtp-mode", "posthoc"]
     elif change == "smaller":
         argv = with_flag(argv, "--target-iters", "5")
     else:

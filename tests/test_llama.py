@@ -281,6 +281,36 @@ def test_a_config_llama_py_does_not_compute_is_refused(folder, corpus, tmp_path,
     assert needle in refused(tmp_path, corpus, d)
 
 
+@pytest.mark.parametrize("change,needle", [
+    ({"model_type": ["qwen3"]}, "model_type is [\"qwen3\"], not a string"),
+    ({"rope_scaling": "llama3"}, "rope_scaling is \"llama3\", not a JSON object"),
+    ({"rope_scaling": [8.0]}, "rope_scaling is [8.0], not a JSON object"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor is 0, not a positive number"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "high_freq_factor 4.0, not above low_freq_factor 4.0"),
+    ({"rope_theta": -1}, "rope_theta is -1, not a positive number"),
+    ({"rope_parameters": {"rope_theta": "1e6"}}, "rope_theta is \"1e6\", not a positive number"),
+    ({"hidden_size": "32"}, "hidden_size is \"32\", not a positive integer"),
+    ({"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not a positive integer"),
+    ({"head_dim": 0}, "head_dim is 0, not a positive integer"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is \"yes\", not true or false"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps is 0, not a positive number"),
+    ({"architectures": "Qwen3ForCausalLM"}, "architectures is \"Qwen3ForCausalLM\", not a list"),
+    ({"hidden_act": ["silu"]}, "hidden_act is [\"silu\"], not a string"),
+])
+def test_a_config_field_of_the_wrong_type_or_an_impossible_value_is_refused(
+        folder, corpus, tmp_path, change, needle):
+    """Each value read from config.json is checked where it is read: one line naming the key,
+    what it holds and what it should (before: a TypeError, or a target whose loss was nan)."""
+    d = tmp_path / "m"
+    shutil.copytree(folder, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    assert needle in refused(tmp_path, corpus, d)
+    assert not (tmp_path / "out" / "target.pt").exists()
+
+
 def test_a_tokenizer_json_without_the_package_names_the_install(folder, corpus, tmp_path,
                                                                  monkeypatch):
     d = tmp_path / "m"

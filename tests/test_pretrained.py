@@ -198,7 +198,11 @@ def test_unreadable_weights_are_refused(folder, corpus, tmp_path):
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"n_inner": 100}, "n_inner 100"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
-    ({"n_head": None}, "lacks a positive n_head"),
+    ({"n_head": None}, "lacks n_head (a positive integer)"),
+    ({"n_embd": "32"}, "n_embd is \"32\", not a positive integer"),
+    ({"activation_function": ["gelu"]}, "activation_function is [\"gelu\"], not a string"),
+    ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is \"1e-5\", not a positive number"),
+    ({"n_inner": True}, "n_inner is true, not a positive integer"),
 ])
 def test_a_config_that_is_not_gpt2s_is_refused(folder, corpus, tmp_path, change, needle):
     d = copy_of(folder, tmp_path)

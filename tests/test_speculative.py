@@ -250,8 +250,10 @@ def test_sampler_noise_is_keyed_gumbel_in_any_chunking():
 
 def test_bad_arguments(target):
     d = make("small", target)
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="must be 1 to"):
         generate_speculative(target, d, [1], 5, 0, Sampler())
+    with pytest.raises(ValueError, match="window verifies"):  # a round of k + 1 must fit
+        generate_speculative(target, d, [1], 5, target.config.sequence_len, Sampler())
     with pytest.raises(ValueError, match="empty"):
         generate_plain(target, [], 5, Sampler())
     with pytest.raises(ValueError, match="context window"):

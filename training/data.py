@@ -23,17 +23,23 @@ tokenizer is not the target's is refused unless forced, whatever data_meta.json 
 
     python -m training.data --help
 """
+
 import hashlib
 import json
+import os
 import pathlib
-from dataclasses import dataclass
 import shlex
+import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import tiktoken
 import torch
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run

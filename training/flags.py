@@ -11,6 +11,12 @@ own settings as attributes, and every stage's settings, typed, in run.settings.
 
 import argparse
 import os
+import time
+
+import torch
+
+from gpt import GPT, GPTConfig
+from llama import Llama, LlamaConfig
 
 from runtime.checkpoint import CheckpointError
 from runtime.devices import fast_bf16, pick_device
@@ -20,7 +26,7 @@ from training import data as datamod
 from training import ddp, pretrained
 from training.distill import DistillSettings
 from training.stage import SharedSettings
-from training.trainer import RunSettings
+from training.trainer import DISTILL_COST, RunSettings
 
 PRESETS = {
     "cpu": "the full run, sized for 2 CPU cores (docs/results.md: Training)",
@@ -34,6 +40,8 @@ PRESETS = {
     "gpu-small": "a 100M-1B Llama, Qwen or GPT-2 from --init-from on one consumer GPU: the gpt2 "
                  "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
 }
+FOR_A_FOLDER = ("gpt2", "gpu-small")  # presets that size the drafters for a --init-from model
+FOR_A_GPU = ("cuda", "mps", "gpt2", "gpu-small")
 # a preset that takes another's values where it names none of its own: preset -> the chain
 PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"),
               "gpu-small": ("gpu-small", "gpt2", "cuda")}
@@ -115,6 +123,11 @@ def resolve_args(argv, stages):
     """The command line -> the run (an argparse.Namespace): the run's settings as attributes, and
     run.settings, every stage's settings (its dataclass, filled in), each checked by its stage."""
     args = build_parser(stages, preset_of(argv)).parse_args(argv)
+    if args.preset in FOR_A_FOLDER and not args.init_from:  # before anything derived from it
+        raise ValueError(f"--preset {args.preset} sizes every drafter for a model read from a "
+                         "folder: give it with --init-from DIR (docs/your_model.md)")
+    decided = {n: getattr(args, n) for n in FOLDER_DECIDES  # as given, before presets fill them
+               if args.init_from and getattr(args, n) is not None}
     device = pick_device(args.device)
     args.preset = args.preset or device.split(":")[0]
     for name, value in values_in(stages, args.preset).items():
@@ -125,8 +138,38 @@ def resolve_args(argv, stages):
     args.world = ddp.world_of_env()  # one process, unless torchrun started this one
     ddp.check_split(args.world, args.grad_accum, args.batch_size)
     if args.init_from:
-        take_shape(args)
-    return the_run(args, stages)
+        take_shape(args)  # the folder's own problems first
+        refuse_folder_flags(decided)
+    run = the_run(args, stages)
+    if run.preset in FOR_A_GPU and device == "cpu" and args.device != "cpu":
+        raise ValueError(f"--preset {run.preset} is sized for a GPU, and this machine has none: "
+                         f"here it would train for about {cpu_hours(run, stages):.0f} hours "
+                         "(its steps at this CPU's matmul speed); pass --device cpu to run it "
+                         "anyway, or take --preset quick or cpu, sized for a CPU")
+    return run
+
+
+def cpu_hours(run, stages):
+    """An estimate of the run's hours on this CPU: its steps counted in target steps (each
+    stage's step_cost; the distillation set's sequences), a target step as 6 x its parameters x
+    the batch's tokens in FLOPs, at the float32 matmul speed timed here."""
+    cfg = pretrained.read_config(run.init_from) if run.init_from else GPTConfig(
+        sequence_len=run.block_size, vocab_size=run.vocab_size, **{
+            n: getattr(run.settings["target"], n) for n in ("n_layer", "n_head", "n_embd")})
+    with torch.device("meta"):  # counted, not allocated
+        n_params = (Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)).num_params()
+    costs = {"distill": DISTILL_COST, **{p: c for st in stages.values()
+                                         for p, c in (st.step_cost or {}).items()}}
+    steps = sum(n * costs.get(phase, 1.0) for phase, n in plan(run, stages))
+    a = torch.randn(1024, 1024)
+    seconds = min(timed(lambda: a @ a) for _ in range(3))
+    return steps * 6 * n_params * run.batch_size * run.block_size * seconds / 2 / 1024 ** 3 / 3600
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def the_run(args, stages):
@@ -141,6 +184,21 @@ def the_run(args, stages):
     for name, st in stages.items():
         st.phases(typed[name], run)
     return run
+
+
+# what --init-from's folder decides, so that a flag for it given beside the folder would be dropped
+FOLDER_DECIDES = ("n_layer", "n_head", "n_embd", "vocab_size", "tokenizer", "target_iters",
+                  "target_lr")
+
+
+def refuse_folder_flags(given):
+    """A flag given beside --init-from that the folder decides ({name: value}) is refused, not
+    dropped."""
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} {value} does not apply with --init-from: the "
+                         f"folder's model is the target (its shape, its tokenizer, its weights, "
+                         f"not trained here); drop {flag}")
 
 
 def take_shape(args):

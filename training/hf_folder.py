@@ -19,6 +19,8 @@ A folder of another architecture, or a config that asks for something llama.py d
 (a sliding window, YaRN scaling, another activation), is refused in one line naming it.
 """
 
+import json
+import math
 import os
 
 import torch
@@ -34,6 +36,35 @@ def refuse(folder, why):
     return CheckpointError(f"{folder} is not a model folder train.py can use: {why}")
 
 
+# what a config.json field may hold: (JSON types, what to call it, which values are possible)
+POSITIVE_INT = ((int,), "a positive integer", lambda v: v >= 1)
+POSITIVE = ((int, float), "a positive number", lambda v: 0 < v < math.inf)
+BOOL = ((bool,), "true or false", None)
+STRING = ((str,), "a string", None)
+OBJECT = ((dict,), "a JSON object", None)
+
+
+def field(folder, c, key, kind, default=None, where="config.json"):
+    """c[key], or `default` where it is absent or null, checked to be of `kind` (POSITIVE_INT,
+    ...): another JSON type or an impossible value is refused in one line naming the file, the
+    key, what it holds and what it should (a bool is not a number here, as in JSON)."""
+    v = c.get(key)
+    if v is None:
+        return default
+    types, what, possible = kind
+    if type(v) not in types or (possible is not None and not possible(v)):
+        raise refuse(folder, f"{where}'s {key} is {json.dumps(v)[:60]}, not {what}")
+    return v
+
+
+def required(folder, c, key, kind):
+    """field() where the key must be there."""
+    v = field(folder, c, key, kind)
+    if v is None:
+        raise refuse(folder, f"config.json lacks {key} ({kind[1]})")
+    return v
+
+
 # -----------------------------------------------------------------------------
 # config.json -> llama.LlamaConfig
 
@@ -41,56 +72,69 @@ def refuse(folder, why):
 def rope_of(folder, c):
     """(rope_theta, rope_scaling or None) from a config in either layout: transformers 4's
     rope_theta + rope_scaling, or 5's rope_parameters holding both."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    params = field(folder, c, "rope_parameters", OBJECT, {})
+    scaling = field(folder, c, "rope_scaling", OBJECT) or {
+        k: v for k, v in params.items() if k != "rope_theta"}
+    theta = field(folder, params, "rope_theta", POSITIVE, where="config.json's rope_parameters") \
+        or field(folder, c, "rope_theta", POSITIVE, 10000.0)
+    part = "config.json's rope scaling"
+    kind = (field(folder, scaling, "rope_type", STRING, where=part)
+            or field(folder, scaling, "type", STRING, "default", where=part))
     if kind not in ROPE_TYPES:
         raise refuse(folder, f"config.json's rope scaling {kind!r} is not one of {ROPE_TYPES}")
     if kind == "default":
         return float(theta), None
-    need = ("factor",) if kind == "linear" else (
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in need if not isinstance(scaling.get(k), (int, float))]
+    kinds = {"factor": POSITIVE, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
+             "original_max_position_embeddings": POSITIVE_INT}
+    need = ("factor",) if kind == "linear" else tuple(kinds)
+    got = {k: field(folder, scaling, k, kinds[k], where=part) for k in need}
+    missing = [k for k in need if got[k] is None]
     if missing:
         raise refuse(folder, f"config.json's {kind} rope scaling lacks {missing[0]}")
-    return float(theta), {"rope_type": kind, **{k: scaling[k] for k in need}}
+    if kind == "llama3" and got["high_freq_factor"] <= got["low_freq_factor"]:
+        raise refuse(folder, f"config.json's llama3 rope scaling has high_freq_factor "
+                     f"{got['high_freq_factor']}, not above low_freq_factor "
+                     f"{got['low_freq_factor']}")
+    return float(theta), {"rope_type": kind, **got}
 
 
 def read_llama_config(folder, c):
     """A parsed config.json of one of FAMILIES -> llama.LlamaConfig, sequence_len the model's
     max_position_embeddings (pretrained.load_folder shortens it to --block-size)."""
     family = c["model_type"]
-    if (c.get("architectures") or [FAMILIES[family]])[0] != FAMILIES[family]:
-        raise refuse(folder, f"config.json's architecture {c['architectures'][0]!r} is not "
+    names = field(folder, c, "architectures", ((list,), "a list of class names",
+                                                lambda v: all(isinstance(n, str) for n in v)))
+    if (names or [FAMILIES[family]])[0] != FAMILIES[family]:
+        raise refuse(folder, f"config.json's architecture {names[0]!r} is not "
                      f"{FAMILIES[family]} (a causal language model)")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size", "max_position_embeddings")
-    missing = [k for k in need if type(c.get(k)) is not int or c[k] < 1]
-    if missing:
-        raise refuse(folder, f"config.json lacks a positive {missing[0]}")
-    odd = [f"hidden_act {c.get('hidden_act')!r}"] if c.get("hidden_act", "silu") != "silu" else []
-    odd += ["a sliding window"] if c.get("use_sliding_window") else []
-    odd += [f"pretraining_tp {c['pretraining_tp']}"] if c.get("pretraining_tp", 1) != 1 else []
+    size = {k: required(folder, c, k, POSITIVE_INT) for k in need}
+    act = field(folder, c, "hidden_act", STRING, "silu")
+    tp = field(folder, c, "pretraining_tp", POSITIVE_INT, 1)
+    odd = [f"hidden_act {act!r}"] if act != "silu" else []
+    odd += ["a sliding window"] if field(folder, c, "use_sliding_window", BOOL) else []
+    odd += [f"pretraining_tp {tp}"] if tp != 1 else []
     if odd:
         raise refuse(folder, f"config.json sets {', '.join(odd)}, which llama.py does not compute")
-    n_head = c["num_attention_heads"]
-    n_kv = c.get("num_key_value_heads") or n_head
-    head_dim = c.get("head_dim") or c["hidden_size"] // n_head
+    n_head = size["num_attention_heads"]
+    n_kv = field(folder, c, "num_key_value_heads", POSITIVE_INT, n_head)
+    head_dim = field(folder, c, "head_dim", POSITIVE_INT, size["hidden_size"] // n_head)
     if n_head % n_kv:
         raise refuse(folder, f"num_attention_heads {n_head} is not a multiple of "
                      f"num_key_value_heads {n_kv}")
     theta, scaling = rope_of(folder, c)
-    bias = bool(c.get("attention_bias", False))
+    bias = field(folder, c, "attention_bias", BOOL, False)
     return LlamaConfig(
-        sequence_len=c["max_position_embeddings"], vocab_size=c["vocab_size"],
-        n_layer=c["num_hidden_layers"], n_head=n_head, n_kv_head=n_kv, n_embd=c["hidden_size"],
-        head_dim=head_dim, n_hidden=c["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        sequence_len=size["max_position_embeddings"], vocab_size=size["vocab_size"],
+        n_layer=size["num_hidden_layers"], n_head=n_head, n_kv_head=n_kv,
+        n_embd=size["hidden_size"], head_dim=head_dim, n_hidden=size["intermediate_size"],
+        rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(field(folder, c, "rms_norm_eps", POSITIVE, 1e-6)),
         qkv_bias=True if family == "qwen2" else bias,
         proj_bias=False if family == "qwen2" else bias,
-        mlp_bias=bool(c.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)))  # transformers' default
+        mlp_bias=field(folder, c, "mlp_bias", BOOL, False), qk_norm=family == "qwen3",
+        tie_embeddings=field(folder, c, "tie_word_embeddings", BOOL, False))  # transformers'
 
 
 # -----------------------------------------------------------------------------

@@ -32,12 +32,17 @@ measures against the toy target's (docs/results.md: a real-sized target).
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import struct
+import sys
 
 import tiktoken.load
 import torch
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.checkpoint import CheckpointError
 from runtime.command import atomic_write, replacing, run
@@ -82,7 +87,7 @@ def read_config(folder):
     """config.json -> gpt.GPTConfig (sequence_len = n_positions), after checking it is GPT-2's,
     or llama.LlamaConfig for a Llama, Qwen2 or Qwen3 folder (training/hf_folder.py)."""
     c = read_json(folder)
-    if c.get("model_type") in hf_folder.FAMILIES:
+    if hf_folder.field(folder, c, "model_type", hf_folder.STRING) in hf_folder.FAMILIES:
         return hf_folder.read_llama_config(folder, c)
     return read_gpt2_config(folder, c)
 
@@ -107,25 +112,24 @@ def read_gpt2_config(folder, c):
     if c.get("model_type") != "gpt2":
         raise refuse(folder, f"config.json says model_type {c.get('model_type')!r}, not one of "
                      f"{', '.join(['gpt2', *hf_folder.FAMILIES])}")
-    act = c.get("activation_function", "gelu_new")
+    field = functools.partial(hf_folder.field, folder, c)
+    act = field("activation_function", hf_folder.STRING, "gelu_new")
     if act not in GELU:
         raise refuse(folder, f"config.json's activation_function {act!r} is not one of "
                      f"{sorted(GELU)}")
     need = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
-    missing = [k for k in need if type(c.get(k)) is not int or c[k] < 1]
-    if missing:
-        raise refuse(folder, f"config.json lacks a positive {missing[0]}")
-    odd = [k for k, v in OFF.items() if c.get(k, v) != v]
-    if c.get("n_inner") not in (None, 4 * c["n_embd"]):
+    n = {k: hf_folder.required(folder, c, k, hf_folder.POSITIVE_INT) for k in need}
+    odd = [k for k, v in OFF.items() if field(k, hf_folder.BOOL, v) != v]
+    if field("n_inner", hf_folder.POSITIVE_INT) not in (None, 4 * n["n_embd"]):
         odd.append(f"n_inner {c['n_inner']}")
-    if c.get("layer_norm_epsilon", 1e-5) != 1e-5:
+    if field("layer_norm_epsilon", hf_folder.POSITIVE, 1e-5) != 1e-5:
         odd.append(f"layer_norm_epsilon {c['layer_norm_epsilon']}")
-    if c["n_embd"] % c["n_head"]:
-        odd.append(f"n_embd {c['n_embd']} not a multiple of n_head {c['n_head']}")
+    if n["n_embd"] % n["n_head"]:
+        odd.append(f"n_embd {n['n_embd']} not a multiple of n_head {n['n_head']}")
     if odd:
         raise refuse(folder, f"config.json sets {', '.join(odd)}, which gpt.py does not compute")
-    return GPTConfig(sequence_len=c["n_positions"], vocab_size=c["vocab_size"],
-                     n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
+    return GPTConfig(sequence_len=n["n_positions"], vocab_size=n["vocab_size"],
+                     n_layer=n["n_layer"], n_head=n["n_head"], n_embd=n["n_embd"],
                      dropout=0.0, bias=True, activation=act)
 
 
@@ -281,6 +285,11 @@ def tokenizer_of(folder, cfg):
         with open(path, "rb") as f:
             given = Given(os.path.abspath(folder), json=f.read(), eot=eot, n_vocab=n)
     else:
+        if isinstance(cfg, LlamaConfig) and not all(os.path.isfile(os.path.join(folder, f))
+                                                    for f in ("vocab.json", "merges.txt")):
+            raise refuse(folder, "it has no tokenizer.json (a Llama or Qwen folder's tokenizer; "
+                         "vocab.json + merges.txt would do too): copy it in from the model's "
+                         "files")
         ranks, _ = read_ranks(folder)
         n = len(ranks) + 1
         given = Given(os.path.abspath(folder), ranks=ranks, pattern=GPT2_PAT, n_vocab=n)

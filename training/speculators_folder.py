@@ -27,8 +27,12 @@ docs/your_model.md takes a model folder to a served drafter with these.
 
 import json
 import os
+import sys
 
 import torch
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import draft_dflash
 import draft_dspark

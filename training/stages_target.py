@@ -11,6 +11,7 @@ cut to --block-size. Every drafter stage then reads the target back (training/ta
 """
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from runtime.settings import setting, settings_of, values_of
 from training import ddp, pretrained
 from training.stage import Fit, SharedSettings, Stage
 from training.stages_mtp import new_mtp, save_mtp
+from training.trainer import TrainingError
 
 
 @dataclass
@@ -116,6 +118,10 @@ def import_target(tr):
     print(f"target: {model.num_params() / 1e6:.2f}M parameters from {run.init_from}, "
           f"{model.config}")
     val = tr.val_loss(lambda x, y: model(x, y)[1])
+    if not math.isfinite(val):  # a target that computes nan is not imported as done
+        raise TrainingError(f"target: the model in {run.init_from} computes a validation loss "
+                            f"of {val} on this corpus: its weights or its config.json make it "
+                            "diverge; nothing was written")
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],

@@ -186,6 +186,14 @@ class Phase:
         self.module.eval()
         if self.start == self.steps:
             self.val = self.eval_fn()
+        if not math.isfinite(self.val):  # never written as done: its last state is kept
+            if self.saved != self.steps:
+                self.save(self.steps)
+            raise TrainingError(f"{self.name}: its validation loss is {self.val} after "
+                                f"{self.steps} steps: training diverged on held-out text, so "
+                                f"nothing was written as done; its last state is kept in "
+                                f"{self.path}. Try a lower learning rate "
+                                f"({self.tr.lr_flag(self.name)}).")
         self.tr.clock.finish(self.name)
         Phase.running = None
         print(f"{self.name}: {self.steps - self.start} steps in {time.time() - self.t0:.0f}s")
