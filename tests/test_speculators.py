@@ -189,12 +189,30 @@ def damaged(folder, how):
     elif how == "no model.safetensors":
         os.remove(folder / "model.safetensors")
         tensors = None
+    elif how == "a cut safetensors file":
+        raw = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(raw[:len(raw) // 2])
+        tensors = None
+    elif how in WRONG_TYPES:
+        key, value = WRONG_TYPES[how]
+        (c["transformer_layer_config"] if key == "model_type" else c)[key] = value
     (folder / "config.json").write_text(json.dumps(c))
     if tensors is not None:
         pretrained.write_safetensors(tensors, folder / "model.safetensors")
 
 
+WRONG_TYPES = {"a listed block size": ("block_size", [8]), "a zero block": ("block_size", 0),
+               "taps as a string": ("aux_hidden_state_layer_ids", "1"),
+               "a fractional tap": ("aux_hidden_state_layer_ids", [1.5]),
+               "a listed mask token": ("mask_token_id", [1]),
+               "a string for a bool": ("sample_from_anchor", "false"),
+               "a listed kind": ("speculators_model_type", ["dflash"]),
+               "listed layers": ("model_type", ["qwen3"])}
+
+
 @pytest.mark.parametrize("how,needle", [
+    *((how, f"{key} is {json.dumps(value)}") for how, (key, value) in WRONG_TYPES.items()),
+    ("a cut safetensors file", "not a readable safetensors file"),
     ("eagle3", "EAGLE-3"), ("reduced vocabulary", "reduced draft vocabulary"),
     ("wider", "width"), ("lacks a tensor", "lacks layers.0.mlp.up_proj.weight"),
     ("an extra tensor", "d2t"), ("no model.safetensors", "model.safetensors not found")])

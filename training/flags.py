@@ -142,8 +142,11 @@ def resolve_args(argv, stages):
         refuse_folder_flags(decided)
     run = the_run(args, stages)
     if run.preset in FOR_A_GPU and device == "cpu" and args.device != "cpu":
+        hours = cpu_hours(run, stages)
+        took = (f"about {hours:.0f} hours" if hours >= 2 else
+                f"about {60 * hours:.0f} minutes" if hours >= 1 / 60 else "under a minute")
         raise ValueError(f"--preset {run.preset} is sized for a GPU, and this machine has none: "
-                         f"here it would train for about {cpu_hours(run, stages):.0f} hours "
+                         f"here it would train for {took} "
                          "(its steps at this CPU's matmul speed); pass --device cpu to run it "
                          "anyway, or take --preset quick or cpu, sized for a CPU")
     return run

@@ -25,6 +25,7 @@ for a Llama or Qwen target) has this layout; the rest is refused in one line nam
 docs/your_model.md takes a model folder to a served drafter with these.
 """
 
+import functools
 import json
 import os
 import sys
@@ -261,52 +262,74 @@ def read_folder(folder):
         raise ValueError(f"{paths[0]} is not readable JSON ({str(e)[:80]})") from None
     if not isinstance(c, dict):
         raise ValueError(f"{paths[0]} holds {type(c).__name__}, not a config")
-    return c, read_safetensors(paths[1])
+    try:
+        return c, read_safetensors(paths[1])
+    except Exception as e:  # truncated, or not that format
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{paths[1]} is not a readable safetensors file ({first})") from None
 
 
 def network_config(c, folder):
-    """speculators' config.json -> (kind, the config our checkpoint of it holds)."""
-    kind = c.get("speculators_model_type")
+    """speculators' config.json -> (kind, the config our checkpoint of it holds), every value
+    checked for its type and range (one line naming the key)."""
+    try:
+        return read_network_config(c, folder)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+
+
+TAPS = ((list,), "a list of target layer numbers",
+        lambda v: all(type(t) is int and t >= 1 for t in v) and len(v) > 0)
+TOKEN = ((int,), "a token id", lambda v: v >= 0)
+STRINGS = ((list,), "a list of strings", lambda v: all(isinstance(t, str) for t in v))
+
+
+def read_network_config(c, folder):
+    field = functools.partial(hf_folder.field, folder, c)
+    kind = field("speculators_model_type", hf_folder.STRING)
     if kind == "eagle3":
         raise ValueError(f"{folder} is an EAGLE-3 drafter, which this project does not read: "
                          f"{EAGLE3}")
     if kind not in KINDS:
         raise ValueError(f"{folder} is a {kind!r} drafter, not one of {', '.join(KINDS)}")
-    tl = c.get("transformer_layer_config")
-    if not isinstance(tl, dict):
-        raise ValueError(f"{folder}/config.json has no transformer_layer_config")
+    tl = hf_folder.required(folder, c, "transformer_layer_config", hf_folder.OBJECT)
     tl = {"model_type": "qwen3", "max_position_embeddings": 1, **tl, "architectures": None}
-    if tl["model_type"] not in hf_folder.FAMILIES:
+    part = "config.json's transformer_layer_config"
+    if hf_folder.field(folder, tl, "model_type", hf_folder.STRING, where=part) \
+            not in hf_folder.FAMILIES:
         raise ValueError(f"{folder}'s draft layers are {tl['model_type']!r}, not Qwen3's")
-    try:
-        layer = hf_folder.read_llama_config(folder, tl)
-    except CheckpointError as e:
-        raise ValueError(str(e)) from None
-    sliding = "sliding_attention" in (tl.get("layer_types") or [])
-    reduced = c.get("draft_vocab_size", layer.vocab_size) != layer.vocab_size
+    layer = hf_folder.read_llama_config(folder, tl)
+    sliding = "sliding_attention" in (hf_folder.field(folder, tl, "layer_types", STRINGS,
+                                                      where=part) or [])
+    reduced = field("draft_vocab_size", hf_folder.POSITIVE_INT, layer.vocab_size) \
+        != layer.vocab_size
+    mask = field("mask_token_id", TOKEN)
     odd = [w for w, on in (("a sliding window", sliding), ("biases in the MLP", layer.mlp_bias),
                            ("a reduced draft vocabulary", reduced),
-                           ("no mask_token_id", c.get("mask_token_id") is None)) if on]
+                           ("no mask_token_id", mask is None)) if on]
+    rank = field("markov_rank", hf_folder.POSITIVE_INT, 256)
     if kind == "dspark":
-        odd += [w for w, on in (("no Markov head", c.get("markov_rank", 256) < 1),
-                                (f"a {c.get('markov_head_type')!r} Markov head",
-                                 c.get("markov_head_type", "vanilla") != "vanilla"),
-                                ("no confidence head", not c.get("enable_confidence_head", True)))
+        head = field("markov_head_type", hf_folder.STRING, "vanilla")
+        odd += [w for w, on in ((f"a {head!r} Markov head", head != "vanilla"),
+                                ("no confidence head",
+                                 not field("enable_confidence_head", hf_folder.BOOL, True)))
                 if on]
     if odd:
         raise ValueError(f"{folder}'s {kind} drafter has {odd[0]}, which this project does not "
                          "compute")
+    field("confidence_head_with_markov", hf_folder.BOOL)  # read by imported(): checked here
     cfg = DFlashConfig(n_embd=layer.n_embd, n_head=layer.n_head, n_layer=layer.n_layer,
-                       taps=list(c.get("aux_hidden_state_layer_ids") or []),
-                       block=int(c.get("block_size", 8)), shift=int(bool(c.get(
-                           "sample_from_anchor", kind == "dspark"))),
+                       taps=list(hf_folder.required(folder, c, "aux_hidden_state_layer_ids",
+                                                    TAPS)),
+                       block=hf_folder.required(folder, c, "block_size", hf_folder.POSITIVE_INT),
+                       shift=int(field("sample_from_anchor", hf_folder.BOOL, kind == "dspark")),
                        rope_base=layer.rope_theta, arch="qwen3", bias=layer.qkv_bias,
                        n_kv_head=layer.n_kv_head, head_dim=layer.head_dim,
                        n_hidden=layer.n_hidden, norm_eps=layer.norm_eps,
-                       rope_scaling=layer.rope_scaling, mask_token=int(c["mask_token_id"]))
+                       rope_scaling=layer.rope_scaling, mask_token=mask)
     if kind == "dflash":
         return kind, cfg.to_dict()
-    return kind, {"backbone": cfg.to_dict(), "dspark": {"rank": int(c.get("markov_rank", 256))}}
+    return kind, {"backbone": cfg.to_dict(), "dspark": {"rank": rank}}
 
 
 def imported(folder, out_dir, force=False):
