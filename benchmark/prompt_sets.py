@@ -128,9 +128,10 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     if not cands:
         raise data.DataError(f"No validation document has {prompt_len} tokens; use a shorter "
                         "prompt_len or more data.")
-    if n > sum(len(c) for c in cands):
-        raise ValueError(f"--n-prompts {n}: the validation text holds "
-                         f"{sum(len(c) for c in cands)} prompts of {prompt_len} tokens")
+    held = sum(len(c) for c in cands)
+    if n > held:
+        raise ValueError(f"--n-prompts {n}: the validation text holds {held} prompts of "
+                         f"{prompt_len} tokens")
     order = rng.permutation(len(cands))
     # round-robin over a shuffled document order, so n <= #documents gives n different documents
     picks = [cands[order[i % len(cands)]] for i in range(n)]

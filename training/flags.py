@@ -11,7 +11,6 @@ own settings as attributes, and every stage's settings, typed, in run.settings.
 
 import argparse
 import os
-import time
 
 import torch
 
@@ -20,6 +19,7 @@ from llama import Llama, LlamaConfig
 
 from runtime.checkpoint import CheckpointError
 from runtime.devices import fast_bf16, pick_device
+from runtime.profiling import timed
 from runtime.settings import (ArgumentParser, add_settings, path_arg, preset_values,
                               read_settings, settings_of)
 from training import data as datamod
@@ -137,6 +137,7 @@ def resolve_args(argv, stages):
     args.use_bf16 = fast_bf16(device) if args.bf16 == "auto" else args.bf16 == "on"
     args.world = ddp.world_of_env()  # one process, unless torchrun started this one
     ddp.check_split(args.world, args.grad_accum, args.batch_size)
+    args.target_family = "gpt2"  # nanospec's own target
     if args.init_from:
         take_shape(args)  # the folder's own problems first
         refuse_folder_flags(decided)
@@ -165,14 +166,9 @@ def cpu_hours(run, stages):
                                          for p, c in (st.step_cost or {}).items()}}
     steps = sum(n * costs.get(phase, 1.0) for phase, n in plan(run, stages))
     a = torch.randn(1024, 1024)
-    seconds = min(timed(lambda: a @ a) for _ in range(3))
+    seconds = min(timed(lambda: a @ a, "cpu")[0] for _ in range(3))
     return steps * 6 * n_params * run.batch_size * run.block_size * seconds / 2 / 1024 ** 3 / 3600
 
-
-def timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def the_run(args, stages):
@@ -205,11 +201,12 @@ def refuse_folder_flags(given):
 
 
 def take_shape(args):
-    """With --init-from the target's shape is the folder's (config.json): the drafters' settings
-    are checked against it, and the context window may only shrink."""
+    """With --init-from the target's shape and family are the folder's (config.json): the
+    drafters' settings are checked against them, and the context window may only shrink."""
     cfg = pretrained.read_config(args.init_from)
     for name in ("n_layer", "n_head", "n_embd"):
         setattr(args, name, getattr(cfg, name))
+    args.target_family = getattr(cfg, "family", "gpt2")  # llama.LlamaConfig's; GPT-2's has none
     if args.block_size > cfg.sequence_len:
         raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
                          f"context window ({cfg.sequence_len} positions)")

@@ -42,7 +42,7 @@ from runtime.checkpoint import CheckpointError, load_drafter_checkpoint, save_ch
 from runtime.command import atomic_write, run
 from runtime.settings import ArgumentParser, expand
 from training import hf_folder
-from training.pretrained import read_safetensors, write_safetensors
+from training.pretrained import read_json, read_safetensors, write_safetensors
 from training.target import load_target
 
 KINDS = {"dflash": draft_dflash.DRAFTER, "dspark": draft_dspark.DRAFTER}
@@ -118,9 +118,14 @@ EAGLE3 = ("this project's EAGLE-3 mixes the fused state and the token's embeddin
           "positions, over a reduced draft vocabulary (d2t/t2d) (docs/your_model.md)")
 
 
+def block_network(kind, net):
+    """The DFlash network that drafts the block: `net` itself, or a DSpark's backbone."""
+    return net if kind == "dflash" else net.backbone
+
+
 def exportable(kind, net, target_cfg):
     """Why this network cannot be written as speculators' (one line), or None."""
-    cfg = net.config if kind == "dflash" else net.backbone.config
+    cfg = block_network(kind, net).config
     if cfg.arch != "qwen3":
         return (f"this {kind} drafter is built of GPT-2's layers (LayerNorm, GELU, ALiBi, a "
                 "learned embedding per mask slot) and speculators' of Qwen3's: train it with "
@@ -163,8 +168,8 @@ def layer_config(cfg, vocab_size, max_positions):
 
 def speculators_config(kind, net, target_cfg, verifier):
     """config.json for the network `net` (a DFlash, or a DSpark), drafting for `verifier`."""
-    cfg = net.config if kind == "dflash" else net.backbone.config
-    backbone = net if kind == "dflash" else net.backbone
+    backbone = block_network(kind, net)
+    cfg = backbone.config
     V = target_cfg.vocab_size
     c = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "DSparkDraftModel"],
          "speculators_model_type": kind, "speculators_version": VERSION,
@@ -193,10 +198,7 @@ def verifier_of(target_ckpt, name):
     if not (name or folder):
         raise ValueError("the target was trained here, not read from a model folder, and vLLM "
                          "serves a drafter beside one: name it with --verifier")
-    c = {}
-    if folder and os.path.isfile(os.path.join(folder, "config.json")):
-        with open(os.path.join(folder, "config.json")) as f:
-            c = json.load(f)
+    c = read_json(folder) if folder and os.path.isfile(os.path.join(folder, "config.json")) else {}
     return {"name_or_path": name or os.path.abspath(folder),
             "architectures": c.get("architectures", []),
             "max_position_embeddings": c.get("max_position_embeddings",
@@ -255,13 +257,7 @@ def read_folder(folder):
     if missing:
         raise ValueError(f"{missing[0]} not found: a speculators folder holds config.json and "
                          "model.safetensors")
-    try:
-        with open(paths[0]) as f:
-            c = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{paths[0]} is not readable JSON ({str(e)[:80]})") from None
-    if not isinstance(c, dict):
-        raise ValueError(f"{paths[0]} holds {type(c).__name__}, not a config")
+    c = read_json(folder)  # a JSON object, or one line why not (as a model folder's)
     try:
         return c, read_safetensors(paths[1])
     except Exception as e:  # truncated, or not that format
@@ -376,7 +372,7 @@ def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
     config.transformer_layer_config._attn_implementation = attention
     theirs = cls.from_pretrained(folder, config=config).eval().to(dtype)
     net, target = net.to(dtype), target.to(dtype)
-    backbone = net if kind == "dflash" else net.backbone
+    backbone = block_network(kind, net)
     cfg = backbone.config
     T = min(64, target.config.sequence_len)
     x = torch.randint(0, target.config.vocab_size, (1, T),

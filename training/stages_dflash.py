@@ -5,8 +5,6 @@ out/dflash.pt, and the state at the step where DSpark branches off (out/dflash.b
 training/stages_dspark.py starts there, so that the two drafters train the same number of steps).
 """
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +13,6 @@ import draft_dflash
 from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
 from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from runtime.settings import number, setting
-from training import hf_folder
 from training.stage import Fit, Stage, usual_record
 
 
@@ -238,19 +235,11 @@ def train_phase(tr, settings, fingerprint, batches, i, phase, before, done):
 
 def with_arch(values, run):
     """A record of the settings (training.stage.usual_record) with --dflash-arch as it resolves
-    for the --init-from folder's family; GPT-2's layers are recorded as before there were two
-    kinds, not at all, so that a checkpoint written then stays current."""
-    family = "llama" if run.init_from and folder_type(run.init_from) in hf_folder.FAMILIES \
-        else "gpt2"
-    arch = arch_of(run.settings["dflash"], family)
+    for the target's family; GPT-2's layers are recorded as before there were two kinds, not at
+    all, so that a checkpoint written then stays current."""
+    arch = arch_of(run.settings["dflash"], run.target_family)
     values.pop("dflash_arch")
     return values if arch == "gpt2" else {**values, "dflash_arch": arch}
-
-
-def folder_type(folder):
-    """The model_type a folder's config.json names (train.py has read and checked it by now)."""
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f).get("model_type")
 
 
 def records(run):

@@ -66,7 +66,7 @@ def train(tr, settings):
     if run.init_from:
         return import_target(tr)
     cfg = GPTConfig(sequence_len=run.block_size, vocab_size=tr.info["vocab_size"],
-                        n_layer=settings.n_layer, n_head=settings.n_head, n_embd=settings.n_embd)
+                    n_layer=settings.n_layer, n_head=settings.n_head, n_embd=settings.n_embd)
     torch.manual_seed(run.seed)
     model = GPT(cfg).to(tr.device)
     print(f"target: {model.num_params() / 1e6:.2f}M parameters, {cfg}")
