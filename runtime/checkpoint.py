@@ -6,7 +6,7 @@ This file writes and reads them (torch.load with weights_only=True: a file craft
 when unpickled is refused, not run), and reads a drafter's back, checked to belong to the very
 target and tokenizer it is loaded for, as the Drafter its declaration (speculative.Declaration)
 builds. Which drafters there are is not its business: registry/drafters.py lists them and loads
-each by name; the target comes back in training/target.py.
+each by name; the target comes back in runtime/target.py.
 """
 
 import hashlib

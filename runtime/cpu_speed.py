@@ -7,10 +7,13 @@ changes both from outside, the way gpt-fast's quantize.py swaps the Linears of i
 
 1. speed_up(model or drafter): every nn.Linear it holds becomes a PackedLinear, which at float32
    inference on a CPU multiplies by a copy of its weight packed for oneDNN. Why: torch's default
-   CPU matmul (MKL) is slow at the few rows a decode step or a verify pass has, and a weight
-   packed for oneDNN is not (docs/experiments.md: Packed matmul for inference). The loaders and
-   the trainer apply it to every model alike, the target included, so plain decoding gets the
-   same speed-up as the speculative paths. The weights and their names do not change.
+   CPU matmul (MKL) is slow at the few rows a verify pass has on every chip measured, and at the
+   one row of a decode step on some (an AMD EPYC), while a weight packed for oneDNN is not
+   (docs/experiments.md: Packed matmul for inference). The loaders and the trainer apply it to
+   every model alike, the target included, so plain decoding gets the same speed-up as the
+   speculative paths. The weights and their names do not change. pick_one_row(model) then times
+   a one-token forward both ways on this machine and keeps the faster for single rows (where
+   MKL's matrix-vector product is fast: an Intel Xeon).
 2. enable(): gpt.attention's kernel, when training on a CPU, becomes one baddbmm, a softmax and
    one bmm instead of SDPA's fused kernel, which is slow to differentiate there, DFlash's masked
    shape most of all (docs/experiments.md: Training attention written out).
@@ -18,6 +21,9 @@ changes both from outside, the way gpt-fast's quantize.py swaps the Linears of i
 Both compute ordinary float32 arithmetic (no reduced precision), only with other kernels and
 summation orders.
 """
+
+import statistics
+import time
 
 import torch
 import torch.nn as nn
@@ -52,13 +58,16 @@ def packed_linear(x, packed, bias):
 
 class PackedLinear(nn.Linear):
     """nn.Linear, except at float32 inference on a CPU, where it multiplies by a copy of its
-    weight packed for oneDNN. The copy is made on the first inference call and again whenever
-    the weight has changed (an optimizer step, a load, a .to()): training itself never uses it."""
+    weight packed for oneDNN (from packed_rows rows on: a single row may do better on torch's
+    path, pick_one_row). The copy is made on the first inference call and again whenever the
+    weight has changed (an optimizer step, a load, a .to()): training itself never uses it."""
+    packed_rows = 1  # the fewest rows multiplied by the packed copy
 
     def forward(self, x):
         if (torch.is_grad_enabled() or x.dtype != torch.float32
-                or torch.is_autocast_enabled(x.device.type)):
-            return super().forward(x)  # training, or another dtype: torch's own path
+                or torch.is_autocast_enabled(x.device.type)
+                or x.numel() < self.packed_rows * x.size(-1)):
+            return super().forward(x)  # training, another dtype, too few rows: torch's own path
         w = self.weight
         key = (w.data_ptr(), None if w.is_inference() else w._version, w.dtype, w.device)
         if self.__dict__.get("_packed_key") != key:
@@ -85,6 +94,34 @@ def speed_up(*objs):
                 if type(m) is nn.Linear and m.out_features > 1:
                     m.__class__ = PackedLinear
     return objs[0] if objs else None
+
+
+def pick_one_row(model, reps=7):
+    """Time `model`'s one-token forward (after a short cached context) with its Linears' packed
+    copies and on torch's own path, interleaved, and keep the faster for single rows (both
+    compute ordinary float32). Returns "packed" or "torch". Where nothing is packed (a GPU, another
+    dtype) it changes nothing."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    dev = model.lm_head.weight.device
+    if not linears or dev.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
+        return "packed"
+    cache, ctx = model.new_cache(), min(32, model.config.sequence_len - 2)
+    x = torch.zeros(1, 1, dtype=torch.long)
+    times = {1: [], 2: []}
+    with torch.inference_mode():
+        model(torch.zeros(1, ctx, dtype=torch.long), cache=cache)
+        for rep in range(reps + 1):  # the first round warms up both paths
+            for rows in (1, 2) if rep % 2 else (2, 1):
+                for m in linears:
+                    m.packed_rows = rows
+                t0 = time.perf_counter()
+                model(x, cache=cache)
+                times[rows].append(time.perf_counter() - t0)
+                cache.rollback(ctx)
+    torch_wins = statistics.median(times[2][1:]) < 0.97 * statistics.median(times[1][1:])
+    for m in linears:
+        m.packed_rows = 2 if torch_wins else 1
+    return "torch" if torch_wins else "packed"
 
 
 # -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from serving import ragged
 from speculative import (Sampler, Stats, check_k, generate_plain, generate_speculative,
-                         tokens_allowed)
+                         tokens_allowed, until_stop)
 
 # -----------------------------------------------------------------------------
 # sampling, one row at a time but in one pass: a Sampler per row (its own seed and generator)
@@ -178,15 +178,16 @@ def padded(rows, device, width=None):
 
 
 @torch.inference_mode()
-def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, stats=None):
+def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, stats=None,
+                           stop=()):
     """Token-by-token decoding of B prompts at once: one ragged prefill, then one (B, 1) forward
     a step. A row that has all its tokens gets zero tokens (its slot is padding, packed away).
-    No host sync until the end. Returns one token list per row. stats: a BatchStats to count the
-    steps in."""
+    No host sync until the end (but a read of each step's tokens where `stop` ends a row, as in
+    generate_plain). Returns one token list per row. stats: a BatchStats to count the steps in."""
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
     if len(prompts) == 1:  # one request: the batch-1 loop's own path (generate_batched's reason)
-        out = generate_plain(model, prompts[0], max_new_tokens, sampler.rows[0])
+        out = generate_plain(model, prompts[0], max_new_tokens, sampler.rows[0], stop=stop)
         if stats is not None:
             for _ in range(len(out) - 1):  # one plain step a token after the prefill's
                 stats.record_plain(1)
@@ -196,25 +197,34 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, 
     cache.reset()
     logits = ragged.forward(model, padded(prompts, dev), cache, P, last_only=True)[0]  # (B, 1, V)
     first = sampler.first_token(logits, P)  # (B, 1)
-    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler, stats)
-    return [[t] + r for t, r in zip(first[:, 0].tolist(), rest)]
+    firsts = first[:, 0].tolist()
+    allowed = [1 if t in stop else a for t, a in zip(firsts, allowed)]  # ended at its first
+    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler, stats, stop)
+    return [[t] + r for t, r in zip(firsts, rest)]
 
 
-def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None):
+def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None, stop=()):
     """Plain decoding of every row to its end: row r has done[r] of its allowed[r] tokens, the
     last of them, last[r], not yet in the cache; its next token sits at position P[r] + done[r].
     One (B, 1) forward a step, a row with all its tokens getting zero. No host sync until the
-    end. Returns each row's new tokens. stats: a BatchStats to count the steps in (a round each,
-    nothing drafted)."""
-    B, steps = len(done), max(a - d for a, d in zip(allowed, done))
+    end, unless `stop` ends rows: then each step's tokens are read back, and a row that wrote a
+    stop token has all its tokens. Returns each row's new tokens. stats: a BatchStats to count
+    the steps in (a round each, nothing drafted)."""
+    B, steps, allowed = len(done), max(a - d for a, d in zip(allowed, done)), list(allowed)
     out = torch.empty(B, max(steps, 0), dtype=torch.long, device=last.device)
     x = last[:, None]
     for i in range(steps):
         counts = [1 if d + i < a else 0 for d, a in zip(done, allowed)]
+        if not any(counts):  # every row stopped
+            break
         logits = ragged.forward(model, x, cache, counts)[0]  # (B, 1, V)
         x = out[:, i:i + 1] = sampler.pick(logits, [p + d + i for p, d in zip(P, done)])
         if stats is not None:
             stats.record_plain(sum(counts))
+        if stop:  # a host read a step
+            for r, t in enumerate(x[:, 0].tolist()):
+                if counts[r] and t in stop:
+                    allowed[r] = done[r] + i + 1
     rows = out.tolist()  # host sync (the only one)
     return [row[:a - d] for row, a, d in zip(rows, allowed, done)]
 
@@ -314,13 +324,14 @@ class Confirmed:
 
 
 @torch.inference_mode()
-def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache=None):
+def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache=None, stop=()):
     """speculative.generate_speculative over B prompts: every row drafts up to k (fewer near its
     end; the drafter may give it fewer, or none), one target forward verifies every row's
     [last, drafts] packed, each row keeps its own survivors plus the target's token and rolls back
-    alone. A row that has all its tokens gets nothing more: zero tokens in every forward.
-    Returns (token lists, BatchStats). Host syncs: one after the prefill, one a round (verify),
-    plus what a drafter takes itself (DSpark's scheduler reads its confidences)."""
+    alone. A row that has all its tokens, or has written a stop token, gets nothing more: zero
+    tokens in every forward. Returns (token lists, BatchStats). Host syncs: one after the
+    prefill, one a round (verify), plus what a drafter takes itself (DSpark's scheduler reads
+    its confidences)."""
     check_k(drafter, k, target.config.sequence_len)
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
@@ -329,7 +340,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         # ragged cache, the packing and the batch rule's bookkeeping only cost there (the batched
         # path ran 5% behind the batch-1 loop at B = 1); plain decoding takes its batch-1 path too
         out, one = generate_speculative(target, drafter.one_request(), prompts[0], max_new_tokens,
-                                        k, sampler.rows[0])
+                                        k, sampler.rows[0], stop=stop)
         return [out], BatchStats.of_one(one, k)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
     stats = BatchStats(B, k)
@@ -341,8 +352,9 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
                                     last_only=True)
     last = sampler.first_token(logits, P)[:, 0]  # (B,) each row's last confirmed token
     out = [[t] for t in last.tolist()]  # host sync (once, after the prefill)
+    allowed = [1 if o[0] in stop else a for o, a in zip(out, allowed)]  # ended at its first
     if plain:
-        return plainly(target, drafter, cache, last, out, allowed, P, sampler, stats)
+        return plainly(target, drafter, cache, last, out, allowed, P, sampler, stats, stop)
     drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     while True:
         active = [len(o) < a for o, a in zip(out, allowed)]
@@ -360,26 +372,29 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         logits, _, hid = ragged.forward(target, torch.cat([last[:, None], drafts], 1), cache,
                                         vcounts, hidden_layers=layers)
         n, ids, new = sampler.verify(logits, drafts, counts, q, [s + 1 for s in starts])
-        kept = [m + 1 if on else 0 for m, on in zip(n, active)]
+        kept = [until_stop(i, stop) if on else 0 for i, on in zip(ids, active)]  # n + 1, or fewer
+        n = [max(m - 1, 0) for m in kept]
         cache.rollback([s + m for s, m in zip(starts, kept)])  # keep [last, d1..dn] per row
         drafter.commit(kept, new, hid)
         # each row's last token (a finished row's is never read again)
         last = new.gather(1, torch.tensor([max(m - 1, 0) for m in kept], device=dev)[:, None])[:, 0]
         for r, on in enumerate(active):
             if on:
-                out[r].extend(ids[r])
+                out[r].extend(ids[r][:kept[r]])
+                if out[r][-1] in stop:
+                    allowed[r] = len(out[r])
         stats.record(counts, n, active, drafts.size(1) + 1, t1 - t0, time.perf_counter() - t1)
     stats.tokens = sum(len(o) for o in out)
     return out, stats
 
 
-def plainly(target, drafter, cache, last, out, allowed, P, sampler, stats):
+def plainly(target, drafter, cache, last, out, allowed, P, sampler, stats, stop=()):
     """A batch after its prefill on plain decoding's own path (plain_steps): every row from its
     first token to its end, no drafter, no taps, no host sync a step; timed for the drafter's
     rule (timed_plain). Returns (out, stats) with each row's tokens appended."""
     done = [len(o) for o in out]
     t0 = time.perf_counter()
-    rest = plain_steps(target, cache, last, done, allowed, P, sampler, stats)
+    rest = plain_steps(target, cache, last, done, allowed, P, sampler, stats, stop)
     seconds = time.perf_counter() - t0
     drafter.timed_plain(len(out), max(a - d for a, d in zip(allowed, done)), seconds)
     stats.verify_time += seconds

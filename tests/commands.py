@@ -19,15 +19,14 @@ import torch
 import bench
 import sample
 import train
-from benchmark import vs_transformers
 from conftest import tiny_args
-from training import data, pretrained
+from formats import hf_gpt2
+from training import data, forward_cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
            "sample.py": sample.build_parser, "training/data.py": data.build_parser,
-           "training/pretrained.py": pretrained.build_parser,
-           "benchmark/vs_transformers.py": vs_transformers.build_parser}
+           "training/forward_cost.py": forward_cost.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
 CHECKPOINTS = [f"{stage}.pt" for stage in train.STAGES]  # the target's, every learned drafter's
 
@@ -106,18 +105,13 @@ def fast(script, out, corpus, *extra):
     """The cheapest full run of each command on the tiny out/ (every train.py stage is current;
     one thread: the tiny models gain nothing from more, and a busy machine loses a lot); extra:
     more of train.py's flags."""
-    if script == "training/pretrained.py":  # a random GPT-2 folder, timed beside the tiny target
+    if script == "training/forward_cost.py":  # a random GPT-2 folder, timed beside the tiny target
         gpt2 = out.parent / "gpt2"
         if not gpt2.exists():
-            pretrained.write_folder(pretrained.random_gpt2("tiny", 321),
-                                    pretrained.synthetic_merges(64), gpt2)
-        return [gpt2, "--cost", "--sizes", "1", "--repeats", "1", "--context", "4", "--toy",
+            hf_gpt2.write_folder(hf_gpt2.random_gpt2("tiny", 321), hf_gpt2.synthetic_merges(64),
+                                 gpt2)
+        return [gpt2, "--sizes", "1", "--repeats", "1", "--context", "4", "--toy",
                 out / "target.pt", "--threads", "1"]
-    if script == "benchmark/vs_transformers.py":  # prompts that fit the tiny target's window
-        short = out.parent / "short.jsonl"
-        short.write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
-        return ["--out-dir", out, "--prompts", short, "--max-new-tokens", "3", "--repeats", "1",
-                "--threads", "1"]
     return {"train.py": tiny_args(corpus, out, "--bf16", "off", "--threads", "1", *extra),
             "training/data.py": ["--data", corpus, "--vocab-size", "384", "--out-dir", out],
             "bench.py": ["--out-dir", out, "--methods", "ar,small", "--n-prompts", "1",

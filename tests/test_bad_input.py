@@ -108,7 +108,7 @@ def test_a_tilde_in_every_path_flag_means_the_home_folder(out, corpus, tmp_path,
                                          "~/run")))
     succeeded(run("benchmark/plot.py", "~/b.json", "~/b.png"))
     assert (home / "b.png").is_file()
-    succeeded(run("training/pretrained.py", "~/gpt2", "--random", "tiny"))
+    succeeded(run("formats/pretrained.py", "~/gpt2", "--random", "tiny"))
     assert (home / "gpt2" / "config.json").is_file()
     assert os.listdir(here) == []
 
@@ -278,7 +278,7 @@ def test_sample_refuses_a_partner_for_a_drafter_built_around_none(trained):
                                         ("--tokenizer", "gpt2")])
 def test_a_flag_the_init_from_folder_decides_is_refused(tmp_path, corpus, flag, value):
     folder = tmp_path / "tiny"
-    succeeded(run("training/pretrained.py", folder, "--random", "llama-tiny"))
+    succeeded(run("formats/pretrained.py", folder, "--random", "llama-tiny"))
     out = tmp_path / "out"
     refused(run("train.py", "--init-from", folder, "--preset", "tiny", "--data", corpus,
                 "--out-dir", out, "--device", "cpu", flag, value), flag, "--init-from",
@@ -303,7 +303,7 @@ def test_a_preset_for_a_gpu_on_a_machine_without_one_says_how_long_and_asks(tmp_
 
 def test_a_llama_folder_without_its_tokenizer_names_tokenizer_json(tmp_path, corpus):
     folder = tmp_path / "tiny"
-    succeeded(run("training/pretrained.py", folder, "--random", "llama-tiny"))
+    succeeded(run("formats/pretrained.py", folder, "--random", "llama-tiny"))
     for name in ("vocab.json", "merges.txt", "tokenizer.json"):
         if (folder / name).exists():
             os.remove(folder / name)
@@ -321,9 +321,9 @@ def test_every_numeric_flag_shows_its_range_in_help():
 # a module a user runs by its path, from another folder
 
 
-@pytest.mark.parametrize("module", ["training/pretrained.py", "training/data.py",
-                                    "training/speculators_folder.py", "benchmark/plot.py",
-                                    "benchmark/vs_transformers.py"])
+@pytest.mark.parametrize("module", ["formats/pretrained.py", "training/data.py",
+                                    "formats/speculators.py", "training/forward_cost.py",
+                                    "benchmark/plot.py"])
 def test_a_module_runs_by_its_path_from_any_folder(module, tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, module), "--help"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

@@ -140,6 +140,24 @@ def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k)
     assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode):
+    """A stop token ends its row where that row's batch-1 plain decoding ends (the other rows
+    go on), batched plain decoding and every drafter alike."""
+    prompts = ragged_prompts(5, target.config.vocab_size, seed=5, window=target.config.sequence_len)
+    whole = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
+    stop = {whole[0][6], whole[2][12]}
+    ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11), stop=stop) for p in prompts]
+    assert any(len(r) < 30 for r in ref)
+    plain = generate_plain_batched(target, prompts, 30, BatchSampler(mode, 5, 0.9, None, 11),
+                                   stop=stop)
+    d = batched_drafter(drafter_name, target, len(prompts))
+    out, stats = generate_batched(target, d, prompts, 30, within(d, 4),
+                                  BatchSampler(mode, 5, 0.9, None, 11), stop=stop)
+    assert plain == ref and out == ref
+    assert stats.tokens == sum(len(o) for o in out)
+
+
 def natively_batched(target):
     """(name, batch-1 drafter) of every registered drafter whose line names a batched twin of its
     own, as the shared tests build it (DSpark verifying its whole block, the rule its batch-1

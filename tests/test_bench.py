@@ -54,9 +54,9 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # the figure, from the same run
 
 
-TOP_KEYS = {"device", "machine", "commit", "dtype", "threads", "torch", "k", "sampling",
-            "temperature", "full", "prompts", "n_prompts", "max_new_tokens", "repeats", "methods",
-            "sweep", "divergences", "references", "verify_ms_by_tokens"}
+TOP_KEYS = {"device", "machine", "commit", "dtype", "threads", "one_row_matmul", "torch", "k",
+            "sampling", "temperature", "full", "prompts", "stop", "n_prompts", "max_new_tokens",
+            "repeats", "methods", "sweep", "divergences", "references", "verify_ms_by_tokens"}
 
 
 def test_the_default_bench_is_the_headline_in_the_same_schema(trained, tmp_path, capsys):
@@ -136,7 +136,7 @@ def test_flags_are_grouped_and_each_says_its_default():
     groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in p._action_groups}
     assert groups["what to run"] == ["--methods", "--full", "--trees", "--k", "--hybrid-with",
                                      "--prompts", "--n-prompts", "--prompt-len", "--max-new-tokens",
-                                     "--batch-size"]
+                                     "--batch-size", "--peers"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
     assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",
                                      "--dtype", "--device"]

@@ -22,7 +22,7 @@ from gpt import GPT, GPTConfig
 from registry.drafters import load_drafter
 from tests.conftest import tiny_args
 from training.stage import Fit
-from training.target import load_target
+from runtime.target import load_target
 
 LEARNED = [name for name in train.STAGES if name != "target"]  # every drafter that trains
 

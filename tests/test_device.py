@@ -23,7 +23,7 @@ import torch
 
 from runtime import settings
 from conftest import make, tiny_args, tiny_gpt, within
-from training.target import load_target
+from runtime.target import load_target
 from runtime.devices import check_dtype, pick_device, synchronize
 from draft_small import DraftModel
 from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,

@@ -18,7 +18,7 @@ from runtime.cpu_speed import speed_up
 from speculative import Sampler
 from test_mtp import fit_mtp
 from training.stages_eagle import eagle_taps
-from training.target import load_target
+from runtime.target import load_target
 
 _FITTED = {}
 

@@ -15,7 +15,7 @@ from training import tokenizer
 from benchmark import prompt_sets
 from registry.drafters import load_drafter
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from training.target import load_target
+from runtime.target import load_target
 from runtime.devices import pick_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,7 +243,7 @@ def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(t
 
 def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(trained, capsys):
     """A list flag names each value once (settings.number_list: --batch-size, --sweep and
-    training/pretrained.py's --sizes alike)."""
+    training/forward_cost.py's --sizes alike)."""
     for flag in ("--batch-size", "--sweep"):
         with pytest.raises(SystemExit):
             bench.main(["--out-dir", str(trained), flag, "1,2,2", "--n-prompts", "4"])

@@ -1,5 +1,5 @@
 """Fuzzing the command lines (train.py, bench.py, sample.py, training/data.py,
-training/pretrained.py, benchmark/plot.py and benchmark/vs_transformers.py). Every run ends in
+formats/pretrained.py, training/forward_cost.py and benchmark/plot.py). Every run ends in
 success or in one 'error:' line, never a traceback, and a failed run leaves out/ exactly as it
 was:
 
@@ -14,7 +14,6 @@ Commands run in this process through their real `if __name__ == "__main__"` bloc
 (tests/commands.py). Runs on copies of conftest.py's tiny trained out/, one thread each: about
 15 s beyond that shared training."""
 
-import importlib.util
 import json
 import os
 import random
@@ -130,7 +129,7 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /pro
     ("training/data.py", "--data", "empty", "is empty"),
     ("train.py", "--data", "folder", "is empty"),   # a folder is fine, but this one holds no text
     ("training/data.py", "--data", "binary", "binary"),
-    ("train.py", "--init-from", "file", "is not a folder"),
+    ("train.py", "--init-from", "file", "GGUF's magic bytes"),  # a file is read as a GGUF
     ("train.py", "--init-from", "folder", "it has no config.json"),
 ])
 def test_a_path_of_the_wrong_kind_is_one_error_line(out, corpus, things, script, flag, kind,
@@ -215,18 +214,18 @@ def test_pretrained_py_random_keeps_a_folder_that_holds_files(tmp_path):
     real.mkdir()
     (real / "model.safetensors").write_bytes(b"a user's real weights")
     before = snapshot(real)
-    refused(run("training/pretrained.py", real, "--random", "tiny"), "already holds files", "--force")
+    refused(run("formats/pretrained.py", real, "--random", "tiny"), "already holds files", "--force")
     assert snapshot(real) == before
     (tmp_path / "f").write_text("x")
-    refused(run("training/pretrained.py", tmp_path / "f", "--random", "tiny"), "is a file")
-    refused(run("training/pretrained.py", tmp_path / "nope"), "no such folder")
-    assert "GPT-2 2 layers" in succeeded(run("training/pretrained.py", real, "--random", "tiny", "--force"))
+    refused(run("formats/pretrained.py", tmp_path / "f", "--random", "tiny"), "is a file")
+    refused(run("formats/pretrained.py", tmp_path / "nope"), "no such folder")
+    assert "GPT-2 2 layers" in succeeded(run("formats/pretrained.py", real, "--random", "tiny", "--force"))
     assert snapshot(real) != before
 
 
 @pytest.fixture
 def gpt2_folder(tmp_path):
-    succeeded(run("training/pretrained.py", tmp_path / "gpt2", "--random", "tiny"))
+    succeeded(run("formats/pretrained.py", tmp_path / "gpt2", "--random", "tiny"))
     return tmp_path / "gpt2"
 
 
@@ -272,8 +271,7 @@ COSTLY = {
 }
 # runs that succeed cost time
 GOOD_RUNS = {"train.py": 12, "training/data.py": 12, "bench.py": 3, "sample.py": 5,
-             "training/pretrained.py": 4,
-             "benchmark/vs_transformers.py": 2 if importlib.util.find_spec("transformers") else 0}
+             "training/forward_cost.py": 4}
 
 
 def sweep_flags(script):

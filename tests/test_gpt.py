@@ -8,7 +8,7 @@ import torch
 
 import gpt
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, state_hash
-from training.target import load_target
+from runtime.target import load_target
 from conftest import tiny_gpt
 from runtime.cpu_speed import PackedLinear, cpu_sdpa, pack_weight, speed_up
 

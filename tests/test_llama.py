@@ -1,4 +1,4 @@
-"""The Llama family as the target (llama.py; training/hf_folder.py reads its Hugging Face folders):
+"""The Llama family as the target (llama.py; formats/hf_llama.py reads its Hugging Face folders):
 the logits of transformers' own LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM in
 float64 where transformers is installed, and of an independent forward written out from the
 folder's tensors everywhere; the KV cache with rollback equal to a fresh prefill; every drafter,
@@ -28,9 +28,9 @@ from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
-from training import (data, hf_folder, pretrained, speculators_folder, stages_dflash,
-                      tokenizer)
-from training.target import load_target
+from formats import hf_folder, hf_gpt2, hf_llama, pretrained, speculators
+from training import data, stages_dflash, tokenizer
+from runtime.target import load_target
 
 FAMILIES = sorted(LLAMAS)
 VOCAB = 384
@@ -152,20 +152,20 @@ def folder_model(family, seed=0, **over):
 @pytest.fixture(scope="module")
 def merges(corpus):
     train_docs, _ = data.load_documents(corpus)
-    return pretrained.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
+    return hf_gpt2.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def folder(request, merges, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
-    pretrained.write_llama_folder(folder_model(request.param), merges, d, request.param)
+    hf_llama.write_llama_folder(folder_model(request.param), merges, d, request.param)
     return d
 
 
 def test_the_folder_loads_with_an_independent_forwards_logits(folder):
-    model, given = pretrained.load_folder(str(folder))
+    model, given = pretrained.load(str(folder))
     c = json.loads((folder / "config.json").read_text())
-    hf = {k: v.double() for k, v in pretrained.read_weights(str(folder)).items()}
+    hf = {k: v.double() for k, v in hf_folder.read_weights(str(folder)).items()}
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model.double()(idx)[0]
@@ -210,14 +210,14 @@ def their_folder(family, folder, merges):
         for p in theirs.parameters():
             p.add_(0.2 * torch.randn_like(p))
     theirs.save_pretrained(folder)
-    pretrained.write_tokenizer_files(merges, folder)
+    hf_gpt2.write_tokenizer_files(merges, folder)
     return theirs
 
 
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_transformers_own_model_computes_the_same_logits(family, tmp_path, merges):
     theirs = their_folder(family, tmp_path, merges)
-    model, _ = pretrained.load_folder(str(tmp_path))
+    model, _ = pretrained.load(str(tmp_path))
     assert model.config.rope_scaling == (None if family != "llama" else {
         k: v for k, v in HF_CONFIGS["llama"]["rope_parameters"].items() if k != "rope_theta"})
     idx = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(0))
@@ -232,8 +232,8 @@ def test_the_tokenizer_json_encodes_as_transformers_does(folder, tmp_path, merge
     pytest.importorskip("tokenizers")
     d = tmp_path / "m"
     shutil.copytree(folder, d)
-    eot = pretrained.write_tokenizer_json(pretrained.read_ranks(str(d))[0], d / "tokenizer.json")
-    model, given = pretrained.load_folder(str(d))
+    eot = hf_llama.write_tokenizer_json(hf_gpt2.read_ranks(str(d))[0], d / "tokenizer.json")
+    model, given = pretrained.load(str(d))
     assert given.kind == "hf" and given.eot == eot == VOCAB - 1
     enc = hf_folder.HFTokenizer(d / "tokenizer.json", given.eot)
     text = "def f(x):\n    return x + 1  # ünïcode\n" + tokenizer.EOT
@@ -335,7 +335,7 @@ def pipeline(folder, corpus, tmp_path_factory):
 def test_every_drafter_trains_for_the_folders_model_and_decodes_exactly(pipeline, folder,
                                                                         tmp_path, mode):
     target, ckpt = load_target(str(pipeline / "target.pt"))
-    want, _ = pretrained.load_folder(str(folder), target.config.sequence_len)
+    want, _ = pretrained.load(str(folder), target.config.sequence_len)
     assert isinstance(target, Llama) and ckpt["init_from"] == str(folder)
     assert all(torch.equal(want.state_dict()[k], v) for k, v in target.state_dict().items())
     res = bench.main(["--out-dir", str(pipeline), "--n-prompts", "2", "--max-new-tokens", "10",
@@ -348,12 +348,12 @@ def test_every_drafter_trains_for_the_folders_model_and_decodes_exactly(pipeline
 
 def test_a_vocabulary_beyond_uint16_is_stored_in_four_bytes(corpus, tmp_path):
     pytest.importorskip("tokenizers")
-    merges = pretrained.synthetic_merges(70000 - 257)
+    merges = hf_gpt2.synthetic_merges(70000 - 257)
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({a + b: 256 + i for i, (a, b) in enumerate(merges)})
     path = tmp_path / "tokenizer.json"
-    eot = pretrained.write_tokenizer_json(ranks, path)
-    given = data.Given(str(tmp_path), json=path.read_bytes(), eot=eot)
+    eot = hf_llama.write_tokenizer_json(ranks, path)
+    given = pretrained.Given(str(tmp_path), json=path.read_bytes(), eot=eot)
     info = data.prepare_data(tmp_path / "out", corpus, tokenizer="hf", verbose=False, given=given)
     assert info["vocab_size"] == 70000 and eot == 69999
     assert os.path.getsize(info["val_bin"]) == 4 * info["n_val_tokens"]
@@ -369,22 +369,22 @@ def test_a_vocabulary_beyond_uint16_is_stored_in_four_bytes(corpus, tmp_path):
 def test_sharded_weights_load_as_one_file(folder, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(folder, d)
-    sd = pretrained.read_weights(str(d))
+    sd = hf_folder.read_weights(str(d))
     names = sorted(sd)
     half = {n: ("model-00001-of-00002.safetensors" if i % 2 else
                 "model-00002-of-00002.safetensors") for i, n in enumerate(names)}
     for shard in set(half.values()):
-        pretrained.write_safetensors({n: sd[n] for n in names if half[n] == shard}, d / shard)
+        hf_folder.write_safetensors({n: sd[n] for n in names if half[n] == shard}, d / shard)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
     os.remove(d / "model.safetensors")
-    back = pretrained.read_weights(str(d))
+    back = hf_folder.read_weights(str(d))
     assert back.keys() == sd.keys() and all(torch.equal(back[n], sd[n]) for n in names)
 
 
 @pytest.mark.parametrize("shape,heads", [("smollm2-135m", 9), ("qwen3-0.6b", 16)])
 def test_the_gpu_small_preset_sizes_the_drafters_for_the_folder(tmp_path, shape, heads):
-    family, fields = pretrained.LLAMA_SHAPES[shape]
-    cfg = hf_folder.config_json(types.SimpleNamespace(config=LlamaConfig(**fields)), family, 0)
+    family, fields = hf_llama.LLAMA_SHAPES[shape]
+    cfg = hf_llama.config_json(types.SimpleNamespace(config=LlamaConfig(**fields)), family, 0)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
                               "--device", "cpu"])
@@ -401,7 +401,7 @@ def test_the_docs_recipe_runs_on_a_tiny_random_folder(tmp_path, corpus):
     """docs/your_model.md's CPU version, command by command (on the tests' corpus)."""
     recipe = open(os.path.join(os.path.dirname(__file__), "..", "docs", "your_model.md")).read()
     folder, out = str(tmp_path / "tiny"), str(tmp_path / "tiny-out")
-    steps = [("python -m training.pretrained /tmp/tiny --random llama-tiny",
+    steps = [("python -m formats.pretrained /tmp/tiny --random llama-tiny",
               lambda: pretrained.main([folder, "--random", "llama-tiny"])),
              ("python train.py --init-from /tmp/tiny --preset tiny --out-dir /tmp/tiny-out "
               "--only target", lambda: train.main(["--init-from", folder, "--preset", "tiny",
@@ -416,10 +416,10 @@ def test_the_docs_recipe_runs_on_a_tiny_random_folder(tmp_path, corpus):
                                   "float64", "--n-prompts", "2", "--max-new-tokens", "10",
                                   "--repeats", "1", "--plot", "", "--json",
                                   str(tmp_path / "b.json")])),
-             ("python -m training.speculators_folder export /tmp/tiny-drafter --out-dir "
+             ("python -m formats.speculators export /tmp/tiny-drafter --out-dir "
               "/tmp/tiny-out --method dflash",
-              lambda: speculators_folder.main(["export", str(tmp_path / "drafter"), "--out-dir",
-                                               out, "--method", "dflash"]))]
+              lambda: speculators.main(["export", str(tmp_path / "drafter"), "--out-dir",
+                                        out, "--method", "dflash"]))]
     results = []
     for command, step in steps:
         assert command in recipe
@@ -462,8 +462,8 @@ def test_a_folder_with_a_tokenizer_json_trains_and_decodes_exactly(merges, corpu
     it: bench.py and sample.py read the same tokenizer back."""
     pytest.importorskip("tokenizers")
     d, out = tmp_path / "qwen3", tmp_path / "out"
-    pretrained.write_llama_folder(folder_model("qwen3"), merges, d, "qwen3")
-    pretrained.write_tokenizer_json(pretrained.read_ranks(str(d))[0], d / "tokenizer.json")
+    hf_llama.write_llama_folder(folder_model("qwen3"), merges, d, "qwen3")
+    hf_llama.write_tokenizer_json(hf_gpt2.read_ranks(str(d))[0], d / "tokenizer.json")
     train.main(tiny_args(corpus, out, "--init-from", str(d)))
     info = data.load_build(out)
     assert info["kind"] == "hf" and (out / "tokenizer.json").read_bytes() == (
@@ -494,7 +494,7 @@ def test_the_rotary_angles_stay_float32_in_half_precision():
 def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it(folder):
     c = json.loads((folder / "config.json").read_text())
     c.pop("tie_word_embeddings")
-    assert not hf_folder.read_llama_config(str(folder), c).tie_embeddings
+    assert not hf_llama.read_llama_config(str(folder), c).tie_embeddings
 
 
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
@@ -507,7 +507,7 @@ def test_transformers_4s_config_layout_loads_the_same_model(family, tmp_path, me
     if rope.get("rope_type", "default") != "default":
         c["rope_scaling"] = rope
     (tmp_path / "config.json").write_text(json.dumps(c))
-    model, _ = pretrained.load_folder(str(tmp_path))
+    model, _ = pretrained.load(str(tmp_path))
     idx = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(model(idx)[0], theirs(idx).logits, atol=1e-5, rtol=0)
@@ -519,7 +519,7 @@ def test_a_tokenizer_json_adds_what_its_post_processor_adds(folder, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     d = tmp_path / "m"
     shutil.copytree(folder, d)
-    pretrained.write_tokenizer_json(pretrained.read_ranks(str(d))[0], d / "tokenizer.json")
+    hf_llama.write_tokenizer_json(hf_gpt2.read_ranks(str(d))[0], d / "tokenizer.json")
     tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
     bos = tok.token_to_id(tokenizer.EOT)  # the tests' folders have one special token
     tok.post_processor = tokenizers.processors.TemplateProcessing(
@@ -538,18 +538,18 @@ def test_a_sharded_folders_every_shard_names_its_weights(folder, tmp_path):
     from training.stages_target import weights_id
     d = tmp_path / "m"
     shutil.copytree(folder, d)
-    sd = pretrained.read_weights(str(d))
+    sd = hf_folder.read_weights(str(d))
     names = sorted(sd)
     half = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
     for shard in set(half.values()):
-        pretrained.write_safetensors({n: sd[n] for n in names if half[n] == shard}, d / shard)
+        hf_folder.write_safetensors({n: sd[n] for n in names if half[n] == shard}, d / shard)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
     os.remove(d / "model.safetensors")
     before = weights_id(str(d))
     assert "index" in before
     w = sd[names[1]].clone()
     w.view(-1)[0] += 1
-    pretrained.write_safetensors({n: (w if n == names[1] else sd[n]) for n in names
+    hf_folder.write_safetensors({n: (w if n == names[1] else sd[n]) for n in names
                                   if half[n] == half[names[1]]}, d / half[names[1]])
     assert weights_id(str(d)) != before  # a changed shard re-imports the target
 
@@ -559,9 +559,9 @@ def test_a_run_that_forgot_init_from_keeps_a_tokenizer_json_build(corpus, tmp_pa
     out = tmp_path / "out"
     ranks = {bytes([b]): b for b in range(256)}
     path = tmp_path / "tokenizer.json"
-    eot = pretrained.write_tokenizer_json(ranks, path)
+    eot = hf_llama.write_tokenizer_json(ranks, path)
     data.prepare_data(out, corpus, tokenizer="hf", verbose=False,
-                      given=data.Given(str(tmp_path), json=path.read_bytes(), eot=eot))
+                      given=pretrained.Given(str(tmp_path), json=path.read_bytes(), eot=eot))
     with pytest.raises(SystemExit) as e:
         train.cli(tiny_args(corpus, out, "--force"))
     assert "pass --init-from" in str(e.value) and str(e.value).startswith("error: ")

@@ -88,35 +88,21 @@ def test_rounds_with_and_without_drafts_stay_exact():
 
 
 # -----------------------------------------------------------------------------
-# the head-to-head script: the same weights in transformers' GPT-2 (runs only where transformers is)
+# the peer table: the same weights in transformers (runs only where transformers is)
 
 
 def test_transformers_gpt2_holds_the_same_model():
-    """benchmark/vs_transformers.py compares decoding speed on 'the same weights': its
-    GPT2LMHeadModel must
+    """benchmark/peers.py compares decoding speed on 'the same weights': its GPT2LMHeadModel must
     compute the target's logits, or the comparison is between two different models."""
     pytest.importorskip("transformers")
-    from benchmark.vs_transformers import hf_generate, to_transformers
+    from benchmark.peers import hf_generate, to_transformers
     target = tiny_gpt(0, scale=1.0)
-    hf = to_transformers(target.float()).double()
+    hf = to_transformers(target.float(), 0).double()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, target.config.vocab_size, (2, 40), generator=g)
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, target.double()(x)[0], atol=1e-10, rtol=0)
     p = x[0, :8].tolist()
-    assert hf_generate(hf, p, 20) == generate_plain(target, p, 20, Sampler("greedy"))
-    assert hf_generate(hf, p, 20, lookup=5) == generate_plain(target, p, 20, Sampler("greedy"))
-
-
-def test_head_to_head_without_transformers_is_one_error_line(monkeypatch, trained):
-    import builtins
-    from benchmark import vs_transformers
-    real_import = builtins.__import__
-
-    def no_transformers(name, *a, **kw):
-        if name == "transformers":
-            raise ImportError(name)
-        return real_import(name, *a, **kw)
-    monkeypatch.setattr(builtins, "__import__", no_transformers)
-    with pytest.raises(SystemExit, match="^error: .*pip install transformers"):
-        vs_transformers.main(["--out-dir", str(trained)])
+    assert hf_generate(hf, p, 20, set()) == generate_plain(target, p, 20, Sampler("greedy"))
+    assert hf_generate(hf, p, 20, set(), lookup=5) == generate_plain(target, p, 20,
+                                                                     Sampler("greedy"))

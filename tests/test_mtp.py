@@ -18,7 +18,7 @@ from draft_mtp import MTP, MTPConfig, MTPDrafter, lm_logits, mtp_loss
 from draft_small import total_variation
 from runtime.cpu_speed import speed_up
 from speculative import Sampler
-from training.target import load_target
+from runtime.target import load_target
 
 _FITTED = {}
 

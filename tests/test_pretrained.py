@@ -1,4 +1,4 @@
-"""A pretrained GPT-2 from a Hugging Face folder (training/pretrained.py, train.py --init-from): a
+"""A pretrained GPT-2 from a Hugging Face folder (formats/hf_gpt2.py, train.py --init-from): a
 tiny
 GPT-2 folder the tests write loads with the logits of an independent GPT-2 forward (and of
 transformers' GPT2LMHeadModel where it is installed), its tokenizer is GPT-2's byte-level BPE,
@@ -20,9 +20,9 @@ import bench
 from registry import drafters as registry
 from training import data
 from training import tokenizer
-from training import pretrained
+from formats import hf_folder, hf_gpt2, pretrained
 import train
-from training.target import load_target
+from runtime.target import load_target
 from gpt import GPT, GPTConfig
 from tests.conftest import tiny_args
 
@@ -36,7 +36,7 @@ VOCAB = 384
 @pytest.fixture(scope="module")
 def merges(corpus):
     train_docs, _ = data.load_documents(corpus)
-    return pretrained.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
+    return hf_gpt2.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
 
 
 def tiny_model(activation="gelu_new", seed=0):
@@ -53,7 +53,7 @@ def tiny_model(activation="gelu_new", seed=0):
 @pytest.fixture(scope="module")
 def folder(merges, tmp_path_factory):
     d = tmp_path_factory.mktemp("gpt2")
-    pretrained.write_folder(tiny_model(), merges, d)
+    hf_gpt2.write_folder(tiny_model(), merges, d)
     return d
 
 
@@ -92,12 +92,12 @@ def reference_logits(hf, n_head, idx):
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
 def test_the_folder_loads_with_gpt2s_own_logits(merges, tmp_path, weights):
-    pretrained.write_folder(tiny_model(), merges, tmp_path, weights)
+    hf_gpt2.write_folder(tiny_model(), merges, tmp_path, weights)
     assert os.listdir(tmp_path).count("pytorch_model.bin" if weights == "bin"
                                       else "model.safetensors") == 1
-    model, given = pretrained.load_folder(str(tmp_path))
+    model, given = pretrained.load(str(tmp_path))
     assert model.config.activation == "gelu_new" and len(given.ranks) + 1 == VOCAB
-    hf = {k: v.double() for k, v in pretrained.read_weights(str(tmp_path)).items()}
+    hf = {k: v.double() for k, v in hf_folder.read_weights(str(tmp_path)).items()}
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model.double()(idx)[0]
@@ -107,7 +107,7 @@ def test_the_folder_loads_with_gpt2s_own_logits(merges, tmp_path, weights):
 def test_transformers_computes_the_same_logits_on_the_folder(folder):
     transformers = pytest.importorskip("transformers")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
-    model, _ = pretrained.load_folder(str(folder))
+    model, _ = pretrained.load(str(folder))
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(idx)[0] - theirs(idx).logits).abs().max().item()
@@ -117,14 +117,14 @@ def test_transformers_computes_the_same_logits_on_the_folder(folder):
 def test_the_safetensors_reader_agrees_with_the_package(folder, tmp_path):
     tensors = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64),
                "c": torch.randn(2, dtype=torch.float64), "e": torch.zeros(0)}
-    pretrained.write_safetensors(tensors, tmp_path / "t.safetensors")
-    back = pretrained.read_safetensors(str(tmp_path / "t.safetensors"))
+    hf_folder.write_safetensors(tensors, tmp_path / "t.safetensors")
+    back = hf_folder.read_safetensors(str(tmp_path / "t.safetensors"))
     assert back.keys() == tensors.keys()
     assert all(torch.equal(back[k], tensors[k]) and back[k].dtype == tensors[k].dtype
                for k in tensors)
     st = pytest.importorskip("safetensors.torch")
     theirs = st.load_file(str(folder / "model.safetensors"))
-    ours = pretrained.read_weights(str(folder))
+    ours = hf_folder.read_weights(str(folder))
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
@@ -142,8 +142,8 @@ def test_the_activation_is_the_configs_and_old_checkpoints_keep_the_exact_gelu()
 
 
 def test_a_shorter_context_keeps_the_first_positions(folder):
-    full, _ = pretrained.load_folder(str(folder))
-    short, _ = pretrained.load_folder(str(folder), sequence_len=32)
+    full, _ = pretrained.load(str(folder))
+    short, _ = pretrained.load(str(folder), sequence_len=32)
     idx = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(full(idx)[0], short(idx)[0])
@@ -155,8 +155,8 @@ def test_a_shorter_context_keeps_the_first_positions(folder):
 
 
 def test_the_tokenizer_is_a_byte_level_bpe_that_round_trips(folder, merges):
-    ranks, eot = pretrained.read_ranks(str(folder))
-    enc = tokenizer.encoding_from(ranks, pretrained.GPT2_PAT)  # what the build's tokenizer file loads as
+    ranks, eot = hf_gpt2.read_ranks(str(folder))
+    enc = tokenizer.encoding_from(ranks, hf_gpt2.GPT2_PAT)  # what the build's tokenizer file loads as
     assert eot == VOCAB - 1 and enc.n_vocab == VOCAB and enc.eot_token == eot
     text = "def f(x):\n    return x + 1  # ünïcode, \x00 and tabs\t\n"
     ids = tokenizer.encode(enc, text + tokenizer.EOT)
@@ -216,9 +216,9 @@ def test_a_tokenizer_that_does_not_fit_the_weights_is_refused(folder, corpus, tm
     lines = (d / "merges.txt").read_text().splitlines(keepends=True)
     (d / "merges.txt").write_text("".join(lines[:-1]))  # one merge fewer...
     vocab = json.loads((d / "vocab.json").read_text())
-    last = max((v, k) for k, v in vocab.items() if k != pretrained.EOT)[1]
+    last = max((v, k) for k, v in vocab.items() if k != hf_gpt2.EOT)[1]
     del vocab[last]
-    vocab[pretrained.EOT] -= 1
+    vocab[hf_gpt2.EOT] -= 1
     (d / "vocab.json").write_text(json.dumps(vocab))  # ...and a vocab.json that agrees
     assert f"tokenizer has {VOCAB - 1} tokens, its weights' vocabulary {VOCAB}" in refused(
         tmp_path, corpus, d)
@@ -250,10 +250,10 @@ def test_every_drafter_trains_for_the_folders_target_and_decodes_exactly(pipelin
                                                                           tmp_path):
     target, ckpt = load_target(str(pipeline / "target.pt"))
     assert ckpt["init_from"] == str(folder) and target.config.activation == "gelu_new"
-    want, _ = pretrained.load_folder(str(folder))
+    want, _ = pretrained.load(str(folder))
     assert all(torch.equal(want.state_dict()[k], v) for k, v in target.state_dict().items())
     info = data.load_build(pipeline)
-    assert info["vocab_size"] == VOCAB and info["pattern"] == pretrained.GPT2_PAT
+    assert info["vocab_size"] == VOCAB and info["pattern"] == hf_gpt2.GPT2_PAT
     res = bench.main(["--out-dir", str(pipeline), "--n-prompts", "2", "--max-new-tokens", "10",
                       "--prompt-len", "16", "--repeats", "1", "--sweep", "", "--plot", "",
                       "--dtype", "float64", "--json", str(tmp_path / "b.json")])
@@ -269,7 +269,7 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
     args = tiny_args(corpus, out, "--init-from", str(folder))
     train.main(args)
     assert capsys.readouterr().out.count("exists, skipping") == len(train.STAGES)
-    pretrained.write_folder(tiny_model(seed=1), merges, d)  # other weights, same tokenizer
+    hf_gpt2.write_folder(tiny_model(seed=1), merges, d)  # other weights, same tokenizer
     before = (out / "target.pt").read_bytes()
     with pytest.raises(SystemExit) as e:  # another folder's import replaces it only if asked
         train.cli(tiny_args(corpus, out, "--init-from", str(d), "--only", "target"))
@@ -282,19 +282,22 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
 
 
 def test_the_script_writes_checks_and_times_a_folder(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "training.pretrained", str(tmp_path / "g"), "--random", "tiny",
-                        "--cost", "--repeats", "2", "--context", "32", "--toy",
-                        str(tmp_path / "none.pt")],
+    p = subprocess.run([sys.executable, "-m", "formats.pretrained", str(tmp_path / "g"),
+                        "--random", "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "GPT-2 2 layers x 32 wide" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "training.forward_cost", str(tmp_path / "g"),
+                        "--repeats", "2", "--context", "32", "--toy", str(tmp_path / "none.pt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "GPT-2 2 layers x 32 wide" in p.stdout and "T=16:" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "training.pretrained", str(tmp_path / "missing")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "formats.pretrained", str(tmp_path / "missing")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.strip().startswith("error: ")
 
 
 def test_the_gpt2_preset_resolves_against_gpt2_smalls_config(tmp_path):
-    shape = pretrained.SHAPES["small"]
+    shape = hf_gpt2.SHAPES["small"]
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "activation_function": "gelu_new", "vocab_size": 50257,
         **shape}))

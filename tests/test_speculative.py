@@ -211,6 +211,26 @@ def test_stops_exactly_at_max_new_tokens(target, drafter_name, n):
     assert len(generate_plain(target, [1, 2, 3], n, Sampler("greedy"))) == n
 
 
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_a_stop_token_ends_the_text_where_plain_decoding_ends_it(target, drafter_name, mode):
+    """An end-of-turn token (stop) ends the text at its first appearance, kept as its last
+    token, in plain decoding and in the loop alike, wherever in a round it falls: among the
+    accepted drafts, or as the target's own token."""
+    drafter = make(drafter_name, target)
+    ends = 0
+    for seed, p in enumerate(prompts(8, target.config.vocab_size, seed=3)):
+        whole = generate_plain(target, p, 40, Sampler(mode, 0.8, None, seed))
+        stop = {whole[5 + seed * 3 % 30]}  # a token it writes somewhere past the start
+        ref = generate_plain(target, p, 40, Sampler(mode, 0.8, None, seed), stop=stop)
+        assert ref == whole[:next(i for i, t in enumerate(whole) if t in stop) + 1]
+        out, stats = generate_speculative(target, drafter, p, 40, within(drafter, 6),
+                                          Sampler(mode, 0.8, None, seed), stop=stop)
+        assert out == ref and stats.tokens == len(out), f"prompt {seed}"
+        assert stats.tau == pytest.approx(1 + sum(stats.acceptance()), rel=1e-12)
+        ends += len(ref) < 40
+    assert ends > 0
+
+
 def test_stops_at_the_context_limit(target, drafter_name):
     drafter = make(drafter_name, target)
     T = target.config.sequence_len

@@ -1,4 +1,4 @@
-"""A drafter leaves the project and comes back (training/speculators_folder.py): DFlash and DSpark
+"""A drafter leaves the project and comes back (formats/speculators.py): DFlash and DSpark
 drafters of the papers' layers, trained here for a tiny Qwen3 folder, written as speculators'
 folder (vLLM's library), which vLLM serves; such a folder read back as a drafter that decodes
 exactly. Everywhere: the folder's names and config, the round trip tensor for tensor, the imported
@@ -22,10 +22,11 @@ from conftest import tiny_args
 from runtime.checkpoint import load_checkpoint
 from speculative import Sampler, generate_plain, generate_speculative
 from test_llama import VOCAB, folder_model, their_folder
-from training import pretrained, speculators_folder as sf, stages_dflash, trainer
-from training.target import load_target
+from formats import hf_folder, hf_gpt2, hf_llama, speculators as sf
+from training import stages_dflash, trainer
+from runtime.target import load_target
 
-SCRIPT = "training/speculators_folder.py"
+SCRIPT = "formats/speculators.py"
 KINDS = ["dflash", "dspark"]
 
 
@@ -41,8 +42,8 @@ def pipeline(corpus, folder, out):
 def qwen3_run(corpus, tmp_path_factory):
     """A tiny Qwen3 folder this project wrote, and a run of it."""
     folder = tmp_path_factory.mktemp("qwen3")
-    merges = pretrained.synthetic_merges(VOCAB - 257)
-    pretrained.write_llama_folder(folder_model("qwen3", n_layer=3), merges, folder, "qwen3")
+    merges = hf_gpt2.synthetic_merges(VOCAB - 257)
+    hf_llama.write_llama_folder(folder_model("qwen3", n_layer=3), merges, folder, "qwen3")
     return folder, pipeline(corpus, folder, tmp_path_factory.mktemp("qwen3_out"))
 
 
@@ -109,7 +110,7 @@ def test_an_exported_drafter_is_speculators_layout_and_reads_back_tensor_for_ten
     layer = c["transformer_layer_config"]
     assert (layer["model_type"], layer["hidden_size"], layer["num_key_value_heads"]) == \
         ("qwen3", 32, cfg.n_kv_head)
-    tensors = pretrained.read_safetensors(str(tmp_path / "exp" / "model.safetensors"))
+    tensors = hf_folder.read_safetensors(str(tmp_path / "exp" / "model.safetensors"))
     per_layer = {"input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
                  "mlp.down_proj", *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj",
                                                                 "o_proj", "q_norm", "k_norm"))}
@@ -175,7 +176,7 @@ def test_one_temperature_folds_into_the_confidence_head():
 def damaged(folder, how):
     """A copy-edit of a speculators folder: its config changed, or a tensor removed or added."""
     c = json.loads((folder / "config.json").read_text())
-    tensors = pretrained.read_safetensors(str(folder / "model.safetensors"))
+    tensors = hf_folder.read_safetensors(str(folder / "model.safetensors"))
     if how == "eagle3":
         c["speculators_model_type"] = "eagle3"
     elif how == "reduced vocabulary":
@@ -198,7 +199,7 @@ def damaged(folder, how):
         (c["transformer_layer_config"] if key == "model_type" else c)[key] = value
     (folder / "config.json").write_text(json.dumps(c))
     if tensors is not None:
-        pretrained.write_safetensors(tensors, folder / "model.safetensors")
+        hf_folder.write_safetensors(tensors, folder / "model.safetensors")
 
 
 WRONG_TYPES = {"a listed block size": ("block_size", [8]), "a zero block": ("block_size", 0),
@@ -244,7 +245,7 @@ def hf_run(corpus, tmp_path_factory):
     """A tiny Qwen3 folder transformers wrote, and a run of it."""
     pytest.importorskip("speculators")
     folder = tmp_path_factory.mktemp("hf_qwen3")
-    their_folder("qwen3", folder, pretrained.synthetic_merges(VOCAB - 257))
+    their_folder("qwen3", folder, hf_gpt2.synthetic_merges(VOCAB - 257))
     return folder, pipeline(corpus, folder, tmp_path_factory.mktemp("hf_qwen3_out"))
 
 

@@ -22,7 +22,7 @@ from runtime import devices
 from runtime.checkpoint import load_checkpoint
 from runtime.settings import flag_type, settings_of
 from training import flags, tokenizer, trainer
-from training.target import load_target
+from runtime.target import load_target
 
 
 def preset(name):

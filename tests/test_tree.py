@@ -124,6 +124,16 @@ def test_every_tree_drafter_is_token_identical(target, mode):
             assert out == ref, (name, seed)
 
 
+def test_every_tree_ends_at_a_stop_token_as_plain_decoding_does(target):
+    for name, d in tree_drafters(target).items():
+        for seed, p in enumerate(prompts(4, target.config.vocab_size, seed=5)):
+            whole = generate_plain(target, p, 40, Sampler("greedy"))
+            stop = {whole[4 + 5 * seed]}
+            ref = generate_plain(target, p, 40, Sampler("greedy"), stop=stop)
+            out, stats = generate_tree(target, d, p, 40, Sampler("greedy"), stop=stop)
+            assert out == ref and len(ref) < 40 and stats.tokens == len(ref), (name, seed)
+
+
 def test_the_cache_after_tree_rounds_equals_a_fresh_prefill(target):
     for d in tree_drafters(target).values():
         cache, prompt = target.new_cache(), [3, 1, 4, 1, 5]

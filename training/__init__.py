@@ -1,4 +1,3 @@
 """The plumbing around train.py's loop: what a stage is, the target's stage and each drafter's
 (each with its settings), the corpus and its tokenizer, the distillation set, resume and
-fingerprints, the flags, the split over processes (torchrun), and a Hugging Face folder as the
-target."""
+fingerprints, the flags, the split over processes (torchrun), and what a forward costs here."""

@@ -8,7 +8,7 @@ files to out_dir and reuses them while they still match the data source, vocab s
 tokenizer kind:
 
     tokenizer.tiktoken   tiktoken's rank-file format ("base64(token) rank" per line), or
-      or tokenizer.json  a Llama or Qwen folder's own (training/hf_folder.py), as it ships
+      or tokenizer.json  a Llama or Qwen folder's own, or a GGUF's (formats/pretrained.py)
     train.bin, val.bin   token ids, every document followed by the EOT (end-of-text) id: uint16,
                          or uint32 for a vocabulary beyond 65,536 (data_meta.json's token_bytes)
     data_meta.json       fingerprint, counts and each file's size and sha256, written last
@@ -32,7 +32,6 @@ import shlex
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import tiktoken
@@ -44,9 +43,9 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from training.hf_folder import HFTokenizer
+from formats.hf_folder import HFTokenizer
 from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding, load_tokenizer,
-                                rank_file, ranks_hash, train_bpe)
+                                rank_file, train_bpe)
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
@@ -152,28 +151,6 @@ _WHAT = {
 }
 
 
-@dataclass
-class Given:
-    """A pretrained model's tokenizer, for a build of its folder: tiktoken ranks and their split
-    pattern (a GPT-2 folder's vocab.json + merges.txt; kind 'pretrained'), or the bytes of a
-    tokenizer.json and the id that ends a document (kind 'hf')."""
-    folder: str
-    ranks: dict | None = None
-    pattern: str | None = None
-    json: bytes | None = None
-    eot: int | None = None
-    n_vocab: int = 0  # its tokens, end-of-text included
-
-    @property
-    def kind(self):
-        return "hf" if self.json is not None else "pretrained"
-
-    def fingerprint(self):
-        if self.json is None:
-            return ranks_hash(self.ranks)
-        return f"{hashlib.sha256(self.json).hexdigest()} eot {self.eot}"
-
-
 def tokenizer_file(kind: str) -> str | None:
     """The file a build of this tokenizer kind keeps its tokenizer in (gpt2's is tiktoken's own)."""
     return {"gpt2": None, "hf": "tokenizer.json"}.get(kind, "tokenizer.tiktoken")
@@ -204,7 +181,7 @@ BUILT = ("tokenizer.tiktoken", "tokenizer.json", "train.bin", "val.bin", "data_m
 # tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), the ranks of a pretrained
 # GPT-2 folder (pretrained), or a Llama or Qwen folder's tokenizer.json (hf): train.py --init-from
 KINDS = ("bpe", "gpt2", "pretrained", "hf")
-FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model's folder gives (Given.kind)
+FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model gives (pretrained.Given.kind)
 # how a build was made, as a target records it: enough for remake() to name the command that
 # makes that build again
 RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
@@ -406,7 +383,7 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
                  verbose=True, given=None, force=False) -> dict:
-    """given: for tokenizer 'pretrained' or 'hf', the folder's tokenizer (Given).
+    """given: for tokenizer 'pretrained' or 'hf', the model's tokenizer (formats.pretrained.Given).
     force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
     if tokenizer not in KINDS or (tokenizer in FOLDER_KINDS) != (given is not None):

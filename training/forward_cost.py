@@ -1,19 +1,25 @@
 """
 training/forward_cost.py -- what a target's forward of T tokens costs next to one token on this
-machine, and what that means for drafting: `python -m training.pretrained DIR --cost`.
+machine, and what that means for drafting.
 
 Speculative decoding pays where a verify of k + 1 tokens costs little more than one decode step
 and a draft costs little next to both. On a GPU that is the regime of every model the papers
 measure; on a CPU it depends on the model's size. These functions time it: a forward at each size
 after a cached context, and a block drafter's draft beside it, at the target's width and with
 random weights (what a draft costs does not depend on them). docs/results.md holds the tables.
+
+    python -m training.forward_cost SOURCE     # a model folder or GGUF, beside out/target.pt
 """
 
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import draft_dflash
 import draft_dspark
@@ -22,10 +28,14 @@ from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, load_trained
 from runtime.profiling import profile_dspark, profile_propose
-from runtime.settings import preset_values, read_settings
+from formats import pretrained
+from llama import LlamaConfig
+from runtime.command import run
+from runtime.settings import (ArgumentParser, expand, number, number_list, preset_values,
+                              read_settings)
 from training.stages_dflash import DFlashSettings, network_config
 from training.stages_dspark import DSparkSettings
-from training.target import load_target
+from runtime.target import load_target
 
 
 @torch.no_grad()
@@ -109,3 +119,51 @@ def trained(toy, ckpt, out):
             if isinstance(d, DSparkDrafter):
                 profile_dspark(d)
     return drafters
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def build_parser():
+    p = ArgumentParser(prog="python -m training.forward_cost",
+                       description="Time a pretrained model's forward of --sizes tokens, and a "
+                       "block drafter's draft for it, beside the toy target's.")
+    p.add_argument("source", help="a model folder, a .gguf file, or "
+                   f"{', '.join(pretrained.WHEELS)} (an installed wheel's GGUF)")
+    p.add_argument("--sizes", type=number_list(), default=[1, 8, 16],
+                   help="tokens per timed forward, comma-separated (default: 1,8,16)")
+    p.add_argument("--toy", type=expand, default="out/target.pt",
+                   help="the toy target to time beside it, if it exists (default: out/target.pt)")
+    p.add_argument("--context", type=number(int, lo=0), default=128,
+                   help="cached positions before the timed forward (default: 128)")
+    p.add_argument("--repeats", type=number(int, lo=1), default=30,
+                   help="timed rounds (default: 30)")
+    p.add_argument("--threads", type=number(int, lo=1), default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    source = pretrained.resolve(a.source)
+    cfg = pretrained.read_config(source)
+    need = a.context + max(a.sizes)  # the cached context and the widest forward
+    if need > cfg.sequence_len:
+        p.error(f"argument --context: {a.context} cached positions and a forward of "
+                f"{max(a.sizes)} tokens do not fit in {a.source}'s context window of "
+                f"{cfg.sequence_len}")
+    # a Llama's cache is as long as its context (tens of thousands of positions for Qwen3):
+    # 64 more than the timing needs leaves room for a block drafter's verify
+    model, _ = pretrained.load(source, min(cfg.sequence_len, need + 64)
+                               if isinstance(cfg, LlamaConfig) else None)
+    print(f"{source}: {pretrained.describe(model, cfg)}")
+    with torch.no_grad():
+        report_cost(cost_models(model, a.toy), a.context, a.sizes, a.repeats)
+
+
+if __name__ == "__main__":
+    run(main, errors=(CheckpointError, ValueError))

@@ -51,7 +51,7 @@ class DFlashSettings:
                         "'1,2,3,4,5' ('auto': every block but the last)")
     arch: str = setting("auto", "dflash and dspark: their draft layers, 'gpt2' (GPT-2's, with "
                         "ALiBi and a learned embedding per mask slot) or 'qwen3' (the papers', "
-                        "which speculators and vLLM serve: training/speculators_folder.py exports "
+                        "which speculators and vLLM serve: formats/speculators.py exports "
                         "them); "
                         "'auto': qwen3 for a Llama or Qwen target, gpt2 for a GPT-2 one",
                         choices=["auto", "gpt2", "qwen3"])

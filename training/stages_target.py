@@ -1,13 +1,14 @@
 """
 training/stages_target.py -- the target's stage of train.py, the first: trained here on the corpus,
-or read from a Hugging Face folder (--init-from).
+or read from a model someone else trained (--init-from: a Hugging Face folder or a GGUF file).
 
 gpt.py is the model; this file trains it with train.py's loop (a Stage, as every drafter's:
 training/stage.py). With --mtp-mode joint the MTP head trains inside this stage, its loss added
 to the target's (DeepSeek-V3: L_main + lambda L_mtp), and out/mtp.pt is written with the target.
-With --init-from the weights are a pretrained model's (training/pretrained.py reads GPT-2's,
-training/hf_folder.py Llama's, Qwen2's and Qwen3's), nothing trains, and the context window is
-cut to --block-size. Every drafter stage then reads the target back (training/target.py), frozen.
+With --init-from the weights are a pretrained model's (formats/pretrained.py reads a folder or a
+GGUF), nothing trains, and the context window is cut to --block-size; a chat model's chat format
+is kept with it (sample.py --chat, bench.py's chat prompts). Every drafter stage then reads the
+target back (runtime/target.py), frozen.
 """
 
 import hashlib
@@ -20,9 +21,11 @@ import torch
 from draft_mtp import mtp_loss
 from gpt import GPT, GPTConfig
 from runtime import cpu_speed
-from runtime.checkpoint import cpu_state_dict, cpu_tree, save_checkpoint, state_hash
+from runtime.checkpoint import (CheckpointError, cpu_state_dict, cpu_tree, save_checkpoint,
+                                state_hash)
 from runtime.settings import setting, settings_of, values_of
-from training import ddp, pretrained
+from formats import pretrained
+from training import ddp
 from training.stage import Fit, SharedSettings, Stage
 from training.stages_mtp import new_mtp, save_mtp
 from training.trainer import TrainingError
@@ -109,15 +112,24 @@ def train(tr, settings):
 
 
 def import_target(tr):
-    """out/target.pt from the --init-from folder (training/pretrained.py): the weights as they are,
-    the context window cut to --block-size; its loss on the corpus's validation windows printed."""
+    """out/target.pt from the --init-from folder or GGUF (formats/pretrained.py): the weights as
+    they are, the context window cut to --block-size, its chat format where it has one; its loss
+    on the corpus's validation windows printed."""
     run = tr.run
-    # the token files are the folder's tokenizer's: prepare() rebuilds them when it changes
-    model = cpu_speed.speed_up(pretrained.load_folder(run.init_from, run.block_size)[0]
-                               .to(tr.device))
+    # the token files are the model's tokenizer's: prepare() rebuilds them when it changes
+    model, given = pretrained.load(run.init_from, run.block_size)
+    try:
+        chat = pretrained.chat_of(run.init_from, given)
+    except CheckpointError as e:  # the model still reads text: imported, without a chat format
+        print(f"target: {e}; imported without a chat format (sample.py --chat and bench.py's "
+              "chat prompts need one)")
+        chat = None
+    model = cpu_speed.speed_up(model.to(tr.device))
     print(f"target: {model.num_params() / 1e6:.2f}M parameters from {run.init_from}, "
           f"{model.config}")
-    val = tr.val_loss(lambda x, y: model(x, y)[1])
+    # a check that it computes, not a measurement: 8 windows (a real model's batch of 8 x 32
+    # windows took minutes on a CPU)
+    val = tr.val_loss(lambda x, y: model(x, y)[1], n=2, rows=4)
     if not math.isfinite(val):  # a target that computes nan is not imported as done
         raise TrainingError(f"target: the model in {run.init_from} computes a validation loss "
                             f"of {val} on this corpus: its weights or its config.json make it "
@@ -126,21 +138,23 @@ def import_target(tr):
     save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
                      "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
-                     "init_from": run.init_from, "settings": tr.recorded("target")},
+                     "init_from": run.init_from, "settings": tr.recorded("target"),
+                     "chat": chat.to_dict() if chat else None},
                     tr.path("target"))
     return val
 
 
-def weights_id(folder):
-    """Which model a folder holds, for the target stage's record of its settings: the sha256 of
-    its config.json and weights (a pretrained target is re-read when any of them changes)."""
+def weights_id(source):
+    """Which model a folder or GGUF holds, for the target stage's record of its settings: the
+    sha256 of its config.json and weights, or of the GGUF (a pretrained target is re-read when
+    any of them changes)."""
     h = hashlib.sha256()
-    names = pretrained.weight_files(folder)
-    for name in names:
-        with open(os.path.join(folder, name), "rb") as f:
+    paths = pretrained.source_files(source)
+    for path in paths:
+        with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
-    return f"{' + '.join(names)} {h.hexdigest()[:16]}"
+    return f"{' + '.join(os.path.basename(p) for p in paths)} {h.hexdigest()[:16]}"
 
 
 def records(run):

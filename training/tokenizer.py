@@ -16,10 +16,9 @@ from collections import Counter, defaultdict
 
 import tiktoken
 
+from formats.hf_gpt2 import EOT  # noqa: F401 -- the end-of-text mark: GPT-2's, and ours
 from runtime.command import atomic_write
 from runtime.settings import DEFAULT_VOCAB
-
-EOT = "<|endoftext|>"
 
 # Pre-tokenisation regex, cl100k-style: words keep one leading space or symbol, numbers
 # come in runs of <= 3 digits, symbol runs keep trailing newlines, and whitespace leaves
@@ -116,13 +115,6 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
 
 # -----------------------------------------------------------------------------
 # tokenizer files and encoding helpers
-
-def ranks_hash(ranks: dict[bytes, int]) -> str:
-    h = hashlib.sha256()
-    for t, r in sorted(ranks.items(), key=lambda kv: kv[1]):
-        h.update(f"{r} {len(t)} ".encode() + t)
-    return h.hexdigest()
-
 
 def file_sha256(path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()

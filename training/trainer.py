@@ -26,9 +26,10 @@ import torch
 from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint, save_checkpoint
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
-from training import ddp, distill, pretrained
+from formats import pretrained
+from training import ddp, distill
 from training.stage import usual_record
-from training.target import load_target
+from runtime.target import load_target
 
 # -----------------------------------------------------------------------------
 # the run's own settings (each stage's are in its file; what they share, in training/stage.py)
@@ -395,9 +396,11 @@ class Trainer:
             self._target = (model, ckpt)
         return self._target
 
-    def val_loss(self, loss_of_batch, n=8):
+    def val_loss(self, loss_of_batch, n=8, rows=None):
+        """The mean of loss_of_batch over n fixed validation batches (of `rows` windows each, or
+        the run's batch size)."""
         with torch.no_grad():
-            return sum(loss_of_batch(*self.data.get("val", i, self.device)).item()
+            return sum(loss_of_batch(*self.data.get("val", i, self.device, rows)).item()
                        for i in range(n)) / n
 
     def save(self, stage, config, module, extra=None, steps=None, budget=None):

@@ -1,5 +1,5 @@
 """
-training/target.py -- the target back from out/target.pt: the model its config describes (GPT-2's,
+runtime/target.py -- the target back from out/target.pt: the model its config describes (GPT-2's,
 gpt.py, or the Llama family's, llama.py), its weights, on a device, with the CPU's faster kernels
 as every model the commands load. train.py's drafter stages read it frozen; bench.py and sample.py
 decode with it. Its stage, which writes the file, is training/stages_target.py.

@@ -1,5 +1,5 @@
 """
-training/speculators_folder.py -- a DFlash or DSpark drafter as the serving engines read one:
+formats/speculators.py -- a DFlash or DSpark drafter as the serving engines read one:
 speculators' folder (vLLM's library), and such a folder read back as a drafter of this project.
 
 speculators writes a drafter as two files, which vLLM serves beside its target with
@@ -18,9 +18,9 @@ speculators writes a drafter as two files, which vLLM serves beside its target w
 Only a drafter of the papers' layers (draft_dflash.py's "qwen3": --dflash-arch qwen3, the default
 for a Llama or Qwen target) has this layout; the rest is refused in one line naming what differs.
 
-    python -m training.speculators_folder export DIR --out-dir out --method dflash
-    python -m training.speculators_folder import DIR --out-dir out     # -> out/dflash.pt
-    python -m training.speculators_folder check DIR --out-dir out      # speculators' own logits
+    python -m formats.speculators export DIR --out-dir out --method dflash
+    python -m formats.speculators import DIR --out-dir out     # -> out/dflash.pt
+    python -m formats.speculators check DIR --out-dir out      # speculators' own logits
 
 docs/your_model.md takes a model folder to a served drafter with these.
 """
@@ -41,9 +41,9 @@ from draft_dflash import DFlashConfig
 from runtime.checkpoint import CheckpointError, load_drafter_checkpoint, save_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import ArgumentParser, expand
-from training import hf_folder
-from training.pretrained import read_json, read_safetensors, write_safetensors
-from training.target import load_target
+from formats import hf_folder, hf_llama
+from formats.hf_folder import read_json, read_safetensors, write_safetensors
+from runtime.target import load_target
 
 KINDS = {"dflash": draft_dflash.DRAFTER, "dspark": draft_dspark.DRAFTER}
 VERSION = "0.9.0"  # the speculators release whose layout this writes (and was checked against)
@@ -292,9 +292,9 @@ def read_network_config(c, folder):
     tl = {"model_type": "qwen3", "max_position_embeddings": 1, **tl, "architectures": None}
     part = "config.json's transformer_layer_config"
     if hf_folder.field(folder, tl, "model_type", hf_folder.STRING, where=part) \
-            not in hf_folder.FAMILIES:
+            not in hf_llama.FAMILIES:
         raise ValueError(f"{folder}'s draft layers are {tl['model_type']!r}, not Qwen3's")
-    layer = hf_folder.read_llama_config(folder, tl)
+    layer = hf_llama.read_llama_config(folder, tl)
     sliding = "sliding_attention" in (hf_folder.field(folder, tl, "layer_types", STRINGS,
                                                       where=part) or [])
     reduced = field("draft_vocab_size", hf_folder.POSITIVE_INT, layer.vocab_size) \
@@ -410,7 +410,7 @@ def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
 
 
 def build_parser():
-    p = ArgumentParser(prog="python -m training.speculators_folder",
+    p = ArgumentParser(prog="python -m formats.speculators",
                        description="Write a trained DFlash or DSpark drafter as speculators' "
                        "folder (vLLM serves it), or read one as a drafter of out/'s target.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -1,9 +1,9 @@
 """
-training/hf_folder.py -- a Llama, Qwen2 or Qwen3 model from a Hugging Face folder on disk, as the
-target (llama.py), with the tokenizer the folder ships.
+formats/hf_llama.py -- a Llama, Qwen2 or Qwen3 model from a Hugging Face folder on disk, as the
+target (llama.py), with the tokenizer the folder ships; and such a folder written.
 
-training/pretrained.py reads GPT-2 folders and is the command that checks, writes and times a
-folder; for a folder whose config.json names one of these families it calls this file:
+formats/pretrained.py reads any model folder or GGUF file; for a folder whose config.json names one
+of these families it calls this file (formats/hf_folder.py: what every folder has):
 
     config.json        model_type llama | qwen2 | qwen3 (SmolLM2 is a llama folder): the widths,
                        heads and K/V heads, head_dim, rope_theta and the rope scaling Llama-3
@@ -13,57 +13,36 @@ folder; for a folder whose config.json names one of these families it calls this
                        mapped onto llama.py's (transformer.h.0.attn.c_attn: q, k and v stacked)
     tokenizer.json     read with the `tokenizers` package (optional: one error line names the
                        install where it is missing); a folder with only GPT-2's vocab.json +
-                       merges.txt is read as training/pretrained.py reads GPT-2's, by tiktoken
+                       merges.txt is read as formats/hf_gpt2.py reads GPT-2's, by tiktoken
 
 A folder of another architecture, or a config that asks for something llama.py does not compute
 (a sliding window, YaRN scaling, another activation), is refused in one line naming it.
 """
 
 import json
-import math
 import os
 
 import torch
 
-from runtime.checkpoint import CheckpointError
+from formats.hf_folder import (BOOL, OBJECT, POSITIVE, POSITIVE_INT, STRING, field, refuse,
+                               required, write_safetensors)
+from formats.hf_gpt2 import byte_chars, merges_of, write_tokenizer_files
 from llama import Llama, LlamaConfig
+from runtime.command import atomic_write
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")  # what llama.rope_frequencies computes
-
-
-def refuse(folder, why):
-    return CheckpointError(f"{folder} is not a model folder train.py can use: {why}")
-
-
-# what a config.json field may hold: (JSON types, what to call it, which values are possible)
-POSITIVE_INT = ((int,), "a positive integer", lambda v: v >= 1)
-POSITIVE = ((int, float), "a positive number", lambda v: 0 < v < math.inf)
-BOOL = ((bool,), "true or false", None)
-STRING = ((str,), "a string", None)
-OBJECT = ((dict,), "a JSON object", None)
-
-
-def field(folder, c, key, kind, default=None, where="config.json"):
-    """c[key], or `default` where it is absent or null, checked to be of `kind` (POSITIVE_INT,
-    ...): another JSON type or an impossible value is refused in one line naming the file, the
-    key, what it holds and what it should (a bool is not a number here, as in JSON)."""
-    v = c.get(key)
-    if v is None:
-        return default
-    types, what, possible = kind
-    if type(v) not in types or (possible is not None and not possible(v)):
-        raise refuse(folder, f"{where}'s {key} is {json.dumps(v)[:60]}, not {what}")
-    return v
-
-
-def required(folder, c, key, kind):
-    """field() where the key must be there."""
-    v = field(folder, c, key, kind)
-    if v is None:
-        raise refuse(folder, f"config.json lacks {key} ({kind[1]})")
-    return v
-
+LLAMA_SHAPES = {  # --random's Llama-family shapes: (family, llama.LlamaConfig's fields)
+    "smollm2-135m": ("llama", dict(n_embd=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64,
+                                   n_hidden=1536, vocab_size=49152, sequence_len=8192,
+                                   rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)),
+    "qwen3-0.6b": ("qwen3", dict(n_embd=1024, n_layer=28, n_head=16, n_kv_head=8, head_dim=128,
+                                 n_hidden=3072, vocab_size=151936, sequence_len=40960,
+                                 rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                                 tie_embeddings=True)),
+    "llama-tiny": ("llama", dict(n_embd=32, n_layer=2, n_head=4, n_kv_head=2, head_dim=8,
+                                 n_hidden=64, vocab_size=256 + 64 + 1, sequence_len=64)),
+}
 
 # -----------------------------------------------------------------------------
 # config.json -> llama.LlamaConfig
@@ -241,49 +220,7 @@ def check_family(cfg, family):
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: tokenizer.json through the `tokenizers` package
-
-
-class HFTokenizer:
-    """A tokenizer.json as the few methods of a tiktoken.Encoding the project calls: encode,
-    encode_batch, decode, eot_token, n_vocab, is_special_token, decode_single_token_bytes. Special
-    tokens written in the text (the end-of-text mark) are encoded as themselves, as tiktoken does
-    with allowed_special, and a text gets what the tokenizer's own post-processor adds to every
-    text (Llama-3's and TinyLlama's begin-of-text token; Qwen's and SmolLM2's add nothing), as the
-    model saw its training documents and as transformers' tokenizer encodes a prompt."""
-
-    def __init__(self, path, eot_token):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise CheckpointError(f"{path} needs the tokenizers package: pip install tokenizers") \
-                from None
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the package raises its own exception type for bad files
-            raise CheckpointError(f"{path} is not a tokenizer the tokenizers package reads "
-                                  f"({str(e).splitlines()[0][:160]})") from None
-        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eot_token = eot_token
-        self.special = {t.content for t in self.tok.get_added_tokens_decoder().values()
-                        if t.special}
-
-    def encode(self, text, allowed_special=()):
-        return self.tok.encode(text).ids
-
-    def encode_batch(self, texts, allowed_special=()):
-        return [e.ids for e in self.tok.encode_batch(texts)]
-
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def is_special_token(self, t):
-        return self.tok.id_to_token(t) in self.special
-
-    def decode_single_token_bytes(self, t):
-        # a token that is part of a character decodes to U+FFFD here, not to its bytes: enough
-        # for what reads it (benchmark/prompt_sets.py: which tokens end a line)
-        return self.decode([t]).encode("utf-8")
+# the tokenizer: tokenizer.json (formats/hf_folder.py's HFTokenizer reads it)
 
 
 def eos_of(folder, c):
@@ -295,5 +232,46 @@ def eos_of(folder, c):
     return eos
 
 
-def has_tokenizer_json(folder):
-    return os.path.isfile(os.path.join(folder, "tokenizer.json"))
+# -----------------------------------------------------------------------------
+# writing a folder: the tests', and --random's of a real model's shape
+
+
+def write_tokenizer_json(ranks, path, eot="<|endoftext|>"):
+    """A byte-level BPE tokenizer.json (the tokenizers package's format) of tiktoken-style ranks
+    with end-of-text after them: the tests' folders. Needs the package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    chars = byte_chars()
+    text = lambda tok: "".join(chars[b] for b in tok)  # noqa: E731
+    vocab = {text(t): r for t, r in ranks.items()}
+    merges = [(text(a), text(b)) for a, b in merges_of(ranks)]
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eot])
+    atomic_write(path, tok.to_str())
+    return json.loads(tok.to_str())["added_tokens"][0]["id"]
+
+
+def write_llama_folder(model, merges, folder, family, dtype=torch.float32):
+    """A Hugging Face folder of a llama.Llama as `family` (FAMILIES) writes it:
+    config.json, model.safetensors (in dtype), and GPT-2-style vocab.json + merges.txt of
+    256 + len(merges) + 1 tokens, at most the model's vocabulary (the rest is padding)."""
+    check_family(model.config, family)
+    if 256 + len(merges) + 1 > model.config.vocab_size:
+        raise ValueError(f"{len(merges)} merges make more tokens than the model's "
+                         f"{model.config.vocab_size}")
+    os.makedirs(folder, exist_ok=True)
+    eot = write_tokenizer_files(merges, folder)
+    atomic_write(os.path.join(folder, "config.json"),
+                 json.dumps(config_json(model, family, eot), indent=2))
+    sd = {k: v.to(dtype) for k, v in from_llama(model).items()}
+    write_safetensors(sd, os.path.join(folder, "model.safetensors"))
+
+
+def random_llama(shape, seed=0):
+    """(family, a llama.Llama of LLAMA_SHAPES[shape] with the family's initialisation)."""
+    family, fields = LLAMA_SHAPES[shape]
+    torch.manual_seed(seed)
+    return family, Llama(LlamaConfig(**fields)).eval()
+
+
