@@ -93,7 +93,8 @@ def llama_cpp_engines(path, n_ctx, threads):
     asks for every position's logits, logits_all)."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    kw = dict(model_path=path, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+    kw = dict(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+              n_batch=512, verbose=False)
     return {"plain": Llama(**kw),
             "lookup": Llama(**kw, logits_all=True,
                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS))}
@@ -130,6 +131,8 @@ def engines(target, target_ckpt, args):
             hf, p, n, stop, LOOKUP_TOKENS)
     except ImportError:
         missing["transformers"] = "not installed: pip install transformers"
+    except Exception as e:  # a release without this model's class, ...: its rows only are lost
+        missing["transformers"] = f"it did not load the model ({type(e).__name__}: {e})"[:200]
     source = target_ckpt.get("init_from") or ""
     if not (source.endswith(".gguf") and os.path.isfile(source)):
         missing["llama.cpp"] = ("it reads GGUF files, and this target came from "
@@ -143,6 +146,8 @@ def engines(target, target_ckpt, args):
         except ImportError:
             missing["llama.cpp"] = ("llama-cpp-python is not installed (docs/your_model.md: "
                                     "how to build it)")
+        except Exception as e:  # a file its release does not read
+            missing["llama.cpp"] = f"it did not load {source} ({type(e).__name__}: {e})"[:200]
     return runs, missing
 
 

@@ -172,6 +172,9 @@ def read_config(path):
         if bad:
             raise refuse(path, f"its {arch}.{key} {m(key, int)} asks for {why[key]}, which "
                          "llama.py does not compute")
+    if head_dim % 2:
+        raise refuse(path, f"its heads are {head_dim} wide, an odd width rotary positions cannot "
+                     "turn in pairs")
     names = {t.name for t in r.tensors}
     cfg = LlamaConfig(**positive, n_kv_head=n_kv, head_dim=head_dim,
                       vocab_size=vocab_size(r, path, arch),
@@ -206,12 +209,16 @@ def rope_scaling(r, path, arch, cfg):
     Llama 3.x) reproduces exactly; anything else is refused."""
     kind = meta(r, path, f"{arch}.rope.scaling.type", str, "none")
     factor = float(meta(r, path, f"{arch}.rope.scaling.factor", float, 1.0))
-    if kind == "linear" and factor != 1.0:
-        return {"rope_type": "linear", "factor": factor}
     if kind not in ("none", "linear"):
         raise refuse(path, f"its rope scaling is {kind!r}, which llama.py does not compute "
                      "(linear and Llama 3's are)")
     t = next((t for t in r.tensors if t.name == ROPE_FREQS), None)
+    if t is not None and (t.tensor_type.name != "F32" or kind == "linear"):
+        raise refuse(path, f"its {ROPE_FREQS} is {t.tensor_type.name}"
+                     f"{' beside a linear rope scaling' if kind == 'linear' else ''}: llama.py "
+                     "reads Llama 3's factors, in F32, alone")
+    if kind == "linear" and factor != 1.0:
+        return {"rope_type": "linear", "factor": factor}
     if t is None:
         return None
     factors = dequantized(t).reshape(-1)
@@ -374,8 +381,10 @@ def write(path, cfg, arch, tensors, metadata, rope_freqs=None):
             w.add_string(key, value)
         else:
             w.add_array(key, value)
-    if rope_freqs is not None:
-        tensors = {ROPE_FREQS: (np.asarray(rope_freqs, dtype=np.float32), "F32"), **tensors}
+    if rope_freqs is not None:  # float16 only where a test asks for a type llama.py refuses
+        half = np.asarray(rope_freqs).dtype == np.float16
+        tensors = {ROPE_FREQS: (np.asarray(rope_freqs, np.float16 if half else np.float32),
+                                "F16" if half else "F32"), **tensors}
     for name, (data, kind) in tensors.items():
         qtype = gguf.GGMLQuantizationType[kind]
         w.add_tensor(name, data, raw_dtype=None if kind in ("F32", "F16") else qtype)

@@ -75,6 +75,18 @@ def tokenizer_json(v, where):
     if tokenizers is None:
         raise CheckpointError(f"{where}'s tokenizer needs the tokenizers package: pip install "
                               "tokenizers")
+    try:
+        return built(v, where)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the package's own error: a merge of tokens it does not hold, ...
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{where}'s tokenizer does not build ({first}): a damaged "
+                              "file") from None
+
+
+def built(v, where):
+    """tokenizer_json's work, its errors left to it."""
     kind, tokens = v.get("model"), v.get("tokens") or []
     if kind == "gpt2":
         tok, add_bos, specials = byte_level(v, where), v.get("add_bos_token", False), []

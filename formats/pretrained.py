@@ -200,6 +200,9 @@ def tokenizer_metadata(path):
              "scores": list, "add_bos_token": bool, "add_eos_token": bool}
     out = {k: gguf.meta(r, path, f"tokenizer.ggml.{k}", kind, "") for k, kind in kinds.items()}
     out = {k: v for k, v in out.items() if v != ""}
+    for k in ("tokens", "merges"):
+        if not all(isinstance(t, str) for t in out.get(k, [])):
+            raise gguf.refuse(path, f"its tokenizer.ggml.{k} holds something other than text")
     for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
               "eot_token_id", "eom_token_id"):
         if f"tokenizer.ggml.{k}" in r.fields:
@@ -221,7 +224,8 @@ def chat_of(source, given):
         template = gguf.meta(r, source, "tokenizer.chat_template", str, "")
         names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                  "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
-        tokens = {n: v["tokens"][v[k]] for n, k in names.items() if k in v}
+        tokens = {n: v["tokens"][v[k]] for n, k in names.items()
+                  if k in v and 0 <= v[k] < len(v["tokens"])}
         stops = [v[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in v]
         return chat.chat_of(template, tokens, specials, stops)
     template, tokens = folder_template(source)

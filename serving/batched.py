@@ -396,7 +396,8 @@ def plainly(target, drafter, cache, last, out, allowed, P, sampler, stats, stop=
     t0 = time.perf_counter()
     rest = plain_steps(target, cache, last, done, allowed, P, sampler, stats, stop)
     seconds = time.perf_counter() - t0
-    drafter.timed_plain(len(out), max(a - d for a, d in zip(allowed, done)), seconds)
+    # the steps it ran: each row's tokens, fewer than allowed where a stop token ended it
+    drafter.timed_plain(len(out), max((len(r) for r in rest), default=0), seconds)
     stats.verify_time += seconds
     for o, r in zip(out, rest):
         o.extend(r)

@@ -204,11 +204,16 @@ def bad_file(tmp_path, how):
         tensors["output_norm.weight"] = (np.ones(128, np.float32), "F32")
     if how == "eos":
         vocab = {**vocab, "eos_token_id": 10_000}
+    if how == "merges":
+        vocab = {**vocab, "merges": [*vocab["merges"], "zz qq"]}
+    if how == "rope":
+        extra["__rope__"] = True
     if how == "heads":
         cfg = LlamaConfig(**{**vars(cfg), "n_kv_head": 3})
     if how == "experts":
         extra["llama.expert_count"] = 8
-    gguf.write(str(path), cfg, arch, tensors, gf.metadata(vocab, **extra))
+    rope = np.ones(cfg.head_dim // 2, np.float16) if extra.pop("__rope__", False) else None
+    gguf.write(str(path), cfg, arch, tensors, gf.metadata(vocab, **extra), rope_freqs=rope)
     return path
 
 
@@ -219,6 +224,7 @@ def bad_file(tmp_path, how):
     ("missing", "lacks blk.1.ffn_down.weight"), ("extra", "holds blk.0.attn_sinks.weight"),
     ("shape", "output_norm.weight is (128,)"), ("eos", "eos_token_id 10000"),
     ("heads", "K/V heads that do not divide"), ("experts", "a mixture of experts"),
+    ("merges", "tokenizer does not build"), ("rope", "rope_freqs.weight is F16"),
 ])
 def test_a_bad_file_is_one_error_line_and_nothing_is_written(tmp_path, corpus, how, needle):
     path = bad_file(tmp_path, how)

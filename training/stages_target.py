@@ -138,7 +138,8 @@ def import_target(tr):
     save_checkpoint({"kind": "target", "config": model.config.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
                      "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
-                     "init_from": run.init_from, "settings": tr.recorded("target"),
+                     "init_from": os.path.abspath(run.init_from),
+                     "settings": tr.recorded("target"),
                      "chat": chat.to_dict() if chat else None},
                     tr.path("target"))
     return val
