@@ -79,7 +79,7 @@ def rope_of(folder, c):
 
 def read_llama_config(folder, c):
     """A parsed config.json of one of FAMILIES -> llama.LlamaConfig, sequence_len the model's
-    max_position_embeddings (pretrained.load_folder shortens it to --block-size)."""
+    max_position_embeddings (pretrained.load shortens it to --block-size)."""
     family = c["model_type"]
     names = field(folder, c, "architectures", ((list,), "a list of class names",
                                                 lambda v: all(isinstance(n, str) for n in v)))
