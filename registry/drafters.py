@@ -15,6 +15,9 @@ stage file if it learns, its line below (with its import), and its own test (REA
 drafter of your own).
 """
 
+import ast
+import dataclasses
+import inspect
 import os
 
 import torch
@@ -29,6 +32,7 @@ import draft_small
 from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
+from runtime.settings import settings_of
 from serving.dflash import BatchDFlash, BatchDSpark
 from serving.drafters import BatchMTP, BatchSmall, PerRow
 from speculative import Declaration
@@ -62,6 +66,8 @@ class Entry:
             raise RegistryError(f"{self.declared.name}: a drafter with a network learns it in a "
                                 "stage, and one without has none to learn: give its line "
                                 "both its network and its stage, or neither")
+        if self.stage is not None:
+            check_stage(self.declared.name, stages, self.stage)
         self.lesson, self.batched, self.ready = lesson, batched, ready
 
     @property
@@ -69,16 +75,51 @@ class Entry:
         return self.declared.name
 
 
-DRAFTERS = [  # in reading order: train.py trains them, and bench.py shows them, in this order
-    Entry(draft_small, stages_small, BatchSmall),
-    Entry(draft_mtp, stages_mtp, BatchMTP),
-    Entry(draft_eagle, stages_eagle, BatchMTP),
-    Entry(draft_dflash, stages_dflash, BatchDFlash),
-    Entry(draft_dspark, stages_dspark, BatchDSpark, ready=profile_dspark),
-    Entry(draft_lookup),
-    Entry(draft_hybrid, batched=None, ready=profile_hybrid),
-]
-BY_NAME = {e.name: e for e in DRAFTERS}
+def check_stage(name, stages, stage):
+    """What a stage file must hold for train.py, checked before anything trains: its settings a
+    dataclass of setting() fields among them `iters` and `lr` (training/stage.py), and every
+    out/<name>.pt it saves named after its drafter (a save's name read from its source)."""
+    where, cls = f"training/stages_{name}.py", stage.settings
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise RegistryError(f"{where}: its settings {getattr(cls, '__name__', cls)} are not a "
+                            "dataclass: write @dataclass above the class (README: Adding a "
+                            "drafter of your own)")
+    try:
+        fields = {n for n, _ in settings_of(cls)}
+    except TypeError as e:
+        raise RegistryError(f"{where}: {e}") from None
+    missing = [f for f in ("iters", "lr") if f not in fields]
+    if missing:
+        raise RegistryError(f"{where}: {cls.__name__} has no {' and no '.join(missing)}: every "
+                            "stage's settings name its steps `iters` and its peak learning rate "
+                            "`lr` (train.py records the one and names the other's flag)")
+    for saved in saved_names(stages):
+        if saved != name:
+            raise RegistryError(f"{where} saves {saved!r}, but the drafter is {name!r}: write "
+                                f"tr.save({name!r}, ...) (its checkpoint is out/{name}.pt)")
+
+
+def saved_names(module):
+    """The literal names a stage file passes to tr.save(name, ...)."""
+    tree = ast.parse(inspect.getsource(module))
+    return [node.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "save" and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)]
+
+
+def listed():
+    """Every drafter of the house, one line each, in reading order: train.py trains them, and
+    bench.py shows them, in this order."""
+    return [
+        Entry(draft_small, stages_small, BatchSmall),
+        Entry(draft_mtp, stages_mtp, BatchMTP),
+        Entry(draft_eagle, stages_eagle, BatchMTP),
+        Entry(draft_dflash, stages_dflash, BatchDFlash),
+        Entry(draft_dspark, stages_dspark, BatchDSpark, ready=profile_dspark),
+        Entry(draft_lookup),
+        Entry(draft_hybrid, batched=None, ready=profile_hybrid),
+    ]
 
 
 def check(entries):
@@ -105,7 +146,12 @@ def check(entries):
         seen[name] = e
 
 
-check(DRAFTERS)
+try:  # a line that misses a piece: every command ends at its first import, in that one line
+    DRAFTERS = listed()
+    check(DRAFTERS)
+except RegistryError as e:
+    raise SystemExit(f"error: {e}") from None
+BY_NAME = {e.name: e for e in DRAFTERS}
 
 
 # -----------------------------------------------------------------------------

@@ -337,8 +337,8 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     allowed = check_prompts(target, prompts, max_new_tokens)
     if len(prompts) == 1:
         # one request: the batch-1 loop itself, with the drafter the twin was made from. The
-        # ragged cache, the packing and the batch rule's bookkeeping only cost there (the batched
-        # path ran 5% behind the batch-1 loop at B = 1); plain decoding takes its batch-1 path too
+        # ragged cache, the packing and the batch rule's bookkeeping only cost there (measured:
+        # docs/experiments.md, "Batched: ragged cache and packed verify"); plain decoding too
         out, one = generate_speculative(target, drafter.one_request(), prompts[0], max_new_tokens,
                                         k, sampler.rows[0], stop=stop)
         return [out], BatchStats.of_one(one, k)
@@ -443,7 +443,8 @@ class BatchStats(Stats):
 
     def record_plain(self, rows):
         """One plain step of `rows` active rows: what record() counts for it, nothing drafted,
-        in O(1) (a plain batch records one a step: a loop over rows cost it 2-4% at batch 8-32)."""
+        in O(1): a plain batch records one a step, and a loop over its rows cost it measurably
+        (docs/experiments.md, "Batched: ragged cache and packed verify")."""
         self.batches += 1
         self.target_forwards, self.rounds = self.target_forwards + rows, self.rounds + rows
         self.verify_tokens, self.slots = self.verify_tokens + rows, self.slots + rows

@@ -149,6 +149,18 @@ def within(drafter, k):
     return min(k, drafter.max_k or k)
 
 
+@pytest.fixture(autouse=True)
+def registered(request):
+    """A drafter's own test, tests/test_<name>.py beside a lesson file draft_<name>.py, fails
+    while the drafter has no line in the registry (the shared tests would skip it unseen)."""
+    name = request.module.__name__.removeprefix("test_")
+    lesson = os.path.join(os.path.dirname(os.path.dirname(__file__)), f"draft_{name}.py")
+    if os.path.exists(lesson) and name not in registry.names():
+        pytest.fail(f"draft_{name}.py has no line in registry/drafters.py: add Entry(draft_{name}"
+                    f", stages_{name}) (or Entry(draft_{name}) if it does not learn) with its "
+                    "imports, so that the shared tests run it", pytrace=False)
+
+
 def pytest_generate_tests(metafunc):
     """A test that takes `drafter_name` runs over every drafter (drafter_names)."""
     if "drafter_name" in metafunc.fixturenames:

@@ -4,6 +4,7 @@ line in registry/drafters.py (with its imports) and its own test, and nothing el
 in train.py's tiny run, benches exact beside plain decoding, samples, and every shared test runs it;
 and forgetting a piece fails, naming it."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ def add_the_toy(repo):
     text = registry.read_text()
     lines = (("import draft_small\n", "import draft_toy\n"),
              ("from training.stage import Stage\n", "from training import stages_toy\n"),
-             ("    Entry(draft_lookup),\n", "    Entry(draft_toy, stages_toy),\n"))
+             ("        Entry(draft_lookup),\n", "        Entry(draft_toy, stages_toy),\n"))
     for anchor, line in lines:
         assert anchor in text, anchor
         text = text.replace(anchor, anchor + line if anchor.startswith(("import", "from"))
@@ -51,11 +52,18 @@ def repo(tmp_path_factory):
     return repo
 
 
-def test_the_toy_trains_benches_samples_and_runs_the_shared_tests(repo, corpus):
+@pytest.fixture(scope="module")
+def toy_out(repo, corpus):
+    """train.py's tiny run in the copy, the toy among its stages."""
     out = repo / "out"
     rc, so, err = python(repo, "train.py", *tiny_args(corpus, out, "--threads", "1"))
     assert rc == 0, err[-3000:]
     assert "toy: done" in so and (out / "toy.pt").exists()
+    return out
+
+
+def test_the_toy_trains_benches_samples_and_runs_the_shared_tests(repo, toy_out):
+    out = toy_out
     assert "--toy-heads" in python(repo, "train.py", "--help")[1]  # its settings are flags
     rc, so, err = python(repo, "bench.py", "--out-dir", out, "--methods", "ar,toy,hybrid",
                          "--hybrid-with", "toy", "--n-prompts", "2", "--max-new-tokens", "12",
@@ -88,7 +96,90 @@ def test_forgetting_a_piece_fails_naming_it(repo, tmp_path):
     assert "error" not in so.splitlines()[-1], so[-500:]  # failures, no collection error
     shutil.copy(repo / "registry" / "drafters.py", fork / "registry" / "drafters.py")
     registry = fork / "registry" / "drafters.py"
-    registry.write_text(registry.read_text().replace("    Entry(draft_toy, stages_toy),\n", ""))
+    registry.write_text(registry.read_text().replace("        Entry(draft_toy, stages_toy),\n", ""))
     rc, so, _ = python(fork, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout.py",
                        "-k", "root")
     assert rc != 0 and "draft_toy.py is at the root but registry/drafters.py has no line" in so
+
+
+@contextlib.contextmanager
+def changed(path, old, new):
+    """A student's slip: `old` written as `new` in one file, for the time of the block."""
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new))
+    try:
+        yield
+    finally:
+        path.write_text(text)
+
+
+def one_error_line(err, *words):
+    """The run ended in one `error:` line (no traceback) holding every one of `words`."""
+    lines = err.strip().splitlines()
+    return (len(lines) == 1 and lines[0].startswith("error: ")
+            and all(w in lines[0] for w in words))
+
+
+# (file, what the README's steps write, the slip, words the one line must hold)
+SLIPS = [
+    ("draft_toy.py", "DRAFTER = Declaration(", "DRAFT = Declaration(",
+     ["draft_toy.py declares no DRAFTER"]),
+    ("training/stages_toy.py", "STAGE = Stage(", "STAGES = Stage(",
+     ["training/stages_toy.py declares no STAGE"]),
+    ("draft_toy.py", "    network=lambda config, target: ToyHeads(ToyConfig(**config), target),\n",
+     "", ["toy", "both its network and its stage"]),
+    ("training/stages_toy.py", "iters: int = setting(", "steps: int = setting(",
+     ["training/stages_toy.py", "ToySettings has no iters", "`iters`"]),
+    ("training/stages_toy.py", "lr: float = setting(", "rate: float = setting(",
+     ["training/stages_toy.py", "ToySettings has no lr"]),
+    ("training/stages_toy.py", "@dataclass\nclass ToySettings", "class ToySettings",
+     ["training/stages_toy.py", "not a dataclass", "@dataclass"]),
+    ("training/stages_toy.py", 'tr.save("toy"', 'tr.save("heads"',
+     ["training/stages_toy.py saves 'heads'", "tr.save('toy', ...)"]),
+]
+
+
+@pytest.mark.parametrize("slip", SLIPS, ids=[s[2].split("(")[0].strip() or "no network"
+                                             for s in SLIPS])
+def test_a_slip_in_a_declaration_is_one_line_before_anything_trains(repo, corpus, tmp_path, slip):
+    """Each command's first import reads the registry: the slip stops train.py (and bench.py, and
+    sample.py) in one line naming the piece and the fix, before the corpus is even read."""
+    path, old, new, words = slip
+    commands = [["train.py", *tiny_args(corpus, tmp_path / "out")]]
+    if slip is SLIPS[0]:  # every command reads the registry first: bench.py and sample.py too
+        commands += [["bench.py", "--help"], ["sample.py", "--help"]]
+    with changed(repo / path, old, new):
+        for argv in commands:
+            rc, _, err = python(repo, *argv)
+            assert rc == 1 and one_error_line(err, *words), err[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_phase_not_named_after_its_stage_is_refused_before_training(repo, corpus, tmp_path):
+    stage = repo / "training" / "stages_toy.py"
+    with changed(stage, 'return [("toy", settings.iters)]', 'return [("heads", settings.iters)]'):
+        rc, _, err = python(repo, "train.py", *tiny_args(corpus, tmp_path / "out"))
+    assert rc == 1 and one_error_line(err, "phase 'heads' is not named after the stage"), err
+    assert not (tmp_path / "out" / "target.pt").exists()
+
+
+def test_a_drafter_that_lists_no_hidden_layers_is_one_line(repo, toy_out):
+    """It reads the target's states without asking for them: bench and sample say so."""
+    lesson = repo / "draft_toy.py"
+    with changed(lesson, "        self.hidden_layers = (target.config.n_layer,)\n", ""):
+        for argv in (["bench.py", "--methods", "ar,toy", "--n-prompts", "1", "--json", "",
+                      "--plot", ""], ["sample.py", "--method", "toy", "--no-color"]):
+            rc, _, err = python(repo, *argv, "--out-dir", toy_out, "--max-new-tokens", "8")
+            assert rc == 1 and one_error_line(err, "lists no hidden_layers",
+                                              "self.hidden_layers = (layer, ...)"), err[-2000:]
+
+
+def test_its_own_test_fails_while_its_registry_line_is_missing(repo, tmp_path):
+    """pytest -k toy runs the drafter's own test, and that fails naming the missing line."""
+    fork = tmp_path / "nanospec"
+    shutil.copytree(repo, fork, ignore=SKIP)
+    registry = fork / "registry" / "drafters.py"
+    registry.write_text(registry.read_text().replace("        Entry(draft_toy, stages_toy),\n", ""))
+    rc, so, _ = python(fork, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_toy.py")
+    assert rc != 0 and "draft_toy.py has no line in registry/drafters.py" in so, so[-2000:]

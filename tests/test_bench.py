@@ -110,6 +110,18 @@ def test_humaneval_without_the_package_is_one_line_before_anything_loads(tmp_pat
         bench.main(["--out-dir", str(tmp_path), "--prompts", "humaneval"])  # nothing trained here
 
 
+def test_bench_under_rejection_sampling_says_it_checks_the_distribution(trained, capsys):
+    """Rejection sampling keeps the target's distribution, not plain decoding's tokens: the table
+    says so instead of a 0% column, and lists no divergences."""
+    out = bench.main(["--out-dir", str(trained), "--n-prompts", "2", "--max-new-tokens", "10",
+                      "--repeats", "1", "--sweep", "", "--plot", "", "--json", "",
+                      "--dtype", "float64", "--sampling", "rejection", "--methods", "ar,lookup"])
+    printed = capsys.readouterr().out
+    assert all(r["exact_match"] is None for r in out["methods"].values())
+    assert not out["divergences"] and "divergences from plain decoding" not in printed
+    assert "| dist |" in printed and "checks the distribution" in printed
+
+
 def test_bench_with_coupled_sampling_matches_plain_sampling(trained, tmp_path):
     """Also bench.py's default output: the JSON beside the checkpoints, where benchmark/plot.py (and
     the

@@ -19,7 +19,7 @@ import bench
 import train
 from commands import refused, run, snapshot, succeeded
 from conftest import tiny_args
-from runtime.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from speculative import Sampler, generate_plain, generate_speculative
 from test_llama import VOCAB, folder_model, their_folder
 from formats import hf_folder, hf_gpt2, hf_llama, speculators as sf
@@ -100,13 +100,16 @@ def test_a_llama_or_qwen_target_gets_the_papers_layers_shaped_like_it(qwen3_run)
 def test_an_exported_drafter_is_speculators_layout_and_reads_back_tensor_for_tensor(
         qwen3_run, kind, tmp_path):
     folder, out = qwen3_run
-    succeeded(exported(out, kind, tmp_path / "exp", "--uncalibrated"))
+    succeeded(exported(out, kind, tmp_path / "exp", "--uncalibrated", "--dtype", "float32"))
     c = json.loads((tmp_path / "exp" / "config.json").read_text())
     net, target, _ = sf.trained_network(str(out), kind)
     cfg = net.config if kind == "dflash" else net.backbone.config
     assert c["speculators_model_type"] == kind and c["block_size"] == cfg.block
     assert c["aux_hidden_state_layer_ids"] == cfg.taps and c["mask_token_id"] == VOCAB - 1
     assert c["speculators_config"]["verifier"]["name_or_path"] == os.path.abspath(folder)
+    assert c["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
+    assert c["transformer_layer_config"]["max_position_embeddings"] == \
+        json.loads((folder / "config.json").read_text())["max_position_embeddings"]  # not 64
     layer = c["transformer_layer_config"]
     assert (layer["model_type"], layer["hidden_size"], layer["num_key_value_heads"]) == \
         ("qwen3", 32, cfg.n_kv_head)
@@ -128,6 +131,25 @@ def test_an_exported_drafter_is_speculators_layout_and_reads_back_tensor_for_ten
     assert ours.keys() == theirs.keys()
     for name, t in ours.items():  # the temperatures are the one thing speculators' head lacks
         assert torch.equal(theirs[name], torch.ones_like(t) if name == "conf_temp" else t), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_weights_are_bfloat16_unless_asked_and_read_back_as_written(qwen3_run, kind,
+                                                                       tmp_path):
+    """bfloat16 by default, as speculators writes them; the import reads back exactly that."""
+    out = copy_of(qwen3_run[1], tmp_path)
+    succeeded(exported(out, kind, tmp_path / "exp", "--uncalibrated"))
+    assert json.loads((tmp_path / "exp" / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = hf_folder.read_safetensors(str(tmp_path / "exp" / "model.safetensors"))
+    raw = (tmp_path / "exp" / "model.safetensors").read_bytes()
+    assert b'"BF16"' in raw and b'"F32"' not in raw
+    trained = load_checkpoint(str(out / f"{kind}.pt"), kind)["state_dict"]
+    succeeded(run(SCRIPT, "import", tmp_path / "exp", "--out-dir", out, "--force"))
+    back = load_checkpoint(str(out / f"{kind}.pt"), kind)["state_dict"]
+    for name in ("fc.weight", "layers.0.attn.c_q.weight"):
+        name = name if kind == "dflash" else f"backbone.{name}"
+        assert torch.equal(back[name], trained[name].bfloat16().float()), name
+    assert len(tensors) > 0
 
 
 def test_an_imported_drafter_decodes_exactly_through_the_loop_bench_and_sample(qwen3_run,
@@ -187,6 +209,12 @@ def damaged(folder, how):
         del tensors["layers.0.mlp.up_proj.weight"]
     elif how == "an extra tensor":
         tensors["d2t"] = torch.zeros(3)
+    elif how == "a tap on the last layer":
+        c["aux_hidden_state_layer_ids"] = [c["aux_hidden_state_layers_last"]]
+    elif how == "no kind":
+        del c["speculators_model_type"]
+    elif how == "another model's vocabulary":
+        c["transformer_layer_config"]["vocab_size"] = c["draft_vocab_size"] = 100
     elif how == "no model.safetensors":
         os.remove(folder / "model.safetensors")
         tensors = None
@@ -216,15 +244,55 @@ WRONG_TYPES = {"a listed block size": ("block_size", [8]), "a zero block": ("blo
     ("a cut safetensors file", "not a readable safetensors file"),
     ("eagle3", "EAGLE-3"), ("reduced vocabulary", "reduced draft vocabulary"),
     ("wider", "width"), ("lacks a tensor", "lacks layers.0.mlp.up_proj.weight"),
-    ("an extra tensor", "d2t"), ("no model.safetensors", "model.safetensors not found")])
+    ("an extra tensor", "d2t"), ("no model.safetensors", "model.safetensors not found"),
+    ("a tap on the last layer", "no layer after the last has"),
+    ("no kind", "names no speculators_model_type: it is not a speculators drafter's folder"),
+    ("another model's vocabulary", "drafts for a model of 100 tokens")])
 def test_a_folder_this_project_cannot_compute_is_refused_and_nothing_is_replaced(
         qwen3_run, tmp_path, how, needle):
     out = copy_of(qwen3_run[1], tmp_path)
     succeeded(exported(out, "dflash", tmp_path / "exp"))
+    if how == "a tap on the last layer":  # the target's layer count, where damaged() sees it
+        c = json.loads((tmp_path / "exp" / "config.json").read_text())
+        c["aux_hidden_state_layers_last"] = load_target(str(out / "target.pt"))[0].config.n_layer
+        (tmp_path / "exp" / "config.json").write_text(json.dumps(c))
     damaged(tmp_path / "exp", how)
     before = snapshot(out)
     refused(run(SCRIPT, "import", tmp_path / "exp", "--out-dir", out, "--force"), needle)
     assert snapshot(out) == before
+
+
+def test_the_verifier_is_what_the_import_recorded_and_never_a_path_that_is_gone(qwen3_run,
+                                                                                 tmp_path):
+    """Its class and its context are the model's, as the target's import recorded them; its
+    name the folder while it is there, else --verifier (refused without, in one line)."""
+    out = copy_of(qwen3_run[1], tmp_path)
+    ckpt = load_checkpoint(str(out / "target.pt"), "target")
+    save_checkpoint({**ckpt, "init_from": str(tmp_path / "gone")}, str(out / "target.pt"))
+    refused(exported(out, "dflash", tmp_path / "x"), "gone", "--verifier")
+    assert not (tmp_path / "x").exists()
+    succeeded(exported(out, "dflash", tmp_path / "x", "--verifier", "Org/Model"))
+    c = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert c["speculators_config"]["verifier"] == {"name_or_path": "Org/Model",
+                                                   "architectures": ["Qwen3ForCausalLM"]}
+    assert c["transformer_layer_config"]["max_position_embeddings"] == \
+        json.loads((qwen3_run[0] / "config.json").read_text())["max_position_embeddings"]
+
+
+def test_a_gguf_names_its_verifier_only_where_its_hub_id_is_known(tmp_path):
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    source = {"architectures": ["LlamaForCausalLM"], "context": 8192, "hub_id": None}
+    ckpt = {"init_from": str(gguf_file), "source": source, "config": {"sequence_len": 64}}
+    with pytest.raises(ValueError, match="names no model vLLM could load.*--verifier"):
+        sf.verifier_of(ckpt, None)
+    assert sf.verifier_of(ckpt, "Org/Model")["name_or_path"] == "Org/Model"
+    hub = dict(ckpt, source=dict(source, hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"))
+    assert sf.verifier_of(hub, None) == {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                         "architectures": ["LlamaForCausalLM"],
+                                         "max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="trained here"):
+        sf.verifier_of({"init_from": None, "config": {}}, "Org/Model")
 
 
 def test_nothing_is_written_over_without_force(qwen3_run, tmp_path):
@@ -273,6 +341,31 @@ def test_speculators_own_model_of_an_exported_drafter_computes_our_logits(hf_run
     _, diff = sf.compare(str(folder), str(hf_run[1]), torch.float64, "sdpa")
     assert max(diff.values()) <= 1e-10, diff
     assert "max |difference|" in succeeded(run(SCRIPT, "check", folder, "--out-dir", hf_run[1]))
+
+
+def test_check_reads_a_bfloat16_folder_in_float32_and_needs_no_verifier_folder(hf_run,
+                                                                               tmp_path):
+    """speculators' model loaded in the folder's dtype would compute in bfloat16: check computes
+    both in float32. Its verifier gone: a note, and the check still runs (the target in out/ is
+    the model it drafts for)."""
+    folder = tmp_path / "exp"
+    succeeded(exported(hf_run[1], "dflash", folder, "--verifier", str(tmp_path / "nowhere")))
+    printed = succeeded(run(SCRIPT, "check", folder, "--out-dir", hf_run[1]))
+    assert "is not a folder here" in printed and "max |difference|" in printed
+
+
+def test_check_reads_a_dspark_whose_confidence_head_reads_no_markov_code(hf_run, tmp_path):
+    folder = tmp_path / "exp"
+    succeeded(exported(hf_run[1], "dspark", folder, "--uncalibrated", "--dtype", "float32"))
+    c = json.loads((folder / "config.json").read_text())
+    c["confidence_head_with_markov"] = False
+    (folder / "config.json").write_text(json.dumps(c))
+    tensors = hf_folder.read_safetensors(str(folder / "model.safetensors"))
+    d = c["transformer_layer_config"]["hidden_size"]
+    tensors["confidence_head.proj.weight"] = tensors["confidence_head.proj.weight"][:, :d]
+    hf_folder.write_safetensors(tensors, folder / "model.safetensors", {"format": "pt"})
+    _, diff = sf.compare(str(folder), str(hf_run[1]))
+    assert max(diff.values()) <= 1e-4, diff
 
 
 def speculators_wrote(kind, verifier, folder, seed=0):

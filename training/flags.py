@@ -184,8 +184,21 @@ def the_run(args, stages):
     run = argparse.Namespace(**{k: v for k, v in values.items() if k not in theirs})
     run.settings = typed
     for name, st in stages.items():
-        st.phases(typed[name], run)
+        for phase, _ in st.phases(typed[name], run):
+            check_phase(name, st, phase)
     return run
+
+
+def check_phase(name, stage, phase):
+    """A phase is named after its stage (its resume file out/<phase>.resume.pt, its --<phase>-lr)
+    and has a step cost (the time estimate): refused before anything trains."""
+    where = f"training/stages_{name}.py"
+    if not (phase == name or phase.startswith(f"{name}-")):
+        raise ValueError(f"{where}: its phase {phase!r} is not named after the stage: call it "
+                         f"{name!r} or {name}-<part>")
+    if phase not in stage.step_cost:
+        raise ValueError(f"{where}: its phase {phase!r} has no step cost: add {phase!r} to its "
+                         "Stage(step_cost={...}), a step's seconds over a target step's")
 
 
 # what --init-from's folder decides, so that a flag for it given beside the folder would be dropped

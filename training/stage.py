@@ -80,6 +80,8 @@ class Stage:
                 until the run has measured its own
     builds_on   the stage whose settings also build this one's network (DSpark: DFlash's): they
                 go in its checkpoint's record of its settings too
+    reads       the other stages whose settings it reads (run.settings[name]) besides the one it
+                builds on: DFlash reads DSpark's iters, to keep the state DSpark branches off
     files       the other files it writes in out/ (DFlash: the state DSpark branches off)
     records     records(run) -> the settings its checkpoint records, where they are not the usual
                 ones (usual_record, below: the target's stage says its own)
@@ -93,6 +95,7 @@ class Stage:
     train: Callable
     step_cost: dict
     builds_on: str = None
+    reads: tuple = ()
     files: tuple = ()
     records: Callable = None
 

@@ -248,5 +248,6 @@ def records(run):
 
 
 STAGE = Stage(settings=DFlashSettings, phases=phases, train=train,
-              step_cost={"dflash-narrow": 0.31, "dflash": 0.30}, files=("dflash.branch.pt",),
+              step_cost={"dflash-narrow": 0.31, "dflash": 0.30}, reads=("target", "dspark"),
+              files=("dflash.branch.pt",),
               records=records)

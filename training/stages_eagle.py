@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_eagle import Eagle, EagleConfig, default_taps, eagle_loss
+from draft_eagle import BETA, DISTILL, UNROLL, Eagle, EagleConfig, default_taps, eagle_loss
 from draft_mtp import unroll_anchors
 from runtime.settings import number, setting
 from training.stage import Fit, Stage
@@ -21,13 +21,13 @@ class EagleSettings:
     steps (draft_eagle.eagle_loss); with --eagle-unroll 1 it is plain teacher forcing."""
     iters: int = setting(2000, "eagle: optimizer steps", gpt2=6000, quick=60, tiny=10)
     lr: float = setting(2e-3, "eagle: peak learning rate", cuda=1e-3, tiny=3e-3)
-    unroll: int = setting(4, "eagle: draft steps unrolled in training on its own outputs (the "
+    unroll: int = setting(UNROLL, "eagle: draft steps unrolled in training on its own outputs (the "
                           "training-time test); 1 = teacher forcing only", tiny=3)
     anchors: int = setting(32, "eagle: positions per training sequence at which steps 2.. are "
                            "unrolled (step 1 trains at every position)", tiny=8)
-    beta: float = setting(0.8, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
+    beta: float = setting(BETA, "eagle: weight decay of the unrolled steps' losses, beta^(j-1) "
                           "(EAGLE-3's code: 0.8)")
-    distill: float = setting(0.5, "eagle: weight of the KL to the target's distribution (1 = pure "
+    distill: float = setting(DISTILL, "eagle: weight of the KL to the target's distribution (1 = pure "
                              "distillation, 0 = the text's own tokens only)",
                              type=number(float, 0, 1))
     taps: str = setting("auto", "eagle: the three target layers fused, e.g. '2,4,6' ('auto': a "
@@ -87,4 +87,5 @@ def train(tr, settings):
     return val
 
 
-STAGE = Stage(settings=EagleSettings, phases=phases, train=train, step_cost={"eagle": 0.42})
+STAGE = Stage(settings=EagleSettings, phases=phases, train=train, step_cost={"eagle": 0.42},
+              reads=("target",))

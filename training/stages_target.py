@@ -139,6 +139,7 @@ def import_target(tr):
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
                      "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
                      "init_from": os.path.abspath(run.init_from),
+                     "source": pretrained.served_as(run.init_from),
                      "settings": tr.recorded("target"),
                      "chat": chat.to_dict() if chat else None},
                     tr.path("target"))
@@ -177,4 +178,4 @@ def records(run):
 
 # one step costs 1: the unit of the run's time estimate
 STAGE = Stage(settings=TargetSettings, phases=phases, train=train, step_cost={"target": 1.0},
-              records=records)
+              reads=("mtp",), records=records)

@@ -406,6 +406,10 @@ class Trainer:
     def save(self, stage, config, module, extra=None, steps=None, budget=None):
         """out/<stage>.pt for a drafter: its weights, the target and tokenizer it belongs to, and
         its training budget."""
+        if stage not in self.stages:  # the registry reads a literal name before training
+            raise TrainingError(f"the {self.stage} stage saves {stage!r}, which names no stage: "
+                                f"write tr.save({self.stage!r}, ...) in "
+                                f"training/stages_{self.stage}.py")
         _, target_ckpt = self.target()
         save_checkpoint({"kind": stage, "config": config, "state_dict": cpu_state_dict(module),
                          "budget": budget or self.budget(steps),
