@@ -409,13 +409,12 @@ def imported(folder, out_dir, force=False):
 # check: speculators' own model of a folder against this project's drafter
 
 
-def theirs_of(folder, target, attention, dtype):
+def theirs_of(kind, folder, target, attention, dtype):
     """speculators' own model of `folder`, in `dtype` whatever the folder's (loaded in a bfloat16
     folder's own dtype it would compute in bfloat16), with the verifier's embedding, head and
     final norm taken from out/'s target, the model it drafts for (its verifier is not loaded)."""
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
-    kind = read_folder(folder)[0].get("speculators_model_type")
     cls = DFlashDraftModel if kind == "dflash" else DSparkDraftModel
     config = cls.config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = attention
@@ -432,11 +431,12 @@ def theirs_of(folder, target, attention, dtype):
 def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
     """Max |difference| between speculators' own model of `folder` (its eager attention, or
     `attention`) and this project's reading of the same folder (what import writes), both in
-    `dtype` (float32 by default, whatever the folder's), on the same target states and blocks: their draft logits (DSpark's with the Markov bias) and
-    DSpark's confidence logits. Needs speculators (and transformers) installed."""
+    `dtype` (float32 by default, whatever the folder's), on the same target states and blocks:
+    their draft logits (DSpark's with the Markov bias) and DSpark's confidence logits. Needs
+    speculators (and transformers) installed."""
     kind, _, net, c, target, _ = folder_network(folder, out_dir)
     net, target = net.to(dtype), target.to(dtype)
-    theirs = theirs_of(folder, target, attention, dtype)
+    theirs = theirs_of(kind, folder, target, attention, dtype)
     backbone = block_network(kind, net)
     cfg = backbone.config
     T = min(64, target.config.sequence_len)
@@ -475,7 +475,7 @@ def compare(folder, out_dir, dtype=torch.float32, attention="eager", seed=0):
 def verifier_note(folder):
     """A line where the verifier the folder names is a path that is not a folder here (an
     engine loads the model from there), else None."""
-    name = read_folder(folder)[0].get("speculators_config", {}).get("verifier", {}).get(
+    name = read_json(folder).get("speculators_config", {}).get("verifier", {}).get(
         "name_or_path")
     if isinstance(name, str) and os.path.isabs(name) and not os.path.isdir(name):
         return (f"note: its verifier, {name}, is not a folder here: an engine loads the model "
@@ -527,16 +527,16 @@ def main(argv=None):
     elif a.command == "import":
         print(f"wrote {imported(a.folder, a.out_dir, a.force)} from {a.folder}")
     else:
-        note = verifier_note(a.folder)
-        if note:
-            print(note)
         try:
-            kind, diff = compare(a.folder, a.out_dir)
+            kind, diff = compare(a.folder, a.out_dir)  # the folder checked first
         except ImportError as e:
             raise ValueError(f"check needs speculators installed ({e}): pip install "
                              "speculators, in a virtual environment of its own") from None
         print(f"{kind}: max |difference| against speculators' own model, float32: " +
               ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
+        note = verifier_note(a.folder)
+        if note:
+            print(note)
         if max(diff.values()) > 1e-4:
             raise ValueError("the logits differ by more than 1e-4")
 

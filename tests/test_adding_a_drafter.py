@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from commands import refused
 from conftest import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,13 +115,6 @@ def changed(path, old, new):
         path.write_text(text)
 
 
-def one_error_line(err, *words):
-    """The run ended in one `error:` line (no traceback) holding every one of `words`."""
-    lines = err.strip().splitlines()
-    return (len(lines) == 1 and lines[0].startswith("error: ")
-            and all(w in lines[0] for w in words))
-
-
 # (file, what the README's steps write, the slip, words the one line must hold)
 SLIPS = [
     ("draft_toy.py", "DRAFTER = Declaration(", "DRAFT = Declaration(",
@@ -151,16 +145,16 @@ def test_a_slip_in_a_declaration_is_one_line_before_anything_trains(repo, corpus
         commands += [["bench.py", "--help"], ["sample.py", "--help"]]
     with changed(repo / path, old, new):
         for argv in commands:
-            rc, _, err = python(repo, *argv)
-            assert rc == 1 and one_error_line(err, *words), err[-2000:]
+            res = python(repo, *argv)
+            assert res[0] == 1 and refused(res, *words)
     assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_a_phase_not_named_after_its_stage_is_refused_before_training(repo, corpus, tmp_path):
     stage = repo / "training" / "stages_toy.py"
     with changed(stage, 'return [("toy", settings.iters)]', 'return [("heads", settings.iters)]'):
-        rc, _, err = python(repo, "train.py", *tiny_args(corpus, tmp_path / "out"))
-    assert rc == 1 and one_error_line(err, "phase 'heads' is not named after the stage"), err
+        res = python(repo, "train.py", *tiny_args(corpus, tmp_path / "out"))
+    assert res[0] == 1 and refused(res, "phase 'heads' is not named after the stage")
     assert not (tmp_path / "out" / "target.pt").exists()
 
 
@@ -170,9 +164,9 @@ def test_a_drafter_that_lists_no_hidden_layers_is_one_line(repo, toy_out):
     with changed(lesson, "        self.hidden_layers = (target.config.n_layer,)\n", ""):
         for argv in (["bench.py", "--methods", "ar,toy", "--n-prompts", "1", "--json", "",
                       "--plot", ""], ["sample.py", "--method", "toy", "--no-color"]):
-            rc, _, err = python(repo, *argv, "--out-dir", toy_out, "--max-new-tokens", "8")
-            assert rc == 1 and one_error_line(err, "lists no hidden_layers",
-                                              "self.hidden_layers = (layer, ...)"), err[-2000:]
+            res = python(repo, *argv, "--out-dir", toy_out, "--max-new-tokens", "8")
+            assert res[0] == 1 and refused(res, "lists no hidden_layers",
+                                           "self.hidden_layers = (layer, ...)")
 
 
 def test_its_own_test_fails_while_its_registry_line_is_missing(repo, tmp_path):
