@@ -16,26 +16,17 @@ concatenated, projected d*n -> d and normalised into a context, and in EVERY dra
 context is injected as extra keys/values in front of the block ("KV injection"). Queries come
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
-What the draft layers are made of follows the target's family (DraftLayer). For a Llama or
-Qwen target they are the papers' (and speculators', which vLLM serves): Qwen3 decoder layers
-(RMSNorm, RoPE, SwiGLU, per-head q/k norm, grouped K/V), every mask slot the embedding of one
-mask token, and a final norm of their own. For the lesson's GPT-2 target they are GPT-2's
-(LayerNorm, GELU, biases) with two departures, because we train for minutes, not GPU-days:
-one mask embedding per block offset instead of one shared mask, and an ALiBi distance penalty
-on top of RoPE. Both kinds train a narrow block first (block 8, then widened to 16). On that
-target the papers' layers drafted fewer tokens a round (docs/experiments.md: DFlash: the
-papers' layers).
+The draft layers follow the target's family (DraftLayer): for a Llama or Qwen target the
+papers' (and speculators', which vLLM serves): Qwen3 decoder layers, every mask slot one mask
+token's embedding, a final norm of their own. For the lesson's GPT-2 target GPT-2's, with two
+departures for training in minutes: one mask embedding per block offset, and ALiBi on top of
+RoPE (docs/experiments.md: DFlash: the papers' layers).
 
-The file reads in order: the config, the draft layers, the network, the Drafter (how it drafts),
-then how it learns (anchors, mask, loss, narrow-then-full; training/stages_dflash.py runs it).
-
-Bookkeeping at inference: the context is the target's states of every confirmed token BEFORE
-the anchor t*, which enters the block as a token at its absolute position. Each draft layer
-caches its context K/V, computed once per position at commit (a position's states never change).
-
-Cost: a small drafter pays per op, not per FLOP, so a round does only what changes: RoPE and
-ALiBi tables are built once and sliced, the block's K/V go into the cache after the context, and
-the LM head runs on the draft slots only (docs/experiments.md: DFlash: lean round).
+It reads in order: the config, the draft layers, the network, the Drafter (how it drafts), then
+how it learns (anchors, mask, loss, narrow-then-full; training/stages_dflash.py runs it). At
+inference the context is the target's states of every confirmed token BEFORE the anchor,
+which enters the block at its absolute position; each draft layer caches its context K/V once
+per position, and a round does only what changes (docs/experiments.md: DFlash: lean round).
 
     python train.py --only dflash && python sample.py --method dflash
 """
@@ -51,7 +42,7 @@ from torch.nn import functional as F
 from gpt import MLP, attention
 from llama import LlamaConfig, RMSNorm, SwiGLU, rope_frequencies
 from draft_small import total_variation
-from speculative import Declaration, Drafter
+from speculative import Declaration, Drafter, head_rows, to_target_vocab
 
 # -----------------------------------------------------------------------------
 # config
@@ -78,6 +69,7 @@ class DFlashConfig:
     norm_eps: float = 1e-6
     rope_scaling: dict | None = None  # as llama.LlamaConfig's
     mask_token: int | None = None  # whose embedding fills every mask slot; None: the last id
+    draft_vocab: int = 0     # tokens it drafts from (its d2t buffer's ids); 0: the target's
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -97,6 +89,8 @@ class DFlashConfig:
 
     def to_dict(self):
         d = asdict(self)
+        if not self.draft_vocab:  # as written before there was one: old checkpoints stay current
+            del d["draft_vocab"]
         if self.arch == "gpt2":  # as written before there were two: old checkpoints stay current
             for name in ("arch",) + QWEN3_ONLY:
                 del d[name]
@@ -116,10 +110,12 @@ QWEN3_ONLY = ("n_kv_head", "head_dim", "n_hidden", "norm_eps", "rope_scaling", "
 
 
 def default_taps(n_layer, arch="gpt2"):
-    """Which target layers feed the context. The paper spreads 5 taps over 36 layers; our targets
-    have few, so we take every block output but the last (1..n_layer-1): the last block is
-    specialised on predicting the *next* token, which at the anchor we already know. A 2-layer
-    target keeps both, but for "qwen3" layers (formats/speculators.py's exportable: why)."""
+    """Which target layers feed the context. The paper spreads 5 taps over 36 layers, from the
+    first block to three before the last: a target deeper than 8 layers gets the same. Our own
+    targets have few: every block output but the last (specialised on the *next* token, known
+    at the anchor); a 2-layer one keeps both, but for "qwen3" layers (speculators.exportable)."""
+    if n_layer > 8:
+        return [round(1 + i * (n_layer - 4) / 4) for i in range(5)]
     return list(range(1, n_layer + (n_layer == 1 or n_layer == 2 and arch == "gpt2")))
 
 
@@ -141,12 +137,10 @@ def rope_table(n, cfg, device=None):
 
 
 def rope(x, cos, sin):
-    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs), with cos/sin the rows of
-    rope_table at x's positions: (T, hs/2), or (B, 1, T, hs/2) when rows differ. Why RoPE and not
-    the target's wpe: after rotation q.k depends only on the distance between a block slot and a
-    context position, so "slot j, j tokens after the anchor, attends to the last few context
-    positions" is the same pattern at every position. Keys are rotated once, at their absolute
-    position, and cached that way."""
+    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs), cos/sin rope_table's rows at
+    x's positions: (T, hs/2), or (B, 1, T, hs/2). After rotation q.k depends only on the distance
+    between a slot and a context position, so "slot j attends to the last few context positions"
+    is one pattern at every position. Keys are rotated once, at their absolute position."""
     hs = x.size(-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
@@ -154,13 +148,11 @@ def rope(x, cos, sin):
 
 
 def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
-    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh), for queries
-    at q_pos (..., Tq) and keys at k_pos (..., Tk) -> (..., nh, Tq, Tk). Why: at init attention is
-    uniform over the whole context, the few states that matter (the last before the anchor) are
-    drowned, and learning starts slowly (docs/experiments.md: DFlash: ALiBi). The bias gives some
-    attention heads a recency prior from step 0; heads with small slopes stay global.
-    Memory: in training this is (batch, nh, Tq, Tk), a DFlash step's largest tensor, so distances
-    are one float tensor (no int64 copies) and only the result is per attention head."""
+    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh), queries at
+    q_pos (..., Tq), keys at k_pos (..., Tk) -> (..., nh, Tq, Tk): a recency prior from step 0,
+    where uniform attention drowned the last states before the anchor (docs/experiments.md:
+    DFlash: ALiBi). A step's largest tensor: distances are one float tensor, only the result per
+    head."""
     wide = torch.promote_types(dtype, torch.float32)  # positions and distances exact (< 2^24)
     dist = (q_pos.to(wide)[..., :, None] - k_pos.to(wide)[..., None, :]).abs_()  # (..., Tq, Tk)
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=q_pos.device, dtype=wide) / n_head)
@@ -259,10 +251,8 @@ class DFlash(nn.Module):
         self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
         self.ctx_norm = norm_of(cfg, cfg.n_embd)
         if cfg.arch == "gpt2":
-            # one learned mask embedding per block offset 1..block-1: with one shared mask only
-            # RoPE tells slot 3 from slot 9, and in our short training every slot made the same
-            # guess; at the target's embeddings' scale (row norm ~1), not 0.02, where they still
-            # collapsed (docs/experiments.md: DFlash: mask embeddings)
+            # one learned mask embedding per offset, at the embeddings' scale (row norm ~1): with
+            # one shared mask every slot made the same guess (experiments.md: DFlash: mask embeddings)
             self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) /
                                          math.sqrt(cfg.n_embd))
         else:  # the papers': every mask slot is one token's embedding, the target's own, frozen
@@ -273,6 +263,11 @@ class DFlash(nn.Module):
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
         if cfg.arch == "qwen3":
             self.norm = norm_of(cfg, cfg.n_embd)  # its own final norm before the target's LM head
+        if not 0 <= cfg.draft_vocab <= target.config.vocab_size:
+            raise ValueError(f"a draft vocabulary of {cfg.draft_vocab} tokens does not fit the "
+                             f"target's {target.config.vocab_size}")
+        if cfg.draft_vocab:  # the target ids of the tokens it drafts (its stage sets them)
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab))
         for pn, p in self.named_parameters():
             if p.dim() == 2 and pn != "mask_emb":
                 scale = math.sqrt(2 * cfg.n_layer) if pn.endswith("c_proj.weight") else 1
@@ -358,8 +353,20 @@ class DFlash(nn.Module):
         return self.target.transformer.ln_f(h) if self.config.arch == "gpt2" else self.norm(h)
 
     def logits(self, h):
-        """The target's LM head on the final norm of h."""
-        return self.target.lm_head(self.final_norm(h))
+        """The target's LM head on the final norm of h -> (..., V), or only its draft
+        vocabulary's rows -> (..., draft_vocab) (speculative.head_rows; docs/experiments.md: A
+        real target's draft vocabulary)."""
+        h, head = self.final_norm(h), self.target.lm_head.weight
+        if not self.config.draft_vocab:
+            return self.target.lm_head(h)
+        return F.linear(h, head_rows(head, self.d2t, self._tables, h.dtype))
+
+    def target_logits(self, h):
+        """logits(h) over the target's whole vocabulary (what a Sampler drafts from)."""
+        z = self.logits(h)
+        if not self.config.draft_vocab:
+            return z
+        return to_target_vocab(z, self.d2t, self.target.config.vocab_size)
 
 
 # -----------------------------------------------------------------------------
@@ -474,7 +481,7 @@ class DFlashDrafter(Drafter):
         self.check_block(k)
         h = self.draft_states(k)  # (k, d)
         S = self.seq.numel()
-        return sampler.draft(self.net.logits(h), list(range(S, S + k)))
+        return sampler.draft(self.net.target_logits(h), list(range(S, S + k)))
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):
@@ -546,7 +553,8 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
     """Position-weighted cross-entropy against the target's own distributions (soft labels),
     plus their total variation distance (draft_small.total_variation: why). The paper's loss is
     the cross-entropy alone; adding TV drafted better (docs/experiments.md: DFlash: loss
-    (CE + TV))."""
+    (CE + TV)). With a draft vocabulary t_logits are the target's over it, (B, T, draft_vocab):
+    its distribution renormalised there, as EAGLE-3 trains."""
     h, tpos = training_states(net, x, hidden, anchors)
     logp = F.log_softmax(net.logits(h).float(), dim=-1)  # (B, A, P, V)
     p_t = soft_labels(t_logits, tpos)
@@ -558,18 +566,10 @@ def dflash_loss(net, x, hidden, t_logits, anchors, gamma):
 # -----------------------------------------------------------------------------
 # how it learns (2): a narrow block first, then the full block
 #
-# The first slots of a block decide whether a round goes on at all. Trained at block 16 from the
-# start, the first slot stayed worse than a block-8 network's (docs/experiments.md: DFlash: narrow
-# block first). So training runs block 8 with twice the anchors a step, then the full block 16
-# from that network, widened: every weight has the same shape at any block but "gpt2" layers'
-# mask embeddings, one per offset; widening keeps the trained ones, the new ones start at init:
-#
-#     net = DFlash(replace(cfg, block=8), target)        # phase 1: dflash_loss at block 8
-#     ...train...
-#     wide = DFlash(cfg, target)                          # phase 2: block 16, from phase 1
-#     widen(wide, net.state_dict())
-#
-# DSpark starts from this same training, part-way through (draft_dspark.py: how it learns).
+# The first slots decide whether a round goes on at all; trained at block 16 from the start, the
+# first slot stayed worse than a block-8 network's (docs/experiments.md: DFlash: narrow block
+# first). So block 8 trains first, then block 16 from it, widened: widen(DFlash(cfg, target),
+# net.state_dict()). DSpark starts from this same training, part-way (draft_dspark.py).
 
 
 def widen(net, state_dict):

@@ -76,6 +76,9 @@ class DSpark(nn.Module):
     def __init__(self, backbone_cfg, cfg, target):
         super().__init__()
         V, d = target.config.vocab_size, backbone_cfg.n_embd
+        if backbone_cfg.draft_vocab:
+            raise ValueError("DSpark drafts over the target's whole vocabulary (its Markov head "
+                             "biases every token): train its backbone with --dflash-vocab 0")
         self.config = cfg
         self.backbone = DFlash(backbone_cfg, target)
         self.w1 = nn.Embedding(V, cfg.rank)              # W1[x]: the previous token's low-rank code

@@ -117,7 +117,7 @@ def run_stage(tr, name):
 def run_stages(tr, run):
     """Every stage in order (or just --only), skipping those whose checkpoint is current."""
     for name, stage in STAGES.items():
-        if run.only and name != run.only:
+        if flags.left_out(run, name):
             continue
         phases = [n for n, _ in stage.phases(run.settings[name], run)]
         if not run.force and is_current(tr, name):

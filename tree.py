@@ -340,7 +340,7 @@ class BlockTree(TreeDrafter):
             return self.own_chain(depth, sampler)
         d = self.drafter
         self.started()
-        base = d.net.logits(d.draft_states(depth))  # (depth, V): one pass drafts every depth
+        base = d.net.target_logits(d.draft_states(depth))  # (depth, V): one pass drafts every depth
         S, root = d.seq.numel(), int(d.seq[-1])
         noise = (sampler.noise(range(S, S + depth), base.size(-1), base.device)
                  if sampler.mode == "coupled" else None)  # every depth's row at once

@@ -72,12 +72,19 @@ def their_names(name):
     return [f"{layer}{m}.{param}" for m in NAMES[module]]
 
 
-def to_speculators(state_dict):
+def to_speculators(state_dict, head=None):
     """Our state_dict -> speculators' tensors (W2 of the Markov head is stored (r, V) here, as a
-    Linear (V, r) there; the confidence temperatures are not weights: see confidence())."""
+    Linear (V, r) there; the confidence temperatures are not weights: see confidence()). A draft
+    vocabulary (our d2t: its target ids) is theirs as d2t (each id's offset from its place),
+    t2d (which target ids are drafted) and lm_head, the rows of `head` (the target's LM head)
+    it computes: an engine does not derive a reduced head from the verifier's."""
     out = {}
     for name, t in state_dict.items():
-        if name == "w2":
+        if name == "d2t":
+            out["d2t"] = t - torch.arange(len(t))
+            out["t2d"] = torch.zeros(len(head), dtype=torch.bool).index_fill_(0, t, True)
+            out["lm_head.weight"] = head[t].contiguous()
+        elif name == "w2":
             out["markov_head.markov_w2.weight"] = t.t().contiguous()
         elif name != "conf_temp":
             names = their_names(name)
@@ -90,6 +97,12 @@ def from_speculators(tensors, like, folder):
     tensor accounted for: one missing, one left over or one of the wrong shape is an error."""
     left, sd = dict(tensors), {}
     for name, want in like.items():
+        if name == "d2t":  # target ids from offsets; t2d and lm_head checked by folder_network
+            d2t = left.pop("d2t", None)
+            if d2t is None or d2t.shape != want.shape:
+                raise ValueError(f"{folder}/model.safetensors lacks a d2t of {len(want)} tokens")
+            sd[name] = d2t.long() + torch.arange(len(d2t))
+            continue
         if name == "conf_temp":
             sd[name] = torch.ones_like(want)  # no temperatures there: sigmoid(z) as it is
             continue
@@ -180,7 +193,7 @@ def speculators_config(kind, net, target_cfg, verifier, dtype):
     c = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "DSparkDraftModel"],
          "speculators_model_type": kind, "speculators_version": VERSION,
          "transformer_layer_config": layer_config(cfg, V, verifier["max_position_embeddings"]),
-         "draft_vocab_size": V, "block_size": cfg.block, "aux_hidden_state_layer_ids": cfg.taps,
+         "draft_vocab_size": cfg.draft_vocab or V, "block_size": cfg.block, "aux_hidden_state_layer_ids": cfg.taps,
          "mask_token_id": backbone.mask_token, "sample_from_anchor": cfg.shift == 1,
          "sliding_window_non_causal": False, "target_hidden_size": None,
          "tie_word_embeddings": False, "dtype": dtype,
@@ -254,11 +267,13 @@ def export(out_dir, kind, folder, verifier=None, uncalibrated=False, force=False
         raise ValueError(why)
     config = speculators_config(kind, net, target.config, verifier_of(target_ckpt, verifier),
                                 dtype)
-    tensors = to_speculators({k: v.detach().float() for k, v in net.state_dict().items()})
+    tensors = to_speculators({k: v.detach().float() if v.is_floating_point() else v.detach()
+                              for k, v in net.state_dict().items()},
+                             target.lm_head.weight.detach().float())
     if kind == "dspark":
         w, b = confidence(net, uncalibrated)
         tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = w, b
-    tensors = {n: t.to(DTYPES[dtype]) for n, t in tensors.items()}
+    tensors = {n: t.to(DTYPES[dtype]) if t.is_floating_point() else t for n, t in tensors.items()}
     ready_folder(folder, force)
     write_safetensors(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
     atomic_write(os.path.join(folder, "config.json"),
@@ -333,11 +348,12 @@ def read_network_config(c, folder):
     sliding = "sliding_attention" in (hf_folder.field(folder, tl, "layer_types", STRINGS,
                                                       where=part) or [])
     draft_vocab = field("draft_vocab_size", hf_folder.POSITIVE_INT, layer.vocab_size)
-    reduced = draft_vocab < layer.vocab_size or any(k in c for k in ("d2t", "t2d"))
+    reduced = draft_vocab < layer.vocab_size
     mask = field("mask_token_id", TOKEN)
     odd = [w for w, on in (("a sliding window", sliding), ("biases in the MLP", layer.mlp_bias),
                            (f"a reduced draft vocabulary ({draft_vocab} of {layer.vocab_size} "
-                            "tokens, mapped by d2t/t2d)", reduced),
+                            "tokens), which DSpark's Markov head cannot draft over",
+                            reduced and kind == "dspark"),
                            ("no mask_token_id", mask is None)) if on]
     rank = field("markov_rank", hf_folder.POSITIVE_INT, 256)
     if kind == "dspark":
@@ -361,7 +377,8 @@ def read_network_config(c, folder):
                        rope_base=layer.rope_theta, arch="qwen3", bias=layer.qkv_bias,
                        n_kv_head=layer.n_kv_head, head_dim=layer.head_dim,
                        n_hidden=layer.n_hidden, norm_eps=layer.norm_eps,
-                       rope_scaling=layer.rope_scaling, mask_token=mask)
+                       rope_scaling=layer.rope_scaling, mask_token=mask,
+                       draft_vocab=draft_vocab if reduced else 0)
     if kind == "dflash":
         return kind, cfg.to_dict()
     return kind, {"backbone": cfg.to_dict(), "dspark": {"rank": rank}}
@@ -387,8 +404,29 @@ def folder_network(folder, out_dir):
             "confidence_head.proj.weight" in tensors:
         w = tensors["confidence_head.proj.weight"]  # reads h only: the code part weighs nothing
         tensors["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, net.config.rank)], 1)
+    reduced = kind == "dflash" and net.config.draft_vocab
+    if reduced:
+        head, t2d = tensors.pop("lm_head.weight", None), tensors.pop("t2d", None)
     net.load_state_dict(from_speculators(tensors, net.state_dict(), folder))
+    if reduced:
+        check_draft_vocab(folder, net, head, t2d, target)
     return kind, config, net.eval(), c, target, target_ckpt
+
+
+def check_draft_vocab(folder, net, head, t2d, target):
+    """A reduced draft vocabulary is read only where this project computes it as written: t2d
+    naming the d2t's ids, and lm_head the target's LM head at those rows (at the folder's
+    precision): this project's drafter gathers those rows, it keeps no head of its own."""
+    V = target.config.vocab_size
+    if t2d is None or t2d.shape != (V,) or not torch.equal(t2d.nonzero().view(-1),
+                                                          net.d2t.sort().values):
+        raise ValueError(f"{folder}/model.safetensors: its t2d does not mark the {len(net.d2t)} "
+                         "target ids its d2t names")
+    rows = target.lm_head.weight.detach()[net.d2t]
+    if head is None or head.shape != rows.shape or not torch.equal(head, rows.to(head.dtype)):
+        raise ValueError(f"{folder}/model.safetensors: its lm_head is not the target's LM head at "
+                         "the draft vocabulary's rows (a head trained on its own, or another "
+                         "model's): this project drafts with the target's rows and cannot read it")
 
 
 def imported(folder, out_dir, force=False):
@@ -422,8 +460,10 @@ def theirs_of(kind, folder, target, attention, dtype):
     theirs = cls.from_pretrained(folder, config=config, dtype=torch.float32).to(dtype).eval()
     with torch.no_grad():
         theirs.embed_tokens.weight.copy_(target.transformer.wte.weight)
+        rows = theirs.d2t + torch.arange(len(theirs.d2t)) if theirs.use_draft_vocab else \
+            torch.arange(target.config.vocab_size)
         for head in (theirs.lm_head, theirs.verifier_lm_head):
-            head.weight.copy_(target.lm_head.weight)
+            head.weight.copy_(target.lm_head.weight[rows])
         theirs.verifier_norm.weight.copy_(target.transformer.ln_f.weight)
     return theirs
 

@@ -95,7 +95,7 @@ def profile_dspark(drafter, reps=9):
     drafter.reset_account()
     k = drafter.max_k
     drafter.t_verify = profile_verify(drafter.net.target, k + 1,
-                                      between=lambda: drafter.net.logits(drafter.draft_states(k)))
+                                      between=lambda: drafter.net.target_logits(drafter.draft_states(k)))
     drafter.measured = True
     return drafter
 

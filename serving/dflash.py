@@ -143,7 +143,7 @@ class BatchDFlash(BatchDrafter):
     def head(self, h, ks):
         """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
         pk = ragged.Packing(ks, h.size(1), h.device)
-        return pk.unpack(self.net.logits(pk.pack(h)))
+        return pk.unpack(self.net.target_logits(pk.pack(h)))
 
     @torch.inference_mode()
     def propose(self, ks, sampler):

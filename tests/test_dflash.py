@@ -182,3 +182,33 @@ def test_tiny_overfit_reaches_near_full_acceptance():
     # divides by every round, the prefill's too, so a 30-token run can't reach 0.9 with it)
     first = stats.accepted_at[0] / stats.drafted_at[0]
     assert first > 0.9 and stats.tau > 4.0, (first, stats.tau)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_exact(target, mode):
+    """A DFlash over the 24 tokens the target's own text holds most often (its head only their
+    rows, its soft labels the target's over them): it drafts only those, the target verifies over
+    every token, and decoding stays token-identical in float64, greedy and coupled."""
+    torch.manual_seed(3)
+    x = target_text(target, 3, 40)
+    vocab = torch.bincount(x.view(-1), minlength=target.config.vocab_size).topk(24).indices.sort()
+    cfg = DFlashConfig(n_embd=target.config.n_embd, n_layer=2, n_head=2, taps=[1, 2], block=9,
+                       draft_vocab=24)
+    net = DFlash(cfg, target).double()
+    net.d2t.copy_(vocab.values)
+    with torch.no_grad():
+        logits, _, hid = target(x, hidden_layers=cfg.taps)
+    anchors = torch.arange(1, x.size(1) - cfg.block + 1, 3).expand(16, -1)
+    adam_fit(net, lambda: dflash_loss(net, x, hid, logits[..., net.d2t], anchors, 4.0), 40, target)
+    drafter = DFlashDrafter(net.eval())
+    full = net.target_logits(torch.randn(3, target.config.n_embd, dtype=torch.float64))
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[net.d2t] = False
+    assert full.shape[-1] == target.config.vocab_size and torch.isinf(full[:, outside]).all()
+    accepted = 0
+    for seed in range(4):
+        prompt = x[seed, :6].tolist()
+        out, stats = generate_speculative(target, drafter, prompt, 24, 8, Sampler(mode, seed=seed))
+        assert out == generate_plain(target, prompt, 24, Sampler(mode, seed=seed))
+        accepted += sum(stats.accepted_at)
+    assert accepted > 0

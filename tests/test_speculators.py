@@ -242,7 +242,7 @@ WRONG_TYPES = {"a listed block size": ("block_size", [8]), "a zero block": ("blo
 @pytest.mark.parametrize("how,needle", [
     *((how, f"{key} is {json.dumps(value)}") for how, (key, value) in WRONG_TYPES.items()),
     ("a cut safetensors file", "not a readable safetensors file"),
-    ("eagle3", "EAGLE-3"), ("reduced vocabulary", "reduced draft vocabulary"),
+    ("eagle3", "EAGLE-3"), ("reduced vocabulary", "lacks a d2t of 100 tokens"),
     ("wider", "width"), ("lacks a tensor", "lacks layers.0.mlp.up_proj.weight"),
     ("an extra tensor", "d2t"), ("no model.safetensors", "model.safetensors not found"),
     ("a tap on the last layer", "no layer after the last has"),
@@ -308,6 +308,61 @@ def test_nothing_is_written_over_without_force(qwen3_run, tmp_path):
 # where speculators is installed: its own models against ours
 
 
+# -----------------------------------------------------------------------------
+# a draft vocabulary: d2t, t2d and the head's rows, there and back
+
+
+def with_draft_vocab(corpus, folder, out, tmp_path_factory):
+    """A copy of a run whose DFlash is retrained over a draft vocabulary of 40 tokens."""
+    copy = tmp_path_factory.mktemp("draft_vocab")
+    shutil.copytree(out, copy, dirs_exist_ok=True)
+    train.main(tiny_args(corpus, copy, "--init-from", str(folder), "--only", "dflash",
+                         "--dflash-vocab", "40", "--force"))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def vocab_run(qwen3_run, corpus, tmp_path_factory):
+    return with_draft_vocab(corpus, *qwen3_run, tmp_path_factory)
+
+
+def test_a_draft_vocabulary_is_written_as_d2t_t2d_and_its_head_rows_and_reads_back(vocab_run,
+                                                                                  tmp_path):
+    out, folder = copy_of(vocab_run, tmp_path), tmp_path / "exp"
+    succeeded(exported(out, "dflash", folder, "--dtype", "float32"))
+    c = json.loads((folder / "config.json").read_text())
+    t = hf_folder.read_safetensors(str(folder / "model.safetensors"))
+    ours = load_checkpoint(str(out / "dflash.pt"), "dflash")
+    d2t = ours["state_dict"]["d2t"]
+    target = load_target(str(out / "target.pt"))[0]
+    assert c["draft_vocab_size"] == 40 and ours["config"]["draft_vocab"] == 40
+    assert torch.equal(t["d2t"] + torch.arange(40), d2t) and t["t2d"].dtype == torch.bool
+    assert torch.equal(t["t2d"].nonzero().view(-1), d2t)
+    assert torch.equal(t["lm_head.weight"], target.lm_head.weight[d2t])
+    succeeded(run(SCRIPT, "import", folder, "--out-dir", out, "--force"))
+    back = load_checkpoint(str(out / "dflash.pt"), "dflash")
+    assert back["config"] == ours["config"]
+    assert all(torch.equal(back["state_dict"][k], v) for k, v in ours["state_dict"].items())
+    exact_everywhere(out, tmp_path, ["dflash"])
+
+
+@pytest.mark.parametrize("how,needle", [("t2d", "its t2d does not mark the 40 target ids"),
+                                        ("head", "its lm_head is not the target's LM head")])
+def test_a_draft_vocabulary_read_otherwise_than_written_is_refused(vocab_run, tmp_path, how,
+                                                                   needle):
+    out, folder = copy_of(vocab_run, tmp_path), tmp_path / "exp"
+    succeeded(exported(out, "dflash", folder))
+    t = hf_folder.read_safetensors(str(folder / "model.safetensors"))
+    if how == "t2d":
+        t["t2d"] = t["t2d"].roll(1)
+    else:
+        t["lm_head.weight"] = t["lm_head.weight"] * 2
+    hf_folder.write_safetensors(t, folder / "model.safetensors")
+    before = snapshot(out)
+    refused(run(SCRIPT, "import", folder, "--out-dir", out, "--force"), needle)
+    assert snapshot(out) == before
+
+
 @pytest.fixture(scope="module")
 def hf_run(corpus, tmp_path_factory):
     """A tiny Qwen3 folder transformers wrote, and a run of it."""
@@ -341,6 +396,15 @@ def test_speculators_own_model_of_an_exported_drafter_computes_our_logits(hf_run
     _, diff = sf.compare(str(folder), str(hf_run[1]), torch.float64, "sdpa")
     assert max(diff.values()) <= 1e-10, diff
     assert "max |difference|" in succeeded(run(SCRIPT, "check", folder, "--out-dir", hf_run[1]))
+
+
+def test_speculators_own_model_over_a_draft_vocabulary_computes_our_logits(hf_run, corpus,
+                                                                          tmp_path,
+                                                                          tmp_path_factory):
+    out, folder = with_draft_vocab(corpus, *hf_run, tmp_path_factory), tmp_path / "exp"
+    succeeded(exported(out, "dflash", folder, "--dtype", "float32"))
+    _, diff = sf.compare(str(folder), str(out), torch.float32, "eager")
+    assert max(diff.values()) <= 1e-4, diff
 
 
 def test_check_reads_a_bfloat16_folder_in_float32_and_needs_no_verifier_folder(hf_run,

@@ -5,8 +5,10 @@ The papers regenerate their drafters' training text with the target, so that a d
 the target will say, not what the corpus said. train.py trains the target on the corpus
 (training/data.py); this file then has it continue corpus prompts once, a quarter of them sampled
 and the rest greedy, and keeps the result in out/distill.pt for every drafter stage and every later
-run. On that text it also computes, once, the target's logits (the soft labels) and hidden states
-(the drafters' inputs), and serves both as training batches.
+run. A chat model answers requests instead, in its chat template (training/chat_set.py), and its
+answers are packed into the same windows. On that text it also computes, once, the target's
+logits (the soft labels) and hidden states (the drafters' inputs), and serves both as training
+batches (a chat set's: the layers a stage reads and the 32 likeliest tokens a position).
 
 A drafter's training reaches it as `trainer.distill` (train.py builds it): batches(text),
 features(x), write(n, n_sampled, split) and key(text), what a resume fingerprint records.
@@ -19,12 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training import ddp
+from formats.chat import Chat
+from training import chat_set, ddp
+from training import data as datamod
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from runtime.settings import number, setting
 
 
 CACHE_LIMIT = 8 * 2**30  # bytes of host memory the feature cache may take (per process)
+TOP_K = 32  # a chat set's cache keeps the target's likeliest tokens a position, not all logits
 
 
 @dataclass
@@ -32,12 +37,18 @@ class DistillSettings:
     """The distillation set's settings: train.py's flags --gen-seqs, ..., --feature-cache."""
     gen_seqs: int = setting(1024, "sequences the target writes once (out/distill.pt) for every "
                             "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=128,
-                            tiny=8)
+                            tiny=8, **{"real-cpu": 768})
     gen_sampled: float = setting(0.25, "share of them sampled at --gen-temperature instead of "
                                  "greedy (so drafters see sampled text too)",
                                  type=number(float, 0, 1))
     gen_temperature: float = setting(0.8, "temperature of the sampled share (the papers "
                                      "regenerate at about 0.7)")
+    gen_prompts: str = setting("auto", "what the target writes: 'corpus' continues corpus "
+                               "prompts, 'chat' answers requests drawn from the standard library "
+                               "in its chat template (training/chat_set.py; a request a sequence, "
+                               "answered greedily); auto: chat for a target with a chat template",
+                               choices=["auto", "corpus", "chat"])
+    gen_tokens: int = setting(256, "chat: the longest answer, in tokens", type=number(int, 1))
     feature_cache: int = setting(1, "1: run the target over the distillation set once and keep its "
                                  "logits and states in host memory (bfloat16); 0: every step",
                                  type=number(int, 0, 1), cuda=0)
@@ -72,7 +83,7 @@ class DistillationSet:
 
     def __init__(self, run, corpus, target, device):
         self.run, self.corpus, self.target, self.device = run, corpus, target, device
-        self.tokens, self.cache, self.shared = None, None, 0.0
+        self.tokens, self.cache, self.top_k, self.shared = None, None, None, 0.0
         self.rows = None  # a slice of each training batch (this process's shard, ddp.shard)
         self.said_too_big = False
         self.world = getattr(run, "world", None) or ddp.World()
@@ -81,9 +92,36 @@ class DistillationSet:
         """Everything the set depends on: what out/distill.pt records, and what the resume
         fingerprint of every stage that learns from it records."""
         a = self.run
+        if self.is_chat():  # answered greedily: no sampled share
+            return {"target": self.target()[1]["model_hash"], "prompts": "chat",
+                    "seqs": a.gen_seqs, "sampled": 0, "tokens": a.gen_tokens,
+                    "block_size": a.block_size, "seed": a.seed}
         return {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
                 "sampled": round(a.gen_seqs * a.gen_sampled), "temperature": a.gen_temperature,
                 "block_size": a.block_size, "seed": a.seed}
+
+    def is_chat(self):
+        """--gen-prompts as it resolves: chat where asked, or (auto) where the target keeps a chat
+        template (an instruct model's)."""
+        want = getattr(self.run, "gen_prompts", "corpus")
+        if want == "auto":
+            return isinstance(self.target()[1].get("chat"), dict)
+        return want == "chat"
+
+    def write_chat(self):
+        """The chat set (training/chat_set.py: the target's answers, kept in out/chat_set.pt),
+        packed into (N, block_size) windows."""
+        a, (target, ckpt) = self.run, self.target()
+        chat = Chat.of_target(ckpt, os.path.join(a.out_dir, "target.pt"), "--gen-prompts chat")
+        enc = datamod.encoding_of(datamod.load_build(a.out_dir))
+        dtype = torch.bfloat16 if a.use_bf16 and self.device == "cpu" else torch.float32
+        t0 = time.time()
+        convs = chat_set.write(target, chat, enc, a.gen_seqs, a.gen_tokens, a.seed,
+                               os.path.join(a.out_dir, "chat_set.pt"), self.settings(), dtype)
+        rows = chat_set.packed(convs, a.block_size)
+        print(f"the target answered {len(convs)} requests ({rows.numel()} tokens with the "
+              f"prompts, {len(rows)} windows of {a.block_size}) in {time.time() - t0:.0f}s")
+        return rows.to(self.device)
 
     def key(self, text):
         """What a stage's resume fingerprint records of its training text."""
@@ -124,19 +162,21 @@ class DistillationSet:
                 ck = None
             if ck is None or ck.get("settings") != want:
                 t0 = time.time()
-                tokens = self.write(self.run.gen_seqs, want["sampled"], "train").cpu()
+                tokens = (self.write_chat() if self.is_chat() else
+                          self.write(self.run.gen_seqs, want["sampled"], "train")).cpu()
                 ck = {"kind": "distill", "settings": want, "state_dict": {}, "tokens": tokens}
                 save_checkpoint(ck, path)
                 self.shared += time.time() - t0
             self.tokens = ck["tokens"].to(self.device)
         return self.tokens
 
-    def features(self, x):
+    def features(self, x, layers=None):
         """The frozen target on windows x (B, T): its logits (B, T, V) and every layer's hidden
-        states {layer: (B, T, d)}: the soft labels and the inputs of every drafter's loss."""
+        states {layer: (B, T, d)} (or those of `layers`): the soft labels and the inputs of every
+        drafter's loss."""
         target = self.target()[0]
         with torch.no_grad():
-            logits, _, hid = target(x, hidden_layers=range(1, target.config.n_layer + 1))
+            logits, _, hid = target(x, hidden_layers=layers or range(1, target.config.n_layer + 1))
         return logits, hid
 
     def cached(self):
@@ -159,7 +199,7 @@ class DistillationSet:
             self.shared += time.time() - t0
         return self.cache
 
-    def cache_fits(self, pool):
+    def cache_fits(self, pool, layers=None):
         """--feature-cache 1, and the cache would take at most CACHE_LIMIT of host memory (with
         GPT-2's 50,257-token vocabulary the logits alone outgrow a host's memory at the cpu preset's
         size: 1,024 x 256 positions x 50,257 in bfloat16);
@@ -168,34 +208,96 @@ class DistillationSet:
             return False
         c = self.target()[0].config
         size = pool.numel() * (c.vocab_size + c.n_layer * c.n_embd) * 2  # bfloat16
+        if layers is not None:  # a chat set's: the layers asked for and the top-k (compact)
+            size = pool.numel() * (len(layers) * c.n_embd * 2 + TOP_K * 6)
         if size > CACHE_LIMIT and not self.said_too_big:
             self.said_too_big = True
             print(f"distill: the feature cache would take {size / 2**30:.0f} GiB of host memory; "
                   "computing the target's features every step instead (--feature-cache 0)")
         return size <= CACHE_LIMIT
 
-    def batches(self, text, sampled_only=False):
+    def compact(self, layers):
+        """A chat set's cache: features() of the whole set once, keeping only `layers` and each
+        position's TOP_K largest logits (values, target ids), in bfloat16: a wide vocabulary's
+        logits would not fit (SmolLM2's 49,152 a token are 96 KB; these, 192 bytes). The soft
+        labels are then the target's distribution over its TOP_K likeliest tokens."""
+        layers = tuple(sorted(layers))
+        if self.top_k is None or self.top_k[0] != layers:
+            pool, t0, vals, ids, hid = self.text(), time.time(), [], [], []
+            with torch.autocast(self.device.split(":")[0], torch.bfloat16,
+                                enabled=self.run.use_bf16):
+                for i in range(0, len(pool), 8):
+                    logits, h = self.features(pool[i:i + 8], layers)
+                    top = logits.float().topk(TOP_K, dim=-1)
+                    vals.append(top.values.to("cpu", torch.bfloat16))
+                    ids.append(top.indices.to("cpu", torch.int32))
+                    hid.append({l: h[l].to("cpu", torch.bfloat16) for l in layers})
+            self.top_k = (layers, torch.cat(vals), torch.cat(ids),
+                          {l: torch.cat([c[l] for c in hid]) for l in layers})
+            print(f"the target's top-{TOP_K} logits and layers {list(layers)} on the chat set, "
+                  f"once: {time.time() - t0:.0f}s")
+            self.shared += time.time() - t0
+        return self.top_k
+
+    def batches(self, text, sampled_only=False, layers=None, vocab=None):
         """step -> (x, logits, hidden): batch_size training windows with the target's features
         on them. 'gen': rows of the set (sampled_only: only its sampled share, the last rows),
         features from the cache (--feature-cache 1) or computed per step; 'data': corpus
-        windows, features per step."""
+        windows, features per step. layers: the hidden states wanted (default: every layer);
+        vocab: (Vd,) target ids, the logits then only theirs (a drafter's draft vocabulary)."""
         a = self.run
         pool = self.text() if text == "gen" else None
-        cache = self.cached() if pool is not None and self.cache_fits(pool) else None
+        chat = pool is not None and self.is_chat() and layers is not None
+        if chat:
+            cache = self.compact(layers) if self.cache_fits(pool, layers) else None
+        else:
+            cache = self.cached() if pool is not None and self.cache_fits(pool) else None
         first = len(pool) - self.settings()["sampled"] if sampled_only else 0
 
         def batch(step):
             if pool is None:
                 x = self.corpus.get("train", step, self.device)[0]
-                return (x, *self.features(x))
+                return (x, *restricted(*self.features(x, layers), vocab))
             g = torch.Generator().manual_seed(a.seed * 1_000_003 + step + 7_777_777 * sampled_only)
             idx = first + torch.randint(len(pool) - first, (a.batch_size,), generator=g)
             if self.rows is not None:
                 idx = idx[self.rows]
             x = pool[idx.to(self.device)]
             if cache is None:
-                return (x, *self.features(x))
-            logits = cache[0][idx].to(self.device)
-            hid = {l: h[idx].to(self.device, torch.float32) for l, h in cache[1].items()}
+                return (x, *restricted(*self.features(x, layers), vocab))
+            if chat:
+                _, vals, ids, hid = cache
+                V = self.target()[0].config.vocab_size
+                logits = dense(vals[idx], ids[idx], V, vocab).to(self.device)
+            else:
+                logits, hid = cache
+                logits = restricted(logits[idx], None, vocab)[0].to(self.device)
+            hid = {l: h[idx].to(self.device, torch.float32) for l, h in hid.items()}
             return x, logits, hid
         return batch
+
+    def frequent(self, n):
+        """The n tokens the set holds most often, as target ids in increasing order: a draft
+        vocabulary (EAGLE-3's draft_vocab_size)."""
+        counts = torch.bincount(self.text().reshape(-1).cpu(),
+                                minlength=self.target()[0].config.vocab_size)
+        return counts.topk(n).indices.sort().values
+
+
+def restricted(logits, hid, vocab):
+    """(logits, hid) with the logits only at the ids `vocab` (None: all)."""
+    return (logits if vocab is None else logits[..., vocab.to(logits.device)]), hid
+
+
+def dense(vals, ids, V, vocab=None):
+    """Top-k logits (values, ids), each (B, T, k), as dense logits (B, T, V) over the target's
+    vocabulary or (B, T, Vd) over `vocab`'s ids, -inf elsewhere; a position none of whose k
+    tokens is in `vocab` gets a uniform label (rare at a draft vocabulary of thousands)."""
+    if vocab is not None:  # target ids -> their place in vocab (Vd: not in it, a spare column)
+        where = torch.full((V,), len(vocab), dtype=torch.long)
+        where[vocab.cpu()] = torch.arange(len(vocab))
+        ids, V = where[ids.long()], len(vocab)
+    out = torch.full((*vals.shape[:-1], V + 1), float("-inf"))
+    out = out.scatter_(-1, ids.long(), vals.float())[..., :V]
+    out[torch.isinf(out).all(-1)] = 0.0  # none of its likeliest in `vocab`: a uniform label
+    return out

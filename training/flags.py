@@ -26,7 +26,7 @@ from training import data as datamod
 from formats import pretrained
 from training import ddp
 from training.distill import DistillSettings
-from training.stage import SharedSettings
+from training.stage import SharedSettings, left_out
 from training.trainer import DISTILL_COST, RunSettings
 
 PRESETS = {
@@ -40,12 +40,15 @@ PRESETS = {
             "time is in docs/experiments.md)",
     "gpu-small": "a 100M-1B Llama, Qwen or GPT-2 from --init-from on one consumer GPU: the gpt2 "
                  "preset, DFlash's heads the target's (docs/your_model.md; never run yet)",
+    "real-cpu": "a real chat model from --init-from (SmolLM2-135M-Instruct: --init-from smollm2) "
+                "on 2 CPU cores: its chat distillation set and DFlash with a draft vocabulary, "
+                "within an hour (docs/results.md: Drafters for SmolLM2)",
 }
-FOR_A_FOLDER = ("gpt2", "gpu-small")  # presets that size the drafters for a --init-from model
+FOR_A_FOLDER = ("gpt2", "gpu-small", "real-cpu")  # presets that size the drafters for --init-from
 FOR_A_GPU = ("cuda", "mps", "gpt2", "gpu-small")
 # a preset that takes another's values where it names none of its own: preset -> the chain
 PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"),
-              "gpu-small": ("gpu-small", "gpt2", "cuda")}
+              "gpu-small": ("gpu-small", "gpt2", "cuda"), "real-cpu": ("real-cpu", "cpu")}
 
 
 def chain(preset):
@@ -183,10 +186,22 @@ def the_run(args, stages):
     theirs = {n for name, st in stages.items() for n, _ in settings_of(st.settings, prefix(name))}
     run = argparse.Namespace(**{k: v for k, v in values.items() if k not in theirs})
     run.settings = typed
+    check_drafters(run, stages)
     for name, st in stages.items():
-        for phase, _ in st.phases(typed[name], run):
-            check_phase(name, st, phase)
+        if not left_out(run, name):
+            for phase, _ in st.phases(typed[name], run):
+                check_phase(name, st, phase)
     return run
+
+
+def check_drafters(run, stages):
+    """--drafters names drafter stages only."""
+    if run.drafters == "all":
+        return
+    for name in run.drafters.split(","):
+        if name not in stages or name == "target":
+            raise ValueError(f"--drafters {run.drafters}: {name!r} is no drafter stage; they are "
+                             f"{', '.join(s for s in stages if s != 'target')} (or all)")
 
 
 def check_phase(name, stage, phase):
@@ -230,7 +245,8 @@ def take_shape(args):
 
 def check_out_dir(run, stages):
     """A folder where train.py writes a file would fail only after the training: refuse it now."""
-    phases = [n for name, st in stages.items() for n, _ in st.phases(run.settings[name], run)]
+    phases = [n for name, st in stages.items() if not left_out(run, name)
+              for n, _ in st.phases(run.settings[name], run)]
     names = [*datamod.BUILT, "distill.pt", *(f for st in stages.values() for f in st.files),
              *(f"{s}.pt" for s in stages), *(f"{n}.resume.pt" for n in phases)]
     for p in (os.path.join(run.out_dir, n) for n in names):
@@ -240,9 +256,11 @@ def check_out_dir(run, stages):
 
 def plan(run, stages):
     """[(phase, steps)] of every stage this run may train (for the time estimate)."""
-    names = [s for s in stages if not run.only or s == run.only]
+    names = [s for s in stages if not left_out(run, s)]
     out = [(n, steps) for s in names for n, steps in stages[s].phases(run.settings[s], run)]
     if any(s != "target" for s in names) and not os.path.exists(
             os.path.join(run.out_dir, "distill.pt")):
-        out.insert(1 if names[0] == "target" else 0, ("distill", run.gen_seqs))
+        target = stages["target"].phases(run.settings["target"], run) if names[0] == "target" \
+            else []
+        out.insert(len(target), ("distill", run.gen_seqs))  # after the target's training, if any
     return out

@@ -35,7 +35,8 @@ from training.distill import DistillSettings
 class SharedSettings:
     """What every stage shares: train.py's flags --block-size, --batch-size, --warmup."""
     block_size: int = setting(256, "context window (target and drafters; with --init-from at most "
-                              "the model's, whose first positions are kept)", cuda=512, tiny=64)
+                              "the model's, whose first positions are kept)", cuda=512, tiny=64,
+                              **{"real-cpu": 1024})
     batch_size: int = setting(8, "sequences per optimizer step (every stage; under torchrun the "
                               "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4)
     warmup: int = setting(60, "linear warmup steps before the cosine decay (every stage)",
@@ -110,3 +111,16 @@ def usual_record(run, name, stage):
             values.update(values_of(run.settings[own], own))
     values.update({n: getattr(run, n) for n, _ in settings_of(DistillSettings)})
     return {"seed": run.seed, **values}
+
+
+def dropped(run, name):
+    """Does --drafters leave this stage out?"""
+    drafters = getattr(run, "drafters", "all")
+    return drafters != "all" and name != "target" and name not in drafters.split(",")
+
+
+def left_out(run, name):
+    """Does this run leave the stage out: --only names another, or --drafters does not name it?"""
+    if getattr(run, "only", None):
+        return name != run.only
+    return dropped(run, name)

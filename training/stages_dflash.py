@@ -13,7 +13,8 @@ import draft_dflash
 from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
 from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from runtime.settings import number, setting
-from training.stage import Fit, Stage, usual_record
+from training.distill import restricted
+from training.stage import Fit, Stage, dropped, usual_record
 
 
 @dataclass
@@ -21,20 +22,21 @@ class DFlashSettings:
     """DFlash's settings: train.py's flags --dflash-<field>. DSpark's backbone is built from them
     too (training/stages_dspark.py), whence "dflash and dspark" in their help."""
     layers: int = setting(DFlashConfig.n_layer, "dflash: draft layers (the paper: 5 at 8B scale)",
-                          cuda=3, gpt2=4, tiny=1)
+                          cuda=3, gpt2=4, tiny=1, **{"real-cpu": 1})
     heads: int = setting(DFlashConfig.n_head, "dflash: attention heads (its width is the "
                          "target's; none: the target's heads)", gpt2=12, tiny=2,
-                         **{"gpu-small": None})
+                         **{"gpu-small": None, "real-cpu": None})
     block: int = setting(DFlashConfig.block, "dflash and dspark: the block they draft with, "
                          "anchor + block-1 masks (so up to block-1 drafts a round)",
-                         type=number(int, 2), quick=8)
+                         type=number(int, 2), quick=8, **{"real-cpu": 8})
     gamma: float = setting(3.0, "dflash and dspark: position weight decay, w_k = exp(-(k-1)/gamma) "
                            "(the paper: 4 at block 8, 7 at 16)", cuda=7.0)
     anchors: int = setting(8, "dflash and dspark: random anchors (blocks) per training sequence at "
-                           "the full block", cuda=32, quick=16, tiny=4)
+                           "the full block", cuda=32, quick=16, tiny=4,
+                           **{"real-cpu": 32})
     iters: int = setting(1000, "dflash: steps at the full block, after the narrow phase (DFlash "
                          "trains --dflash-narrow-iters + these in all)", cuda=2000, gpt2=6000,
-                         quick=400, tiny=6)
+                         quick=400, tiny=6, **{"real-cpu": 2400})
     lr: float = setting(1e-3, "dflash: peak learning rate at the full block", quick=2e-3, tiny=3e-3)
     narrow_block: int = setting(8, "dflash: the block of the narrow phase it trains first",
                                 type=number(int, 2))
@@ -42,13 +44,17 @@ class DFlashSettings:
                                   tiny=4)
     narrow_iters: int = setting(5000, "dflash: steps at --dflash-narrow-block before the full "
                                 "block (0: no narrow phase)", type=number(int, 0), cuda=0, quick=0,
-                                tiny=8)
+                                tiny=8, **{"real-cpu": 0})
     narrow_lr: float = setting(2e-3, "dflash: peak learning rate of the narrow phase", tiny=3e-3)
     text: str = setting("gen", "dflash and dspark: training text, 'gen' (the distillation set the "
                         "target wrote) or 'data' (the corpus); soft labels from the target either "
                         "way", choices=["gen", "data"])
     taps: str = setting("auto", "dflash and dspark: target layers read as context, e.g. "
                         "'1,2,3,4,5' ('auto': every block but the last)")
+    vocab: int = setting(0, "dflash: its draft vocabulary, the N tokens the distillation set holds "
+                         "most often (EAGLE-3's draft_vocab_size; the target still verifies over "
+                         "its whole vocabulary); 0: the target's whole vocabulary",
+                         type=number(int, 0), **{"real-cpu": 8192})
     arch: str = setting("auto", "dflash and dspark: their draft layers, 'gpt2' (GPT-2's, with "
                         "ALiBi and a learned embedding per mask slot) or 'qwen3' (the papers', "
                         "which speculators and vLLM serve: formats/speculators.py exports "
@@ -106,7 +112,7 @@ def branch_step(settings, run):
     DFlash, then its own) equal DFlash's. None: no branch (no DSpark stage, DSpark starts from
     scratch, or it gets as many steps as DFlash or more and starts from DFlash's final weights)."""
     dspark = run.settings.get("dspark")
-    if dspark is None or dspark.init != "dflash":
+    if dspark is None or dspark.init != "dflash" or dropped(run, "dspark"):
         return None
     n = total_steps(settings, run) - dspark.iters
     return n if n >= 1 else None
@@ -131,6 +137,7 @@ def network_config(settings, target_cfg, block=None):
     layers = layers_like(settings, target_cfg)
     return DFlashConfig(n_embd=target_cfg.n_embd, n_head=heads(settings, target_cfg),
                         n_layer=settings.layers, block=block or settings.block,
+                        draft_vocab=settings.vocab,
                         taps=dflash_taps(settings.taps, target_cfg.n_layer, layers["arch"]),
                         **layers)
 
@@ -185,7 +192,8 @@ def train(tr, settings):
     run = tr.run
     target, target_ckpt = tr.target()
     cfg = network_config(settings, target.config)
-    batches = tr.distill.batches(settings.text)
+    vocab = tr.distill.frequent(settings.vocab).to(tr.device) if settings.vocab else None
+    batches = tr.distill.batches(settings.text, layers=cfg.taps, vocab=vocab)
     plan = training_phases(settings, run)
     fingerprint = {"stage": "dflash", "config": cfg.to_dict(),
                    "target": target_ckpt["model_hash"], "phases": [p[1:] for p in plan],
@@ -193,22 +201,25 @@ def train(tr, settings):
                    "gamma": settings.gamma, "seed": run.seed, "branch": branch_step(settings, run)}
     net, done = None, 0
     for i, phase in enumerate(plan):
-        net, val = yield from train_phase(tr, settings, fingerprint, batches, i, phase, net, done)
+        net, val = yield from train_phase(tr, settings, fingerprint, batches, i, phase, net, done,
+                                          vocab)
         done += phase[3]
     tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": settings.text,
                                                "fingerprint": fingerprint}, steps=done)
     return val
 
 
-def train_phase(tr, settings, fingerprint, batches, i, phase, before, done):
+def train_phase(tr, settings, fingerprint, batches, i, phase, before, done, vocab=None):
     """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
     the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
-    file when finished: a rerun skips it."""
+    file when finished: a rerun skips it. vocab: the draft vocabulary's target ids, or None."""
     name, block, n_anchors, steps, lr = phase
     target = tr.target()[0]
     cfg = network_config(settings, target.config, block)
     torch.manual_seed(tr.run.seed + 3)
     net = DFlash(cfg, target).to(tr.device)
+    if vocab is not None:
+        net.d2t.copy_(vocab)
     if before is not None:
         widen(net, cpu_state_dict(before))
     n_params = sum(p.numel() for p in net.parameters())
@@ -226,7 +237,8 @@ def train_phase(tr, settings, fingerprint, batches, i, phase, before, done):
                             tr.path("dflash.branch"))
     last = i == len(fingerprint["phases"]) - 1
     val, _ = yield Fit(name, net, lambda s: loss_of(*batches(s), s),
-                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                       lambda: tr.val_loss(lambda x, y: loss_of(
+                           x, *restricted(*tr.distill.features(x, cfg.taps), vocab), -1)),
                        steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
                        tokens_per_step=tr.run.batch_size * n_anchors * block,
                        after_step=after_step, keep_resume=not last)

@@ -48,6 +48,11 @@ class DSparkSettings:
 def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
     backbone = run.settings["dflash"]
+    if backbone.vocab:
+        raise ValueError(f"--dflash-vocab {backbone.vocab}: DSpark drafts over the target's whole "
+                         "vocabulary (its Markov head biases every token), and its backbone is "
+                         "DFlash's: train both with --dflash-vocab 0, or leave dspark out "
+                         "(--drafters)")
     if settings.sampled_iters and settings.sampled_block > backbone.block:
         raise ValueError(f"--dspark-sampled-block ({settings.sampled_block}) must be at most "
                          f"--dflash-block ({backbone.block})")

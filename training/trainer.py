@@ -53,6 +53,9 @@ class RunSettings:
                                  "has one)")
     ckpt_interval: float = setting(60.0, "seconds between resume checkpoints",
                                    type=number(float, 0))
+    drafters: str = setting("all", "the drafter stages this run trains, comma-separated (e.g. "
+                            "dflash,eagle), in the registry's order; all: every one",
+                            **{"real-cpu": "dflash"})
     grad_accum: int = setting(1, "micro-steps per optimizer step in each process: the global "
                               "batch is split into processes x this many equal shards (less "
                               "memory, the same step)")

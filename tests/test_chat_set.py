@@ -1,0 +1,113 @@
+"""A chat model's distillation set (training/chat_set.py, training/distill.py) and what trains on
+it: the requests, the answers kept and resumed, the top-k soft labels over a draft vocabulary, a
+tiny GGUF chat model's run of --drafters dflash with --dflash-vocab, its drafter exact in bench,
+and the refusals (--drafters naming no stage, DSpark over a draft vocabulary)."""
+
+import pytest
+import torch
+
+import bench
+import gguf_files as gf
+import train
+from commands import refused, run
+from conftest import tiny_args
+from formats.chat import Chat
+from runtime.checkpoint import load_checkpoint, save_checkpoint
+from runtime.target import load_target
+from training import chat_set, flags
+from training import data
+from training.distill import dense
+
+
+def test_requests_are_the_same_for_a_seed_and_ask_all_four_ways():
+    asks = chat_set.requests(40, seed=1)
+    assert asks == chat_set.requests(40, seed=1) and asks != chat_set.requests(40, seed=2)
+    assert len(set(asks)) == 40
+    for start in ("Write a Python function", "Complete this Python function", "Explain what",
+                  "What does", "Explain this part of the Python language reference"):
+        assert any(a.startswith(start) for a in asks), start
+
+
+def test_top_k_logits_become_dense_over_the_target_or_a_draft_vocabulary():
+    vals = torch.tensor([[[3.0, 2.0, 1.0]]])  # (B=1, T=1, k=3)
+    ids = torch.tensor([[[7, 2, 5]]])
+    full = dense(vals, ids, 10)
+    assert full.shape == (1, 1, 10) and full[0, 0, 7] == 3 and full[0, 0, 5] == 1
+    assert torch.isinf(full[0, 0, [0, 1, 3, 4, 6, 8, 9]]).all()
+    vocab = torch.tensor([0, 2, 7])  # id 5 is not drafted: its mass is dropped, not misplaced
+    small = dense(vals, ids, 10, vocab)
+    assert small[0, 0].tolist() == [float("-inf"), 2.0, 3.0]
+    assert dense(vals, ids, 10, torch.tensor([0, 1])).tolist() == [[[0.0, 0.0]]]  # none inside
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "chat.gguf"
+    gf.write_tiny(path, "llama", "Q8_0")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_drafter(tiny_file, corpus, tmp_path_factory):
+    """A tiny chat model imported, then DFlash alone trained on its answers over 40 tokens."""
+    out = tmp_path_factory.mktemp("chat-dflash")
+    train.main(tiny_args(corpus, out, "--init-from", tiny_file, "--block-size", "128",
+                         "--drafters", "dflash", "--gen-prompts", "chat", "--gen-seqs", "6",
+                         "--gen-tokens", "12", "--dflash-vocab", "40"))
+    return out
+
+
+def test_the_answers_are_kept_and_only_the_named_drafter_trains(chat_drafter):
+    ck = load_checkpoint(str(chat_drafter / "chat_set.pt"), "chat_set")
+    assert len(ck["conversations"]) == 6 and ck["settings"]["prompts"] == "chat"
+    trained = sorted(p.name for p in chat_drafter.glob("*.pt"))
+    assert trained == ["chat_set.pt", "dflash.pt", "distill.pt", "target.pt"]
+    d = load_checkpoint(str(chat_drafter / "dflash.pt"), "dflash")
+    d2t = d["state_dict"]["d2t"]
+    assert d["config"]["draft_vocab"] == 40 and len(d2t.unique()) == 40
+    assert torch.equal(d2t, d2t.sort().values)
+
+
+def test_an_interrupted_chat_set_answers_only_the_rest(chat_drafter, monkeypatch):
+    path = str(chat_drafter / "chat_set.pt")
+    ck = load_checkpoint(path, "chat_set")
+    kept = ck["conversations"][:4]
+    save_checkpoint({**ck, "conversations": kept}, path)
+    asked = []
+    real = chat_set.generate_plain_batched
+
+    def counting(model, prompts, *a, **k):
+        asked.append(len(prompts))
+        return real(model, prompts, *a, **k)
+    monkeypatch.setattr(chat_set, "generate_plain_batched", counting)
+    target, tck = load_target(str(chat_drafter / "target.pt"))
+    enc = data.encoding_of(data.load_build(str(chat_drafter)))
+    convs = chat_set.write(target, Chat(**tck["chat"]), enc, 6, 12, 1337, path, ck["settings"],
+                           torch.bfloat16)
+    assert asked == [2] and convs[:4] == kept and len(convs) == 6
+
+
+def test_the_drafter_over_a_draft_vocabulary_is_exact_in_bench(chat_drafter, tmp_path):
+    res = bench.main(["--out-dir", str(chat_drafter), "--prompts", "chat", "--n-prompts", "3",
+                      "--methods", "ar,dflash", "--max-new-tokens", "12", "--dtype", "float64",
+                      "--repeats", "1", "--plot", "", "--json", str(tmp_path / "b.json")])
+    assert all(r["exact_match"] == 1.0 for r in res["methods"].values())
+
+
+def test_drafters_naming_no_stage_and_dspark_over_a_draft_vocabulary_are_refused(corpus, tmp_path):
+    out = tmp_path / "o"
+    assert "'flash' is no drafter stage" in refused(run("train.py", *tiny_args(
+        corpus, out, "--drafters", "dflash,flash")))
+    assert "--dflash-vocab 0" in refused(run("train.py", *tiny_args(
+        corpus, out, "--drafters", "dflash,dspark", "--dflash-vocab", "40")))
+
+
+def test_the_real_cpu_preset_plans_the_chat_set_and_dflash_alone(tiny_file, corpus, tmp_path):
+    run_ = train.resolve_args(["--preset", "real-cpu", "--init-from", tiny_file, "--data", corpus,
+                               "--out-dir", str(tmp_path), "--device", "cpu", "--block-size",
+                               "128"])
+    assert run_.drafters == "dflash" and run_.settings["dflash"].vocab == 8192
+    phases = [name for name, _ in flags.plan(run_, train.STAGES)]
+    assert phases == ["distill", "dflash"]  # the target is read, not trained
+    assert "--init-from" in refused(run("train.py", "--preset", "real-cpu", "--out-dir",
+                                        tmp_path))

@@ -1,0 +1,140 @@
+"""
+training/chat_set.py -- the distillation set of a chat model: requests a user might send, drawn
+from what every Python install has, answered by the target itself.
+
+A chat model's drafter must learn what the model says when asked something: its answers, in its
+chat template, not continuations of raw source files. The requests come from the standard
+library (each public function with a docstring becomes "write", "complete", "explain" or "what
+does it do" requests) and from pydoc's topics (the language reference, section by section), so
+nothing is downloaded and none of them is a benchmark's prompt. The target answers them in
+batches, greedily, to its end of turn or --gen-tokens, and the conversations are kept in
+out/chat_set.pt, written after every batch: an interrupted run goes on where it stopped.
+training/distill.py packs them into the training windows every drafter stage reads.
+"""
+
+import ast
+import functools
+import pathlib
+import random
+import sysconfig
+import time
+
+import torch
+
+from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from serving.batched import BatchSampler, generate_plain_batched
+
+BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)
+
+# how a function becomes a request: a Python user's four usual asks
+ASKS = (
+    "Write a Python function `{name}({args})` that does this: {doc}",
+    "Complete this Python function. Reply with the whole function in a code block.\n\n"
+    "```python\ndef {name}({args}):\n    \"\"\"{doc}\"\"\"\n```",
+    "Explain what this Python function does, then show how to call it.\n\n```python\n{source}\n```",
+    "What does `{module}.{name}` in Python's standard library do? Give a short example.",
+)
+TOPIC_ASK = "Explain this part of the Python language reference simply, with an example:\n\n{text}"
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_functions():
+    """[(module, name, args, first docstring paragraph, source)] of the standard library's public
+    functions that have a docstring, read with ast (nothing is imported, so nothing runs)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib"}
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in skip or p.startswith("test") for p in rel.parts[:-1]) or \
+                rel.name.startswith("test"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40:
+                    src = ast.get_source_segment(text, node) or ""
+                    out.append((module, node.name, ast.unparse(node.args),
+                                doc.split("\n\n")[0].replace("\n", " "), src))
+    return out
+
+
+def requests(n, seed):
+    """n requests, the same for a seed: the functions' four asks in turn, and one in ten a topic
+    of the language reference."""
+    from pydoc_data.topics import topics
+    rng = random.Random(seed)
+    funcs, topic_texts = stdlib_functions(), [t.strip()[:700] for t in topics.values()]
+    funcs = list(funcs)
+    rng.shuffle(funcs)
+    out = []
+    for i in range(n):
+        if i % 10 == 9:
+            out.append(TOPIC_ASK.format(text=topic_texts[(i // 10) % len(topic_texts)]))
+            continue
+        module, name, args, doc, src = funcs[i % len(funcs)]
+        ask = ASKS[i % len(ASKS)]
+        if "{source}" in ask and len(src) > 800:
+            ask = ASKS[0]  # a long body would crowd the window: ask for it to be written
+        out.append(ask.format(module=module, name=name, args=args, doc=doc[:400], source=src))
+    return out
+
+
+def answered(path, want):
+    """The conversations kept in `path` for these settings (an interrupted run's part), or []."""
+    try:
+        ck = load_checkpoint(path, "chat_set")
+    except CheckpointError:  # none yet, or unreadable: it is only a cache
+        return []
+    return ck["conversations"] if ck.get("settings") == want else []
+
+
+def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
+    """out/chat_set.pt: n requests (requests()) in the target's chat template, each with the
+    target's greedy answer, up to max_new tokens and its end of turn -> [prompt + answer token
+    lists]. Answered BATCH at a time, shortest prompts together; the file is rewritten after
+    every batch, so a rerun starts at the first batch not written. dtype: the copy of the target
+    that answers (bfloat16 on a CPU that runs it fast: about 2.4x the rows a second)."""
+    convs = answered(path, want)
+    asks = requests(n, seed)
+    prompts = sorted(([chat.prompt(enc, q) for q in asks]), key=len)
+    prompts = [p[-(target.config.sequence_len - max_new):] for p in prompts]  # fits the window
+    if len(convs) >= n:
+        return convs[:n]
+    if convs:
+        print(f"chat set: {len(convs)}/{n} answers kept in {path}; answering the rest")
+    model = target if dtype == torch.float32 else _copy(target, dtype)
+    t0, done0, tokens = time.time(), len(convs), 0
+    for i in range(len(convs), n, BATCH):
+        batch = prompts[i:i + BATCH]
+        answers = generate_plain_batched(model, batch, max_new, BatchSampler("greedy", len(batch)),
+                                         stop=tuple(chat.stop))
+        convs += [p + a for p, a in zip(batch, answers)]
+        tokens += sum(len(a) for a in answers)
+        save_checkpoint({"kind": "chat_set", "settings": want, "state_dict": {},
+                         "conversations": convs}, path)
+        rate = tokens / (time.time() - t0)
+        left = (n - len(convs)) / max(1, len(convs) - done0) * (time.time() - t0)
+        print(f"chat set | {len(convs):5d}/{n} answers | {rate:5.0f} answer tok/s | "
+              f"ETA {int(left // 60)}m{int(left % 60):02d}s", flush=True)
+    return convs
+
+
+def _copy(target, dtype):
+    """A copy of the frozen target in `dtype`, to answer with."""
+    import copy
+    return copy.deepcopy(target).to(dtype)
+
+
+def packed(convs, T):
+    """The conversations, in order, end to end into (N, T) training windows (the last partial
+    window dropped; a conversation longer than a window is cut at its end)."""
+    flat = [t for c in convs for t in c[:T]]
+    N = len(flat) // T
+    return torch.tensor(flat[:N * T], dtype=torch.long).view(N, T)
