@@ -50,7 +50,8 @@ class DFlashSettings:
                         "target wrote) or 'data' (the corpus); soft labels from the target either "
                         "way", choices=["gen", "data"])
     taps: str = setting("auto", "dflash and dspark: target layers read as context, e.g. "
-                        "'1,2,3,4,5' ('auto': every block but the last)")
+                        "'1,2,3,4,5' ('auto': every block but the last; 5 spread over a target "
+                        "deeper than 8 layers)")
     vocab: int = setting(0, "dflash: its draft vocabulary, the N tokens the distillation set holds "
                          "most often (EAGLE-3's draft_vocab_size; the target still verifies over "
                          "its whole vocabulary); 0: the target's whole vocabulary",
