@@ -13,6 +13,7 @@ training/distill.py packs them into the training windows every drafter stage rea
 """
 
 import ast
+import copy
 import functools
 import pathlib
 import random
@@ -23,6 +24,7 @@ import torch
 
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from serving.batched import BatchSampler, generate_plain_batched
+from training import data
 
 BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)
 
@@ -41,13 +43,10 @@ TOPIC_ASK = "Explain this part of the Python language reference simply, with an 
 def stdlib_functions():
     """[(module, name, args, first docstring paragraph, source)] of the standard library's public
     functions that have a docstring, read with ast (nothing is imported, so nothing runs)."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib"}
-    out = []
-    for path in sorted(root.rglob("*.py")):
+    root, out = pathlib.Path(sysconfig.get_paths()["stdlib"]), []
+    for path in data.stdlib_files():  # the corpus's files, less IDLE's and the test helpers
         rel = path.relative_to(root)
-        if any(p in skip or p.startswith("test") for p in rel.parts[:-1]) or \
-                rel.name.startswith("test"):
+        if "idlelib" in rel.parts or any(p.startswith("test") for p in rel.parts):
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -102,14 +101,13 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
     every batch, so a rerun starts at the first batch not written. dtype: the copy of the target
     that answers (bfloat16 on a CPU that runs it fast: about 2.4x the rows a second)."""
     convs = answered(path, want)
-    asks = requests(n, seed)
-    prompts = sorted(([chat.prompt(enc, q) for q in asks]), key=len)
-    prompts = [p[-(target.config.sequence_len - max_new):] for p in prompts]  # fits the window
     if len(convs) >= n:
         return convs[:n]
+    prompts = sorted((chat.prompt(enc, q) for q in requests(n, seed)), key=len)
+    prompts = [p[-(target.config.sequence_len - max_new):] for p in prompts]  # fits the window
     if convs:
         print(f"chat set: {len(convs)}/{n} answers kept in {path}; answering the rest")
-    model = target if dtype == torch.float32 else _copy(target, dtype)
+    model = target if dtype == torch.float32 else copy.deepcopy(target).to(dtype)
     t0, done0, tokens = time.time(), len(convs), 0
     for i in range(len(convs), n, BATCH):
         batch = prompts[i:i + BATCH]
@@ -124,12 +122,6 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
         print(f"chat set | {len(convs):5d}/{n} answers | {rate:5.0f} answer tok/s | "
               f"ETA {int(left // 60)}m{int(left % 60):02d}s", flush=True)
     return convs
-
-
-def _copy(target, dtype):
-    """A copy of the frozen target in `dtype`, to answer with."""
-    import copy
-    return copy.deepcopy(target).to(dtype)
 
 
 def packed(convs, T):

@@ -92,13 +92,12 @@ class DistillationSet:
         """Everything the set depends on: what out/distill.pt records, and what the resume
         fingerprint of every stage that learns from it records."""
         a = self.run
-        if self.is_chat():  # answered greedily: no sampled share
-            return {"target": self.target()[1]["model_hash"], "prompts": "chat",
-                    "seqs": a.gen_seqs, "sampled": 0, "tokens": a.gen_tokens,
-                    "block_size": a.block_size, "seed": a.seed}
-        return {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
-                "sampled": round(a.gen_seqs * a.gen_sampled), "temperature": a.gen_temperature,
+        both = {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
                 "block_size": a.block_size, "seed": a.seed}
+        if self.is_chat():  # answered greedily: no sampled share
+            return {**both, "prompts": "chat", "sampled": 0, "tokens": a.gen_tokens}
+        return {**both, "sampled": round(a.gen_seqs * a.gen_sampled),
+                "temperature": a.gen_temperature}
 
     def is_chat(self):
         """--gen-prompts as it resolves: chat where asked, or (auto) where the target keeps a chat
@@ -185,19 +184,24 @@ class DistillationSet:
         run the target while they train. Computed under the training autocast, so the numbers are
         the ones an on-the-fly forward would give."""
         if self.cache is None:
-            pool, t0, chunks = self.text(), time.time(), []
-            with torch.autocast(self.device.split(":")[0], torch.bfloat16,
-                                enabled=self.run.use_bf16):
-                for i in range(0, len(pool), 32):
-                    logits, hid = self.features(pool[i:i + 32])
-                    chunks.append((logits.to("cpu", torch.bfloat16),
-                                   {l: h.to("cpu", torch.bfloat16) for l, h in hid.items()}))
+            t0 = time.time()
+            chunks = self.over_set(32, None, lambda logits, hid: (
+                logits.to("cpu", torch.bfloat16),
+                {l: h.to("cpu", torch.bfloat16) for l, h in hid.items()}))
             self.cache = (torch.cat([c[0] for c in chunks]),
                           {l: torch.cat([c[1][l] for c in chunks]) for l in chunks[0][1]})
             print("the target's logits and hidden states on the distillation set, once: "
                   f"{time.time() - t0:.0f}s")
             self.shared += time.time() - t0
         return self.cache
+
+    def over_set(self, rows, layers, keep):
+        """[keep(logits, hidden)] of features() on every `rows` windows of the set, under the
+        training autocast, so the numbers are the ones an on-the-fly forward would give."""
+        pool = self.text()
+        with torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=self.run.use_bf16):
+            return [keep(*self.features(pool[i:i + rows], layers))
+                    for i in range(0, len(pool), rows)]
 
     def cache_fits(self, pool, layers=None):
         """--feature-cache 1, and the cache would take at most CACHE_LIMIT of host memory (with
@@ -223,17 +227,16 @@ class DistillationSet:
         labels are then the target's distribution over its TOP_K likeliest tokens."""
         layers = tuple(sorted(layers))
         if self.top_k is None or self.top_k[0] != layers:
-            pool, t0, vals, ids, hid = self.text(), time.time(), [], [], []
-            with torch.autocast(self.device.split(":")[0], torch.bfloat16,
-                                enabled=self.run.use_bf16):
-                for i in range(0, len(pool), 8):
-                    logits, h = self.features(pool[i:i + 8], layers)
-                    top = logits.float().topk(TOP_K, dim=-1)
-                    vals.append(top.values.to("cpu", torch.bfloat16))
-                    ids.append(top.indices.to("cpu", torch.int32))
-                    hid.append({l: h[l].to("cpu", torch.bfloat16) for l in layers})
-            self.top_k = (layers, torch.cat(vals), torch.cat(ids),
-                          {l: torch.cat([c[l] for c in hid]) for l in layers})
+            t0 = time.time()
+
+            def keep(logits, h):
+                top = logits.float().topk(TOP_K, dim=-1)
+                return (top.values.to("cpu", torch.bfloat16), top.indices.to("cpu", torch.int32),
+                        {l: h[l].to("cpu", torch.bfloat16) for l in layers})
+            chunks = self.over_set(8, layers, keep)  # 8 windows: their logits are 1.6 GB
+            self.top_k = (layers, torch.cat([c[0] for c in chunks]),
+                          torch.cat([c[1] for c in chunks]),
+                          {l: torch.cat([c[2][l] for c in chunks]) for l in layers})
             print(f"the target's top-{TOP_K} logits and layers {list(layers)} on the chat set, "
                   f"once: {time.time() - t0:.0f}s")
             self.shared += time.time() - t0
