@@ -34,6 +34,7 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
    hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int,
    "one_row_matmul": "packed" or "torch" (runtime/cpu_speed.pick_one_row's pick), "torch": str,
+   "arithmetic": str (what the target computed in: --arithmetic's pick, runtime/quantize.py),
    "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
    "full": bool (--full), "prompts": "validation", "humaneval", "humaneval-chat", "chat" or the
    JSONL file's path, "stop": [int] (the ids that end an answer: a chat model's end of turn),
@@ -60,8 +61,9 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
    "references": [{"method", "what", "paper", "source", "ours"}]  (the papers' figures, see
                                                                    REFERENCES),
    "verify_ms_by_tokens": {m: float} (with tree rows: a verify of m tokens, what trees pay),
-   "peers": (--peers) {"rows": [{"engine", "method", "tokens_per_s", "speedup" (over the
-            engine's own plain decoding), "same" (prompts whose text is nanospec plain
+   "peers": (--peers) {"rows": [{"engine", "method", "arithmetic", "tokens_per_s", "speedup"
+            (over the engine's own plain decoding), "vs_llama_cpp" (over llama.cpp's plain
+            decoding, null without it), "same" (prompts whose text is nanospec plain
             decoding's)}], "missing": {engine: why}, "versions", "n_prompts"}}
 Method names: "ar" (plain decoding), then each registered drafter's name (registry/drafters.py),
 and with --full the ablation variants a drafter offers (e.g. "dspark-nomarkov", "hybrid-m4"),
@@ -83,7 +85,7 @@ from benchmark.report import Progress, check_outputs, commit, machine, print_rep
 from benchmark.serving_sweep import margin_at
 from formats.chat import Chat
 from registry import drafters as registry
-from runtime import command, cpu_speed
+from runtime import command, cpu_speed, quantize
 from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
@@ -152,6 +154,9 @@ def load(args, stem="bench"):
     target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
     args.target_ckpt = target_ckpt
     args.one_row = cpu_speed.pick_one_row(target)  # the faster single-row matmul here
+    args.float_target = target  # the peers' transformers rows read its weights
+    target, args.arithmetic_ran = quantize.pick(target, target_ckpt, args.arithmetic, device,
+                                                 dtype)
     check_outputs(args, stem)
     # every data file checked, and the tokenizer the target was trained with
     enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
@@ -370,7 +375,8 @@ def main(argv=None):
     args.max_new_tokens = args.max_new_tokens or MAX_NEW_TOKENS
     device, target, prompts, drafters = load(args)
     temperature = f" T={args.temperature}" if args.sampling != "greedy" else ""
-    header = (f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
+    header = (f"device {device} | arithmetic {args.arithmetic_ran} | "
+              f"{torch.get_num_threads()} threads | "
               f"one-row matmul {args.one_row} | "
               f"torch {torch.__version__} | {len(prompts)} {prompt_set(args)} prompts x "
               f"{'up to ' if args.stop else ''}{args.max_new_tokens} new tokens"
@@ -389,8 +395,10 @@ def main(argv=None):
     sweep = sweep_k(target, prompts, drafters, args, device, cache, progress)
     if args.peers:
         progress.line("the peer table: every engine over every prompt")
-        peer_table = peers.table(target, args.target_ckpt, prompts, args, device)
+        peer_table = peers.table(target, args.float_target, args.target_ckpt, prompts, args,
+                                 device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
+           "arithmetic": args.arithmetic_ran,
            "threads": torch.get_num_threads(), "one_row_matmul": args.one_row,
            "torch": torch.__version__, "k": args.k,
            "sampling": args.sampling, "temperature": args.temperature, "full": args.full,
@@ -454,13 +462,14 @@ def main_batched(args):
         raise ValueError(f"batch size {max(args.batch_size)} is more than the {len(prompts)} "
                          f"prompts: {more} or lower --batch-size")
     cut = "" if args.prompts else " (cut to different lengths)"
-    print(f"device {device} | dtype {args.dtype} | {torch.get_num_threads()} threads | "
-          f"{len(prompts)} {prompt_set(args)} prompts{cut} x {'up to ' if args.stop else ''}"
+    print(f"device {device} | arithmetic {args.arithmetic_ran} | {torch.get_num_threads()} "
+          f"threads | {len(prompts)} {prompt_set(args)} prompts{cut} x {'up to ' if args.stop else ''}"
           f"{args.max_new_tokens} new tokens | sampling {args.sampling} | batch sizes "
           f"{args.batch_size} | {args.repeats} repeats")
     serving = serving_sweep.sweep(target, prompts, drafters, args, device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "arithmetic": args.arithmetic_ran, "threads": torch.get_num_threads(),
+           "torch": torch.__version__,
            "sampling": args.sampling, "temperature": args.temperature,
            "prompts": prompt_set(args), "stop": sorted(args.stop), "n_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "serving": serving}

@@ -143,6 +143,84 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
+# -----------------------------------------------------------------------------
+# row invariance: every row of a verify computed exactly as a one-row decode computes it
+#
+# Why speculative decoding changes the text in most engines: a verify computes k + 1 rows in one
+# call, plain decoding one row, and kernels pick their tiles, splits and vector paths by shape, so
+# row i's sum runs in another order and rounds differently. Where two tokens' logits nearly tie,
+# that last bit flips the argmax, and the text leaves plain decoding's. In float64 (the tests'
+# proofs) the rounding is too small to flip anything; in float32 it rarely does; in bfloat16 often.
+# What it takes not to: every operation computes each row as a decode of that row computes it.
+# Norms, the MLP's activation, rotations, residual adds and the head's argmax work row by row
+# already. The matmuls need kernels whose sum over K does not depend on the row count (the
+# int4 kernels of runtime/quantize.py). The attention needs each query row over exactly the keys
+# its decode sees, in the decode's order, padded alike: attention_by_row.
+
+BUCKET = 64  # a row's keys are padded (masked) to a multiple of this: the shape a decode uses too
+
+
+class Rows:
+    """Which keys each of a forward's query rows sees, grouped into attention calls; built once a
+    forward (GPT.forward, when the model attends by_row) and read by every layer. seen (B, T, S):
+    the cache slots each row sees. A row that sees n keys attends over n slots padded to a
+    multiple of BUCKET, as its decode does; the rows of a chain (each sees a prefix of the
+    cache) share one call per padded size; a tree node (the prefix and its own path) gets its
+    keys gathered, in the order a decode keeps them, in a call of its own."""
+
+    def __init__(self, seen, n_head, dtype):
+        n = seen.sum(-1)  # (B, T) keys each row sees
+        size = ((n + BUCKET - 1) // BUCKET * BUCKET).tolist()
+        prefix = torch.equal(seen, torch.arange(seen.size(-1), device=seen.device) < n[..., None])
+        # (batch row, padded size L, a slice of query rows, gathered slots or None,
+        #  the mask (1, n_head * rows, 1, L): 0 where a row sees the slot, -inf where not)
+        self.groups = []
+        for b, sizes in enumerate(size):
+            runs = ([(L, [t for t, s in enumerate(sizes) if s == L]) for L in sorted(set(sizes))]
+                    if prefix else [(L, [t]) for t, L in enumerate(sizes)])
+            for L, rows in runs:
+                rows = slice(rows[0], rows[-1] + 1)  # a run of rows
+                own = None if prefix else seen[b, rows.start].nonzero()[:, 0]  # a node's keys
+                idx = None if prefix else F.pad(own, (0, L - own.numel()))  # padded with slot 0
+                live = torch.arange(L, device=seen.device) < n[b, rows, None]  # (r, L)
+                hide = torch.zeros(live.shape, device=seen.device, dtype=dtype)
+                hide = hide.masked_fill(~live, -math.inf).expand(n_head, *live.shape)
+                self.groups.append((b, L, rows, idx, hide.reshape(1, -1, 1, L)))
+
+    @classmethod
+    def of(cls, mask, B, T, start, cache, n_head):
+        """The Rows of T query rows at `start`.. over `cache` (its k: (.., S, hs)): mask None
+        (causal: row i sees slots 0..start+i), (T, start+T) (a chunk or a tree) or (B, 1, T, L)
+        (a ragged batch)."""
+        if mask is None:
+            mask = chunk_mask(start, T, cache.k.device)
+        mask = mask[:, 0] if mask.dim() == 4 else mask[None]
+        seen = F.pad(mask.bool(), (0, cache.k.size(-2) - mask.size(-1))).expand(B, T, -1)
+        return cls(seen, n_head, cache.k.dtype)
+
+
+def attention_by_row(q, k, v, rows):
+    """attention(), each query row computed bit for bit as a one-row decode at its position
+    computes it. q (B, nh, T, hs); k, v (B, nkv, S, hs) the whole cache; rows: Rows. Each query
+    row is a head of its own (every (head, row) pair one head of the call), so no other row changes
+    the shape its kernel sees; its keys are the decode's keys, padded alike."""
+    B, nh, T, hs = q.shape
+    y = torch.empty_like(q) if len(rows.groups) > 1 else None
+    for b, L, r, idx, mask in rows.groups:
+        if idx is None and L > k.size(2):  # padded past the cache's end: any slots (masked)
+            idx = torch.arange(L, device=q.device).clamp_max(k.size(2) - 1)
+        kb, vb = ((k[b:b + 1, :, :L], v[b:b + 1, :, :L]) if idx is None
+                  else (k[b:b + 1, :, idx], v[b:b + 1, :, idx]))  # (1, nkv, L, hs)
+        n = r.stop - r.start
+        qh = q[b:b + 1, :, r].reshape(1, nh * n, 1, hs)
+        out = F.scaled_dot_product_attention(qh, kb, vb, attn_mask=mask,
+                                             enable_gqa=nh != k.size(1)).view(1, nh, n, hs)
+        if y is None:  # one call for every row (a decode, a short verify)
+            return out
+        y[b:b + 1, :, r] = out
+    return y
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -155,21 +233,25 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def heads(self, qkv, pos=None):
+    def heads(self, qkv, at=None):
         """c_attn's output (B, T, 3C) -> q, k, v, each (B, nh, T, hs). GPT-2 needs no positions
-        here (wpe added them at the input); llama.py rotates q and k by them."""
+        here (wpe added them at the input); llama.py rotates q and k by them (`at`: what
+        GPT.positions gave)."""
         B, T, C3 = qkv.size()
         return (t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2)
                 for t in qkv.split(C3 // 3, dim=2))
 
-    def forward(self, x, kv=None, start=0, attn_mask=None, pos=None):
+    def forward(self, x, kv=None, start=0, attn_mask=None, at=None):
         B, T, C = x.size()
-        q, k, v = self.heads(self.c_attn(x), pos)  # each (B, nh, T, hs)
+        q, k, v = self.heads(self.c_attn(x), at)  # each (B, nh, T, hs)
         if kv is not None:
             # write the new K/V at their absolute positions, attend over [0, start + T): no more
             k_cache, v_cache = kv
             k_cache[:, :, start:start + T] = k
             v_cache[:, :, start:start + T] = v
+            if isinstance(attn_mask, Rows):  # each row as its decode computes it (above)
+                y = attention_by_row(q, k_cache, v_cache, attn_mask)
+                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         dp = self.dropout if self.training else 0.0
         # attn_mask None: plain causal self-attention over these T tokens only
@@ -201,8 +283,8 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, start=0, attn_mask=None, pos=None):
-        x = x + self.attn(self.ln_1(x), kv, start, attn_mask, pos)
+    def forward(self, x, kv=None, start=0, attn_mask=None, at=None):
+        x = x + self.attn(self.ln_1(x), kv, start, attn_mask, at)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -216,6 +298,7 @@ def chunk_mask(start, T, device):
 
 
 class GPT(nn.Module):
+    by_row = False  # cached forwards attend by row (Rows): runtime/quantize.py sets it
 
     def __init__(self, config):
         super().__init__()
@@ -248,6 +331,11 @@ class GPT(nn.Module):
     def embed(self, idx, pos):
         """Token ids (B, T) at positions pos -> the first layer's input (B, T, C)."""
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def positions(self, pos):
+        """What every layer needs of the positions: nothing here (wpe added them at the input);
+        llama.py's layers rotate q and k by them."""
+        return pos
 
     def new_cache(self, batch_size=1, device=None, dtype=None):
         """A KVCache for this model, on its device and in its dtype unless told."""
@@ -286,10 +374,13 @@ class GPT(nn.Module):
         # (the verify pass) needs the explicit rectangular causal mask; a tree brings its own
         chunk_after_prefix = cache is not None and start > 0 and T > 1 and tree is None
         mask = chunk_mask(start, T, idx.device) if chunk_after_prefix else tree and tree[1]
+        if self.by_row and cache is not None:  # which keys each row sees, once for every layer
+            mask = Rows.of(mask, B, T, start, cache, self.config.n_head)
         hiddens = {0: x} if 0 in hidden_layers else {}
+        at = self.positions(pos)
         for i, layer in enumerate(self.transformer.h):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, kv, start, mask, pos)
+            x = layer(x, kv, start, mask, at)
             if i + 1 in hidden_layers:
                 hiddens[i + 1] = x
         if cache is not None:

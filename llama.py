@@ -123,12 +123,18 @@ def rope_frequencies(config):
     return torch.where(medium, blended, scaled)
 
 
-def rotate(x, pos, inv_freq):
-    """x (B, h, T, hs) turned by its positions pos ((T,) or (B, T)): dimension i and i + hs/2
-    form a pair, turned by pos * inv_freq[i] (the "rotate half" layout of the family's weights)."""
+def rotation(pos, inv_freq):
+    """The positions pos ((T,) or (B, T)) -> cos and sin of their angles, each (B|1, 1, T, hs):
+    dimension i and i + hs/2 form a pair, turned by pos * inv_freq[i] (the "rotate half" layout
+    of the family's weights). Computed once a forward (Llama.positions), for every layer."""
     angles = pos.view(-1, 1, pos.size(-1), 1).float() * inv_freq.float()  # (B|1, 1, T, hs/2)
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    """x (B, h, T, hs) turned by the angles whose cos and sin `rotation` gave."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -139,8 +145,9 @@ def rotate(x, pos, inv_freq):
 
 class Attention(CausalSelfAttention):
     """gpt.CausalSelfAttention with n_kv_head K/V heads, an optional per-head RMSNorm of q and k,
-    and q and k rotated by their positions. forward() is gpt.py's: the cache holds the rotated
-    keys, and gpt.attention shares each K/V head among its group of query heads."""
+    and q and k rotated by their positions (the cos and sin Llama.positions computed). forward()
+    is gpt.py's: the cache holds the rotated keys, and gpt.attention shares each K/V head among
+    its group of query heads."""
 
     def __init__(self, config):
         nn.Module.__init__(self)  # gpt.py's __init__ builds GPT-2's projections: not these
@@ -152,19 +159,9 @@ class Attention(CausalSelfAttention):
         self.c_proj = nn.Linear(c.n_head * hd, c.n_embd, bias=c.proj_bias)
         if c.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(hd, c.norm_eps), RMSNorm(hd, c.norm_eps)
-        self.rope = c  # what rope_frequencies reads: the angles are computed again after a cast
-        self.register_buffer("inv_freq", rope_frequencies(c), persistent=False)
         self.resid_dropout, self.dropout = nn.Identity(), 0.0
 
-    def _apply(self, fn, *args, **kwargs):
-        """.to(), .half(), .bfloat16() move the angles but keep them float32, as the family's
-        own code does: rounded to bfloat16 they would be off by radians a few thousand
-        positions in."""
-        super()._apply(fn, *args, **kwargs)
-        self.inv_freq = rope_frequencies(self.rope).to(self.inv_freq.device)
-        return self
-
-    def heads(self, qkv, pos):
+    def heads(self, qkv, rot):
         """c_attn's output (B, T, (nh + 2 nkv) hs) -> q (B, nh, T, hs), k and v (B, nkv, T, hs)."""
         B, T, _ = qkv.size()
         hd, nh, nkv = self.head_dim, self.n_head, self.n_kv_head
@@ -173,7 +170,7 @@ class Attention(CausalSelfAttention):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq), v
+        return rotate(q, *rot), rotate(k, *rot), v
 
 
 # -----------------------------------------------------------------------------
@@ -234,10 +231,23 @@ class Llama(GPT):
                 torch.nn.init.zeros_(module.bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .half(), .bfloat16() move the angles but keep them float32, as the family's
+        own code does: rounded to bfloat16 they would be off by radians a few thousand
+        positions in."""
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
+        return self
 
     def embed(self, idx, pos):
         """No position table: the positions enter at every layer, by rotating q and k."""
         return self.transformer.wte(idx)
+
+    def positions(self, pos):
+        """What every layer needs of the positions: the cos and sin they rotate q and k by."""
+        return rotation(pos, self.inv_freq)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

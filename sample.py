@@ -19,9 +19,12 @@ import os
 import sys
 import time
 
+import torch
+
+from benchmark.flags import ARITHMETIC, ARITHMETIC_HELP
 from formats.chat import Chat
 from registry import drafters as registry
-from runtime import cpu_speed
+from runtime import cpu_speed, quantize
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
@@ -84,6 +87,8 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=number(int, 1), default=None,
                    help="the most tokens to generate (default: 96; with --chat 256)")
     add_sampling_flags(p)
+    p.add_argument("--arithmetic", default="auto", choices=ARITHMETIC,
+                   help=ARITHMETIC_HELP + " (default: %(default)s)")
     p.add_argument("--device", default="auto",
                    help="auto, cpu, cuda or mps (default: %(default)s)")
     p.add_argument("--out-dir", type=path_arg("checkpoints"), default="out",
@@ -123,11 +128,14 @@ def main(argv=None):
     path = os.path.join(a.out_dir, "target.pt")
     target, target_ckpt = load_target(path, device)
     cpu_speed.pick_one_row(target)  # the faster single-row matmul here, as bench.py does
+    target, a.arithmetic_ran = quantize.pick(target, target_ckpt, a.arithmetic, device,
+                                             torch.float32)
     chat = Chat.of_target(target_ckpt, path, "--chat") if a.chat is not None else None
     # every data file checked, and the tokenizer the target was trained with
     enc = data.encoding_of(data.load_build_for(target_ckpt, a.out_dir))
     drafter = registry.load_drafter(a.method, a.out_dir, target, target_ckpt, device,
-                                    sampling=a.sampling, partner=a.hybrid_with)
+                                    target.lm_head.weight.dtype, sampling=a.sampling,
+                                    partner=a.hybrid_with)
     sampler = Sampler(a.sampling, a.temperature, a.top_k, a.seed, device)
     text = "def parse(" if a.prompt is None else a.prompt
     ids = chat.prompt(enc, a.chat) if chat else tokenizer.encode(enc, text)
@@ -175,6 +183,7 @@ def main(argv=None):
 def report(a, stats, sizes, color):
     """tau, the acceptance by draft position, the tree's sizes and the time split."""
     shape = f", a tree of at most {a.tree} nodes" if a.tree else ""
+    print(f"arithmetic: {a.arithmetic_ran}")
     print(f"method {a.method}{shape}, k={a.k}, {a.sampling}: {stats.tokens} tokens in "
           f"{stats.target_forwards} target forwards, tau = {stats.tau:.2f}")
     print("acceptance by draft position: " + " ".join(f"{x:.0%}" for x in stats.acceptance()))

@@ -138,8 +138,18 @@ def add_measurement_flags(g):
     g.add_argument("--dtype", default="float32",
                    choices=["float32", "float64", "bfloat16", "float16"],
                    help="model dtype (default: %(default)s)")
+    g.add_argument("--arithmetic", default="auto", choices=ARITHMETIC,
+                   help=ARITHMETIC_HELP + " (default: %(default)s)")
     g.add_argument("--device", default="auto",
                    help="auto, cpu, cuda or mps (default: auto: cuda, else mps, else cpu)")
+
+
+# --arithmetic, bench.py's and sample.py's (runtime/quantize.py)
+ARITHMETIC = ["auto", "float", "int4"]
+ARITHMETIC_HELP = ("what the target computes in: float (its weights dequantized, in --dtype), "
+                   "int4 (a GGUF target's own 4-bit codes, bfloat16 activations, every verify row "
+                   "bit-identical to a one-row decode; a CPU) or auto (int4 for a GGUF target on "
+                   "a CPU where its kernels are row-invariant and faster, else float)")
 
 
 def add_output_flags(g):

@@ -116,8 +116,9 @@ def llama_cpp_generate(llm, prompt, n, stop):
 # the table
 
 
-def engines(target, target_ckpt, args):
-    """({(engine, method): prompt -> ids}, {engine: why it is not there})."""
+def engines(target, weights, target_ckpt, args):
+    """({(engine, method): prompt -> ids}, {engine: why it is not there}). nanospec decodes with
+    `target` (its arithmetic: --arithmetic), transformers with `weights` (the float model)."""
     n, stop, s = args.max_new_tokens, args.stop, Sampler("greedy")
     ours = LookupDrafter(target.config.vocab_size)
     runs = {("nanospec", "plain"): lambda p: generate_plain(target, p, n, s, stop=stop),
@@ -125,7 +126,7 @@ def engines(target, target_ckpt, args):
                 target, ours, p, n, ours.default_k, s, stop=stop)[0]}
     missing = {}
     try:
-        hf = to_transformers(target, min(stop) if stop else 0)
+        hf = to_transformers(weights, min(stop) if stop else 0)
         runs[("transformers", "plain")] = lambda p: hf_generate(hf, p, n, stop)
         runs[("transformers", f"prompt lookup ({LOOKUP_TOKENS})")] = lambda p: hf_generate(
             hf, p, n, stop, LOOKUP_TOKENS)
@@ -151,11 +152,16 @@ def engines(target, target_ckpt, args):
     return runs, missing
 
 
-def table(target, target_ckpt, prompts, args, device):
+def table(target, weights, target_ckpt, prompts, args, device):
     """Every engine and method over every prompt, `repeats` times, interleaved -> the JSON's
-    "peers": {"rows": [{engine, method, tokens_per_s, speedup (over its own plain), same
-    (prompts whose text is nanospec plain decoding's)}], "missing": {engine: why}, "versions"}."""
-    runs, missing = engines(target, target_ckpt, args)
+    "peers": {"rows": [{engine, method, arithmetic, tokens_per_s, speedup (over its own plain),
+    vs_llama_cpp (over llama.cpp's plain, where it ran), same (prompts whose text is nanospec
+    plain decoding's)}], "missing": {engine: why}, "versions"}. nanospec decodes with `target`,
+    transformers with `weights` (the float model: the same one, or the one it was made from)."""
+    runs, missing = engines(target, weights, target_ckpt, args)
+    arithmetic = {"nanospec": args.arithmetic_ran.split(" (")[0],
+                  "transformers": str(weights.lm_head.weight.dtype).replace("torch.", ""),
+                  "llama.cpp": "its own (the GGUF's blocks)"}
     names = list(runs)
     for name in names:  # warm-up: first calls allocate and pick kernels
         runs[name](prompts[0])
@@ -169,13 +175,15 @@ def table(target, target_ckpt, prompts, args, device):
                 t, outs[name][i] = timed(lambda: runs[name](p), device)
                 times[name][-1] += t
     ref = outs[("nanospec", "plain")]
+    cpp = times.get(("llama.cpp", "plain"))
     rows = []
     for engine, method in names:
         plain, mine = times[(engine, "plain")], times[(engine, method)]
         texts = outs[(engine, method)]
-        rows.append({"engine": engine, "method": method,
+        rows.append({"engine": engine, "method": method, "arithmetic": arithmetic[engine],
                      "tokens_per_s": sum(map(len, texts)) / statistics.median(mine),
                      "speedup": statistics.median(a / b for a, b in zip(plain, mine)),
+                     "vs_llama_cpp": cpp and statistics.median(a / b for a, b in zip(cpp, mine)),
                      "same": sum(o == r for o, r in zip(texts, ref))})
     return {"rows": rows, "missing": missing, "versions": versions(), "n_prompts": len(prompts)}
 
@@ -195,10 +203,12 @@ def report(peers):
     n = peers["n_prompts"]
     lines = ["the engines a user would pick instead, on the same weights ("
              + ", ".join(f"{k} {v}" for k, v in peers["versions"].items()) + "):",
-             f"{'engine':<14}{'method':<22}{'tokens/s':>9}{'vs its own plain':>18}"
+             f"{'engine':<14}{'method':<22}{'arithmetic':<28}{'tokens/s':>9}"
+             f"{'vs its own plain':>18}{'vs llama.cpp plain':>20}"
              f"{'same text as nanospec plain':>29}"]
     for r in peers["rows"]:
-        lines.append(f"{r['engine']:<14}{r['method']:<22}{r['tokens_per_s']:>9.1f}"
-                     f"{r['speedup']:>17.2f}x{r['same']:>23}/{n}")
+        vs = f"{r['vs_llama_cpp']:>19.2f}x" if r.get("vs_llama_cpp") else f"{'-':>20}"
+        lines.append(f"{r['engine']:<14}{r['method']:<22}{r.get('arithmetic', ''):<28}"
+                     f"{r['tokens_per_s']:>9.1f}{r['speedup']:>17.2f}x{vs}{r['same']:>23}/{n}")
     lines += [f"{engine}: no rows: {why}" for engine, why in peers["missing"].items()]
     return "\n".join(lines)

@@ -13,7 +13,7 @@ once (serving/batched.py) needs each row at its own position, with its own numbe
 
 import torch
 
-from gpt import chunk_mask, attention
+from gpt import Rows, attention, attention_by_row, chunk_mask
 
 # -----------------------------------------------------------------------------
 # the cache and the batch layout
@@ -110,6 +110,8 @@ class Ragged(Packing):
         else:
             self.mask = (torch.arange(self.L, device=device) <= self.pos[..., None])[:, None]
         self.rows = torch.arange(self.B, device=device)[:, None, None]
+        self.at = self.pos  # what the layers need of the positions (forward: model.positions)
+        self.by_row = None  # gpt.Rows where the model attends by row (forward)
 
     def write(self, cache, new):
         """Write new (B, nh, T, hs) into cache (B, nh, Tmax, hs) at every slot's position, padding
@@ -138,10 +140,14 @@ def attend(attn, x, kv, rag):
     """gpt.CausalSelfAttention (or llama.py's) over a ragged batch: x, the real tokens packed,
     (N, C) (or (B, T, C) with no padding); rag: where they are. The projections run on the packed
     rows; the attention on the padded (B, nh, T, hs)."""
-    q, k, v = attn.heads(rag.unpack(attn.c_attn(x)), rag.pos)  # each (B, heads, T, hs)
+    q, k, v = attn.heads(rag.unpack(attn.c_attn(x)), rag.at)  # each (B, heads, T, hs)
     B, T = q.size(0), q.size(2)
     k, v = rag.write(kv[0], k), rag.write(kv[1], v)  # (B, n_kv_head, L, hs)
-    y = attention(q, k, v, rag.mask).transpose(1, 2).reshape(B, T, -1)
+    if rag.by_row is not None:  # each row as its batch-1 decode computes it: the whole cache
+        y = attention_by_row(q, kv[0], kv[1], rag.by_row)
+    else:
+        y = attention(q, k, v, rag.mask)
+    y = y.transpose(1, 2).reshape(B, T, -1)
     return attn.resid_dropout(attn.c_proj(rag.pack(y)))
 
 
@@ -167,6 +173,9 @@ def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
     if any(s + c > window for s, c in zip(starts, counts)):
         raise ValueError(f"sequence exceeds the context window of {window}")
     rag = Ragged(starts, counts, T, idx.device)
+    rag.at = model.positions(rag.pos)  # what the target's layers need of the positions
+    if model.by_row:  # which keys each row sees, as gpt.GPT.forward builds it
+        rag.by_row = Rows.of(rag.mask, B, T, rag.start, cache, model.config.n_head)
     pos = rag.pos.clamp_max(window - 1)  # a padding slot past the window: any position will do
     x = rag.pack(model.embed(idx, pos))
     hiddens = {0: rag.unpack(x)} if 0 in hidden_layers else {}

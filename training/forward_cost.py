@@ -25,7 +25,7 @@ import draft_dflash
 import draft_dspark
 from draft_dflash import DFlash, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
-from runtime import cpu_speed
+from runtime import cpu_speed, quantize
 from runtime.checkpoint import CheckpointError, load_trained
 from runtime.profiling import profile_dspark, profile_propose
 from formats import pretrained
@@ -76,7 +76,7 @@ def report_cost(models, context, sizes, repeats):
     ms of a whole block's draft and the break-even tau of a round that drafts it and verifies
     all of it: (verify + draft) / one step, the tokens a round must keep to pay. The forwards
     are timed once, together, and both lines read the same medians."""
-    print(f"forward cost, batch 1, after {context} cached positions, float32, "
+    print(f"forward cost, batch 1, after {context} cached positions, float32 unless named, "
           f"{torch.get_num_threads()} threads, median of {repeats}:")
     for name, (m, drafters) in models.items():
         verifies = sorted({d.max_k + 1 for d in drafters.values()} - set(sizes))
@@ -92,11 +92,15 @@ def report_cost(models, context, sizes, repeats):
                   f"a round of it pays above tau = {(ms[k + 1] + draft) / one:.2f}")
 
 
-def cost_models(model, toy_path):
+def cost_models(model, toy_path, source=""):
     """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
-    gpt2 preset's shape, and the toy target with its trained ones where they exist."""
+    gpt2 preset's shape (a GGUF's also in its own int4 codes, runtime/quantize.py), and the toy
+    target with its trained ones where they exist."""
     cpu_speed.speed_up(model)
     models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
+    if source.endswith(".gguf") and quantize.int4_mm is not None:
+        q = quantize.quantized(model, source)[0]
+        models["the same, int4 (its GGUF's codes)"] = (q, block_drafters(q))
     if os.path.exists(toy_path):
         try:
             toy, ckpt = load_target(toy_path)
@@ -162,7 +166,7 @@ def main(argv=None):
                                if isinstance(cfg, LlamaConfig) else None)
     print(f"{source}: {pretrained.describe(model, cfg)}")
     with torch.no_grad():
-        report_cost(cost_models(model, a.toy), a.context, a.sizes, a.repeats)
+        report_cost(cost_models(model, a.toy, source), a.context, a.sizes, a.repeats)
 
 
 if __name__ == "__main__":
