@@ -34,7 +34,7 @@ JSON schema (OUT_DIR/bench.json, or --json PATH):
   {"device": str, "machine": str (the GPU's or CPU's model), "commit": str or null (git short
    hash, "+dirty" if tracked files had changes), "dtype": str, "threads": int,
    "one_row_matmul": "packed" or "torch" (runtime/cpu_speed.pick_one_row's pick), "torch": str,
-   "arithmetic": str (what the target computed in: --arithmetic's pick, runtime/quantize.py),
+   "arithmetic": str (what the target computed in: --arithmetic's pick, formats/gguf_int4.py),
    "k": int or null (null: each drafter's default), "sampling": str, "temperature": float,
    "full": bool (--full), "prompts": "validation", "humaneval", "humaneval-chat", "chat" or the
    JSONL file's path, "stop": [int] (the ids that end an answer: a chat model's end of turn),
@@ -85,7 +85,8 @@ from benchmark.report import Progress, check_outputs, commit, machine, print_rep
 from benchmark.serving_sweep import margin_at
 from formats.chat import Chat
 from registry import drafters as registry
-from runtime import command, cpu_speed, quantize
+from formats import gguf_int4
+from runtime import command, cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
@@ -155,7 +156,7 @@ def load(args, stem="bench"):
     args.target_ckpt = target_ckpt
     args.one_row = cpu_speed.pick_one_row(target)  # the faster single-row matmul here
     args.float_target = target  # the peers' transformers rows read its weights
-    target, args.arithmetic_ran = quantize.pick(target, target_ckpt, args.arithmetic, device,
+    target, args.arithmetic_ran = gguf_int4.pick(target, target_ckpt, args.arithmetic, device,
                                                  dtype)
     check_outputs(args, stem)
     # every data file checked, and the tokenizer the target was trained with
@@ -396,7 +397,7 @@ def main(argv=None):
     if args.peers:
         progress.line("the peer table: every engine over every prompt")
         peer_table = peers.table(target, args.float_target, args.target_ckpt, prompts, args,
-                                 device)
+                                 device, peer_methods(target, drafters, args, cache))
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "arithmetic": args.arithmetic_ran,
            "threads": torch.get_num_threads(), "one_row_matmul": args.one_row,
@@ -416,6 +417,16 @@ def main(argv=None):
             f"{m}: {ms:.2f}" for m, ms in out["verify_ms_by_tokens"].items()))
     write(out, args)
     return out
+
+
+def peer_methods(target, drafters, args, cache):
+    """{row name: prompt -> ids} of every method of this run, for the peer table's nanospec rows."""
+    def one(name):
+        return lambda p: run_method(name, target, drafters, [p], args, cache)[0][0]
+    rows = {"plain": one("ar")}
+    for name, (d, k) in drafters.items():
+        rows[f"prompt lookup ({k})" if name == "lookup" else f"{name} (k={k})"] = one(name)
+    return rows
 
 
 def tree_costs(target, drafters):

@@ -154,7 +154,7 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
 # What it takes not to: every operation computes each row as a decode of that row computes it.
 # Norms, the MLP's activation, rotations, residual adds and the head's argmax work row by row
 # already. The matmuls need kernels whose sum over K does not depend on the row count (the
-# int4 kernels of runtime/quantize.py). The attention needs each query row over exactly the keys
+# int4 kernels of formats/gguf_int4.py). The attention needs each query row over exactly the keys
 # its decode sees, in the decode's order, padded alike: attention_by_row.
 
 BUCKET = 64  # a row's keys are padded (masked) to a multiple of this: the shape a decode uses too
@@ -298,7 +298,7 @@ def chunk_mask(start, T, device):
 
 
 class GPT(nn.Module):
-    by_row = False  # cached forwards attend by row (Rows): runtime/quantize.py sets it
+    by_row = False  # cached forwards attend by row (Rows): formats/gguf_int4.py sets it
 
     def __init__(self, config):
         super().__init__()

@@ -24,7 +24,8 @@ import torch
 from benchmark.flags import ARITHMETIC, ARITHMETIC_HELP
 from formats.chat import Chat
 from registry import drafters as registry
-from runtime import cpu_speed, quantize
+from runtime import cpu_speed
+from formats import gguf_int4
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
@@ -128,7 +129,7 @@ def main(argv=None):
     path = os.path.join(a.out_dir, "target.pt")
     target, target_ckpt = load_target(path, device)
     cpu_speed.pick_one_row(target)  # the faster single-row matmul here, as bench.py does
-    target, a.arithmetic_ran = quantize.pick(target, target_ckpt, a.arithmetic, device,
+    target, a.arithmetic_ran = gguf_int4.pick(target, target_ckpt, a.arithmetic, device,
                                              torch.float32)
     chat = Chat.of_target(target_ckpt, path, "--chat") if a.chat is not None else None
     # every data file checked, and the tokenizer the target was trained with

@@ -144,7 +144,7 @@ def add_measurement_flags(g):
                    help="auto, cpu, cuda or mps (default: auto: cuda, else mps, else cpu)")
 
 
-# --arithmetic, bench.py's and sample.py's (runtime/quantize.py)
+# --arithmetic, bench.py's and sample.py's (formats/gguf_int4.py)
 ARITHMETIC = ["auto", "float", "int4"]
 ARITHMETIC_HELP = ("what the target computes in: float (its weights dequantized, in --dtype), "
                    "int4 (a GGUF target's own 4-bit codes, bfloat16 activations, every verify row "

@@ -2,7 +2,7 @@
 benchmark/peers.py -- the engines a user would pick instead, on the same weights: transformers'
 generate (plain decoding, and its prompt-lookup decoding) and llama.cpp through llama-cpp-python
 (plain decoding, and its LlamaPromptLookupDecoding) on the very GGUF the target came from, timed
-beside nanospec's plain decoding and prompt lookup in one process.
+beside every method bench.py runs (plain decoding and prompt lookup at least) in one process.
 
 transformers gets the target's own weights (its GPT-2, Llama, Qwen2 or Qwen3 class, built from the
 target's config; for a GGUF they equal transformers' own GGUF loading, tests/test_gguf.py), in the
@@ -116,14 +116,18 @@ def llama_cpp_generate(llm, prompt, n, stop):
 # the table
 
 
-def engines(target, weights, target_ckpt, args):
+def engines(target, weights, target_ckpt, args, methods=None):
     """({(engine, method): prompt -> ids}, {engine: why it is not there}). nanospec decodes with
-    `target` (its arithmetic: --arithmetic), transformers with `weights` (the float model)."""
+    `target` (its arithmetic: --arithmetic), transformers with `weights` (the float model).
+    methods: nanospec's rows, {name: prompt -> ids} (bench.py's methods), else plain decoding and
+    prompt lookup."""
     n, stop, s = args.max_new_tokens, args.stop, Sampler("greedy")
     ours = LookupDrafter(target.config.vocab_size)
-    runs = {("nanospec", "plain"): lambda p: generate_plain(target, p, n, s, stop=stop),
-            ("nanospec", f"prompt lookup ({ours.default_k})"): lambda p: generate_speculative(
-                target, ours, p, n, ours.default_k, s, stop=stop)[0]}
+    methods = methods or {
+        "plain": lambda p: generate_plain(target, p, n, s, stop=stop),
+        f"prompt lookup ({ours.default_k})": lambda p: generate_speculative(
+            target, ours, p, n, ours.default_k, s, stop=stop)[0]}
+    runs = {("nanospec", name): run for name, run in methods.items()}
     missing = {}
     try:
         hf = to_transformers(weights, min(stop) if stop else 0)
@@ -152,13 +156,14 @@ def engines(target, weights, target_ckpt, args):
     return runs, missing
 
 
-def table(target, weights, target_ckpt, prompts, args, device):
+def table(target, weights, target_ckpt, prompts, args, device, methods=None):
     """Every engine and method over every prompt, `repeats` times, interleaved -> the JSON's
     "peers": {"rows": [{engine, method, arithmetic, tokens_per_s, speedup (over its own plain),
     vs_llama_cpp (over llama.cpp's plain, where it ran), same (prompts whose text is nanospec
     plain decoding's)}], "missing": {engine: why}, "versions"}. nanospec decodes with `target`,
-    transformers with `weights` (the float model: the same one, or the one it was made from)."""
-    runs, missing = engines(target, weights, target_ckpt, args)
+    transformers with `weights` (the float model: the same one, or the one it was made from);
+    methods: nanospec's rows, as engines() takes them."""
+    runs, missing = engines(target, weights, target_ckpt, args, methods)
     arithmetic = {"nanospec": args.arithmetic_ran.split(" (")[0],
                   "transformers": str(weights.lm_head.weight.dtype).replace("torch.", ""),
                   "llama.cpp": "its own (the GGUF's blocks)"}

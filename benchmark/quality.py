@@ -1,5 +1,5 @@
 """
-benchmark/quality.py -- what decoding a GGUF target in its own int4 codes (runtime/quantize.py)
+benchmark/quality.py -- what decoding a GGUF target in its own int4 codes (formats/gguf_int4.py)
 costs in quality, beside the same file's weights dequantized to float32: the perplexity on the
 validation text, and plain decoding's answers to a prompt set, how many word for word float32's
 (and llama.cpp's, where llama-cpp-python is installed).
@@ -20,7 +20,8 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 
 from benchmark import peers, prompt_sets
 from formats.chat import Chat
-from runtime import cpu_speed, quantize
+from runtime import cpu_speed
+from formats import gguf_int4
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.settings import ArgumentParser, number, path_arg
@@ -72,7 +73,7 @@ def main(argv=None):
     cpu_speed.enable()
     path = os.path.join(a.out_dir, "target.pt")
     target, ckpt = load_target(path)
-    q, what = quantize.pick(target, ckpt, "int4", "cpu", torch.float32)
+    q, what = gguf_int4.pick(target, ckpt, "int4", "cpu", torch.float32)
     build = data.load_build_for(ckpt, a.out_dir)
     enc = data.encoding_of(build)
     val = np.fromfile(build["val_bin"], dtype=build["token_dtype"]).astype(np.int64)

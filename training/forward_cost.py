@@ -25,7 +25,8 @@ import draft_dflash
 import draft_dspark
 from draft_dflash import DFlash, DFlashDrafter
 from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
-from runtime import cpu_speed, quantize
+from runtime import cpu_speed
+from formats import gguf_int4
 from runtime.checkpoint import CheckpointError, load_trained
 from runtime.profiling import profile_dspark, profile_propose
 from formats import pretrained
@@ -94,12 +95,12 @@ def report_cost(models, context, sizes, repeats):
 
 def cost_models(model, toy_path, source=""):
     """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
-    gpt2 preset's shape (a GGUF's also in its own int4 codes, runtime/quantize.py), and the toy
+    gpt2 preset's shape (a GGUF's also in its own int4 codes, formats/gguf_int4.py), and the toy
     target with its trained ones where they exist."""
     cpu_speed.speed_up(model)
     models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
-    if source.endswith(".gguf") and quantize.int4_mm is not None:
-        q = quantize.quantized(model, source)[0]
+    if source.endswith(".gguf") and gguf_int4.int4_mm is not None:
+        q = gguf_int4.quantized(model, source)[0]
         models["the same, int4 (its GGUF's codes)"] = (q, block_drafters(q))
     if os.path.exists(toy_path):
         try:

@@ -1,4 +1,4 @@
-"""The target in a GGUF's own 4-bit codes (runtime/quantize.py): the codes read straight from the
+"""The target in a GGUF's own 4-bit codes (formats/gguf_int4.py): the codes read straight from the
 file's blocks, and every row of a verify computed bit for bit as a one-row decode computes it
 (gpt.attention_by_row and the int4 kernel), for chains of 1 to 16 drafted tokens, token trees and
 a ragged batch, on tiny GGUFs of Q4_0, Q4_1, Q8_0 and Q4_K; so every drafter's greedy output is
@@ -11,17 +11,16 @@ import torch
 import bench
 import gguf_files
 from conftest import make, within
-from formats import gguf, pretrained
+from formats import gguf, gguf_int4, pretrained
 from gpt import BUCKET
 from registry import drafters as registry
-from runtime import quantize
 from serving import ragged
 from serving.batched import BatchSampler, generate_batched, padded
 from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from tree import BlockTree, depths, generate_tree, same_cost, tree_mask
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, quantize.KERNEL),
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, gguf_int4.KERNEL),
                                 reason="this torch has no int4 CPU kernel")
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
@@ -33,7 +32,7 @@ def tiny(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("int4") / f"tiny-{request.param}.gguf")
     gguf_files.write_tiny(path, "llama", request.param)
     model = pretrained.load(path)[0]
-    return path, model, quantize.quantized(model, path)[0]
+    return path, model, gguf_int4.quantized(model, path)[0]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def q4_1(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("int4") / "tiny-q4_1.gguf")
     gguf_files.write_tiny(path, "qwen3", "Q4_1")
     model = pretrained.load(path)[0].double()  # as the shared tests fit their drafters
-    return model, quantize.quantized(model, path)[0]
+    return model, gguf_int4.quantized(model, path)[0]
 
 
 def tokens(n, vocab, seed):
@@ -61,7 +60,7 @@ def test_the_codes_are_the_files_weights(tmp_path, kind):
     for t in gguf.read(path).tensors:
         if len(t.shape) != 2:
             continue
-        q, scale, zero, exact = quantize.codes(t)
+        q, scale, zero, exact = gguf_int4.codes(t)
         w = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
         want = gguf.dequantized(t)
         if w.size(1) != want.size(1):
@@ -87,11 +86,11 @@ def test_a_type_without_a_4bit_form_is_rounded_and_says_so(tmp_path):
     path = str(tmp_path / "t.gguf")
     gguf_files.write_tiny(path, "llama", "Q6_K")
     model = pretrained.load(path)[0]
-    q, what = quantize.quantized(model, path)
+    q, what = gguf_int4.quantized(model, path)
     assert "Q6_K rounded to 4-bit codes" in what
     w = model.transformer.h[0].mlp.c_proj.weight
-    codes = quantize.nearest(w)
-    err = (quantize.dequantize(*codes) - w).norm() / w.norm()
+    codes = gguf_int4.nearest(w)
+    err = (gguf_int4.dequantize(*codes) - w).norm() / w.norm()
     assert 0 < err < 0.15
 
 
@@ -201,10 +200,10 @@ def test_a_host_whose_kernels_are_not_row_invariant_falls_back_saying_so(q4_1, t
     path = str(tmp_path / "t.gguf")
     gguf_files.write_tiny(path, "qwen3", "Q4_1")
     ckpt = {"init_from": path}
-    q, what = quantize.pick(model, ckpt, "int4", "cpu", torch.float32)
-    assert q is not model and what.startswith("int4") and quantize.row_invariant(q)
+    q, what = gguf_int4.pick(model, ckpt, "int4", "cpu", torch.float32)
+    assert q is not model and what.startswith("int4") and gguf_int4.row_invariant(q)
     monkeypatch.setattr(quantize, "row_invariant", lambda m: False)
-    again, what = quantize.pick(model, ckpt, "int4", "cpu", torch.float32)
+    again, what = gguf_int4.pick(model, ckpt, "int4", "cpu", torch.float32)
     assert again is model and what.startswith("float32")
     assert "do not give a verify's rows the bits of one-row decodes" in capsys.readouterr().out
 
@@ -212,9 +211,9 @@ def test_a_host_whose_kernels_are_not_row_invariant_falls_back_saying_so(q4_1, t
 def test_int4_needs_a_gguf_target_and_auto_keeps_the_float_one_elsewhere(q4_1):
     model, _ = q4_1
     with pytest.raises(ValueError, match="--arithmetic int4 .* not imported from a GGUF"):
-        quantize.pick(model, {"init_from": "/some/folder"}, "int4", "cpu", torch.float32)
-    assert quantize.pick(model, {}, "auto", "cpu", torch.float32)[0] is model
-    assert quantize.pick(model, {"init_from": "x.gguf"}, "auto", "cpu", torch.float64)[0] is model
+        gguf_int4.pick(model, {"init_from": "/some/folder"}, "int4", "cpu", torch.float32)
+    assert gguf_int4.pick(model, {}, "auto", "cpu", torch.float32)[0] is model
+    assert gguf_int4.pick(model, {"init_from": "x.gguf"}, "auto", "cpu", torch.float64)[0] is model
 
 
 def test_bench_decodes_a_gguf_target_in_int4_and_every_row_is_exact(chat_run, tmp_path):

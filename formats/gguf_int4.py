@@ -1,5 +1,5 @@
 """
-runtime/quantize.py -- the target in the GGUF's own 4-bit codes, every row of a verify computed
+formats/gguf_int4.py -- the target in the GGUF's own 4-bit codes, every row of a verify computed
 bit for bit as a one-row decode computes it: applied to the lesson's model from outside, as
 gpt-fast's quantize.py swaps its Linears.
 
@@ -10,7 +10,7 @@ This file gives the matmuls the same property and the speed of the file's own we
   Int4Linear   nn.Linear's product by torch's int4 kernel (`_weight_int4pack_mm_for_cpu`:
                bfloat16 activations, weights in groups of 32, w = (q - 8) scale + zero). Its sum
                over K runs in one fixed order whatever the row count, so row i of a verify equals
-               the same row decoded alone (tests/test_quantize.py checks every shape the loops use).
+               the same row decoded alone (tests/test_gguf_int4.py checks every shape the loops use).
   codes        a GGUF tensor -> the kernel's codes, scales and zeros, straight from its blocks:
                Q4_0 (scale d, zero 0), Q4_1 (w = d q + m: scale d, zero m + 8 d), Q4_K (each group
                of 32: scale d sc, zero 8 d sc - dmin m), Q8_0 (q = 16 hi + lo: two 4-bit halves
