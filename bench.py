@@ -474,8 +474,8 @@ def main_batched(args):
                          f"prompts: {more} or lower --batch-size")
     cut = "" if args.prompts else " (cut to different lengths)"
     print(f"device {device} | arithmetic {args.arithmetic_ran} | {torch.get_num_threads()} "
-          f"threads | {len(prompts)} {prompt_set(args)} prompts{cut} x {'up to ' if args.stop else ''}"
-          f"{args.max_new_tokens} new tokens | sampling {args.sampling} | batch sizes "
+          f"threads | {len(prompts)} {prompt_set(args)} prompts{cut} x "
+          f"{'up to ' if args.stop else ''}{args.max_new_tokens} new tokens | sampling {args.sampling} | batch sizes "
           f"{args.batch_size} | {args.repeats} repeats")
     serving = serving_sweep.sweep(target, prompts, drafters, args, device)
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,

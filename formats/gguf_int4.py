@@ -8,17 +8,19 @@ round differently from a decode's one) and holds the attention that does not (at
 This file gives the matmuls the same property and the speed of the file's own weights:
 
   Int4Linear   nn.Linear's product by torch's int4 kernel (`_weight_int4pack_mm_for_cpu`:
-               bfloat16 activations, weights in groups of 32, w = (q - 8) scale + zero). Its sum
-               over K runs in one fixed order whatever the row count, so row i of a verify equals
-               the same row decoded alone (tests/test_gguf_int4.py checks every shape the loops use).
+               its input rounded to bfloat16, weights in groups of 32, w = (q - 8) scale + zero,
+               the product back in the model's dtype). Its sum over K runs in one fixed order
+               whatever the row count, so row i of a verify equals the same row decoded alone
+               (tests/test_gguf_int4.py: every shape the loops use).
   codes        a GGUF tensor -> the kernel's codes, scales and zeros, straight from its blocks:
                Q4_0 (scale d, zero 0), Q4_1 (w = d q + m: scale d, zero m + 8 d), Q4_K (each group
                of 32: scale d sc, zero 8 d sc - dmin m), Q8_0 (q = 16 hi + lo: two 4-bit halves
                side by side, the row's input fed twice). Exact up to the scales rounded to
                bfloat16. Other types (F32, F16, BF16, Q5_*, Q6_K) are rounded to the nearest
-               4-bit codes of groups of 32 (their error: docs/experiments.md).
+               4-bit codes of groups of 32, each group's own minimum and step (the run says so).
   quantized    a copy of the target: every Linear an Int4Linear from the GGUF it was imported
-               from, everything else in bfloat16, every attention by row (gpt.attention_by_row).
+               from, everything else as it was (float32: the embedding, the norms, the attention
+               and its cache), every attention by row (gpt.attention_by_row).
   row_invariant  the start-up check: a verify's logits against one-row decodes, bit for bit.
   pick         --arithmetic: float (the target as loaded), int4, or auto (int4 where the target
                came from a GGUF, the kernels are row-invariant here and a decode step is faster).

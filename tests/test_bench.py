@@ -54,9 +54,10 @@ def test_bench_full_runs_every_method_and_writes_the_schema(trained, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # the figure, from the same run
 
 
-TOP_KEYS = {"device", "machine", "commit", "dtype", "threads", "one_row_matmul", "torch", "k",
-            "sampling", "temperature", "full", "prompts", "stop", "n_prompts", "max_new_tokens",
-            "repeats", "methods", "sweep", "divergences", "references", "verify_ms_by_tokens"}
+TOP_KEYS = {"device", "machine", "commit", "dtype", "arithmetic", "threads", "one_row_matmul",
+            "torch", "k", "sampling", "temperature", "full", "prompts", "stop", "n_prompts",
+            "max_new_tokens", "repeats", "methods", "sweep", "divergences", "references",
+            "verify_ms_by_tokens"}
 
 
 def test_the_default_bench_is_the_headline_in_the_same_schema(trained, tmp_path, capsys):
@@ -151,7 +152,7 @@ def test_flags_are_grouped_and_each_says_its_default():
                                      "--batch-size", "--peers"]
     assert groups["sampling"] == ["--sampling", "--temperature", "--top-k", "--seed"]
     assert groups["measurement"] == ["--repeats", "--sweep", "--sweep-prompts", "--threads",
-                                     "--dtype", "--device"]
+                                     "--dtype", "--arithmetic", "--device"]
     assert groups["output"] == ["--out-dir", "--json", "--markdown", "--plot"]
     flags = [a for a in p._actions if a.option_strings and a.option_strings[0] != "-h"]
     assert len(flags) == sum(len(v) for k, v in groups.items() if k != "options")
