@@ -204,6 +204,15 @@ def attention_by_row(q, k, v, rows):
     computes it. q (B, nh, T, hs); k, v (B, nkv, S, hs) the whole cache; rows: Rows. Each query
     row is a head of its own (every (head, row) pair one head of the call), so no other row changes
     the shape its kernel sees; its keys are the decode's keys, padded alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # SDPA's per-thread buffers round a head by the thread that ran it
+    try:
+        return by_row(q, k, v, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def by_row(q, k, v, rows):
     B, nh, T, hs = q.shape
     y = torch.empty_like(q) if len(rows.groups) > 1 else None
     for b, L, r, idx, mask in rows.groups:
