@@ -213,6 +213,7 @@ def attention_by_row(q, k, v, rows):
 
 
 def by_row(q, k, v, rows):
+    """attention_by_row's calls, one per group of rows (Rows.groups)."""
     B, nh, T, hs = q.shape
     y = torch.empty_like(q) if len(rows.groups) > 1 else None
     for b, L, r, idx, mask in rows.groups:
