@@ -27,14 +27,13 @@ This file gives the matmuls the same property and the speed of the file's own we
 """
 
 import os
-import statistics
-import time
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from formats import gguf
+from runtime.profiling import profile_verify
 
 GROUP = 32  # weights per scale: every legacy GGUF block and every K-quant group
 KERNEL = "_weight_int4pack_mm_for_cpu"
@@ -225,20 +224,6 @@ def row_invariant(model, context=24, k=8):
     return torch.equal(verify, decodes)
 
 
-def step_seconds(model, reps=5, context=32):
-    """The median seconds of one one-token forward after `context` cached tokens."""
-    cache, times = model.new_cache(), []
-    x = torch.zeros(1, 1, dtype=torch.long)
-    with torch.inference_mode():
-        model(torch.zeros(1, context, dtype=torch.long), cache=cache)
-        for _ in range(reps + 1):  # the first warms up
-            t0 = time.perf_counter()
-            model(x, cache=cache)
-            times.append(time.perf_counter() - t0)
-            cache.rollback(context)
-    return statistics.median(times[1:])
-
-
 # -----------------------------------------------------------------------------
 # --arithmetic
 
@@ -250,13 +235,7 @@ def pick(target, ckpt, choice, device, dtype):
     host whose kernels are not row-invariant keeps the float target, saying so."""
     floating = f"{str(dtype).replace('torch.', '')} (the weights dequantized)"
     source = ckpt.get("init_from") or ""
-    why = (None if choice == "float" else
-           "the target was not imported from a GGUF" if not source.endswith(".gguf") else
-           f"{source} is gone" if not os.path.isfile(source) else
-           f"it runs on a CPU, not {device}" if torch.device(device).type != "cpu" else
-           "this torch has no int4 kernel" if not hasattr(torch.ops.aten, KERNEL) else
-           f"--dtype {str(dtype).replace('torch.', '')} was asked for"
-           if choice == "auto" and dtype != torch.float32 else None)
+    why = None if choice == "float" else unfit(source, device, dtype, choice)
     if choice == "float" or (why and choice == "auto"):
         return target, floating
     if why:
@@ -267,6 +246,26 @@ def pick(target, ckpt, choice, device, dtype):
         print(f"note: the int4 kernels here do not give a verify's rows the bits of one-row "
               f"decodes, so speculative decoding could change the text: decoding in {floating}")
         return target, floating
-    if choice == "auto" and step_seconds(q) >= step_seconds(target):
+    if choice == "auto" and step(q) >= step(target):
         return target, floating[:-1] + "; int4 is no faster here: --arithmetic int4 asks for it)"
     return q, what
+
+
+def unfit(source, device, dtype, choice):
+    """Why this target cannot decode in int4 here (None: it can)."""
+    if not source.endswith(".gguf"):
+        return "the target was not imported from a GGUF"
+    if not os.path.isfile(source):
+        return f"{source} is gone"
+    if torch.device(device).type != "cpu":
+        return f"it runs on a CPU, not {device}"
+    if int4_mm is None:
+        return "this torch has no int4 kernel"
+    if choice == "auto" and dtype != torch.float32:
+        return f"--dtype {str(dtype).replace('torch.', '')} was asked for"
+    return None
+
+
+def step(model):
+    """Seconds of a one-token decode after 32 tokens (the fastest of 5)."""
+    return profile_verify(model, 1, context=32, reps=5)[1]

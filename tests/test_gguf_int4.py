@@ -12,7 +12,7 @@ import bench
 import gguf_files
 from conftest import make, within
 from formats import gguf, gguf_int4, pretrained
-from gpt import BUCKET
+from gpt import BUCKET, Rows, attention_by_row, chunk_mask
 from registry import drafters as registry
 from serving import ragged
 from serving.batched import BatchSampler, generate_batched, padded
@@ -139,6 +139,30 @@ def test_a_tree_node_is_its_path_decoded(tiny):
             path.insert(0, parents[path[0] - 1])
         seq = torch.cat([prefix, nodes[:, [j - 1 for j in path[1:]]]], 1)
         assert torch.equal(got[i], decodes(q, seq, start)[0, -1]), f"node {i}"
+
+
+@pytest.mark.parametrize("T, start", [(9, 200), (64, 300), (100, 0)])
+def test_attention_by_row_on_two_threads_is_one_row_calls(T, start):
+    """SmolLM2's attention shapes (9 query heads over 3 K/V heads of 64) on two threads: SDPA's CPU
+    kernel rounds a head by the thread that runs it, so a call of many rows must still give each
+    row the bits of its one-row call (attention_by_row runs SDPA on one thread)."""
+    nh, nkv, hs, S = 9, 3, 64, 512
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, h, n, hs, generator=g) for h, n in ((nh, T), (nkv, S), (nkv, S)))
+    cache = type("Cache", (), {"k": k})
+
+    def rows(at, n):
+        return Rows.of(chunk_mask(at, n, "cpu") if at else None, 1, n, at, cache, nh)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = attention_by_row(q, k, v, rows(start, T))
+        want = torch.cat([attention_by_row(q[:, :, t:t + 1], k, v, rows(start + t, 1))
+                          for t in range(T)], 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want)
 
 
 def test_a_ragged_batch_row_is_its_own_decode(q4_1):
