@@ -30,7 +30,8 @@ from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import most_tree_nodes, profile_tree
-from runtime.settings import ArgumentParser, add_sampling_flags, number, parse_args, path_arg
+from runtime.settings import (ArgumentParser, add_sampling_flags, number, parse_args, path_arg,
+                              text_arg)
 from speculative import Sampler, generate_plain, generate_speculative, k_for
 from training import data, tokenizer
 from runtime.target import load_target
@@ -69,9 +70,9 @@ def show(enc, prompt_ids, trace, color, echo=True):
 def build_parser():
     p = ArgumentParser(description="Generate text with speculative decoding and show what was "
                                    "drafted and kept.")
-    p.add_argument("--prompt", default=None,
+    p.add_argument("--prompt", default=None, type=text_arg,
                    help="the text to continue (default: 'def parse(')")
-    p.add_argument("--chat", default=None, metavar="QUESTION",
+    p.add_argument("--chat", default=None, metavar="QUESTION", type=text_arg,
                    help="instead, ask a chat model this, in its own chat format; the answer ends "
                    "at its end of turn (default: none)")
     p.add_argument("--method", choices=registry.names(), default=registry.names()[0],

@@ -22,6 +22,7 @@ target forward, the target's own token included -- plain decoding has τ = 1.
     python sample.py --prompt "def parse(" --method small   # watch it draft and verify
 """
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -307,6 +308,56 @@ class Drafter:
         return copy.copy(self)
 
 
+class DrafterError(Exception):
+    """A drafter broke the loop's contract, or failed inside its own code: a bug in the drafter,
+    not in what the user asked for. The message names the drafter; the commands show the
+    drafter's own traceback under it (runtime/command.py)."""
+
+
+@contextlib.contextmanager
+def drafter_code(drafter, method):
+    """The loop calling drafter.<method>(): whatever goes wrong in there is the drafter's."""
+    try:
+        yield
+    except (DrafterError, MemoryError):
+        raise
+    except Exception as e:
+        raise DrafterError(f"the {drafter.name} drafter failed inside its {method}(): "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def proposal(drafter, k, sampler, vocab_size):
+    """drafter.propose(k, sampler), checked at the boundary once a round: what the loop verifies
+    must be what a drafter promises (Drafter.propose). Cheap: no host sync but the ids' range on
+    a CPU (on a GPU a bad id fails in the verify's embedding)."""
+    with drafter_code(drafter, "propose"):
+        got = drafter.propose(k, sampler)
+    why = broken(got, k, vocab_size)
+    if why:
+        raise DrafterError(f"the {drafter.name} drafter broke the loop's contract: {why} "
+                           "(speculative.Drafter.propose)")
+    return got
+
+
+def broken(got, k, vocab_size):
+    """Which promise a proposal breaks, or None."""
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"propose() returned a {type(got).__name__}, not (tokens, q)"
+    draft, q = got
+    if not isinstance(draft, torch.Tensor) or draft.dim() != 1 or draft.is_floating_point():
+        return f"its tokens are a {type(draft).__name__}, not a 1-D tensor of token ids"
+    if draft.numel() > k:
+        return f"it drafted {draft.numel()} tokens where at most k={k} were asked"
+    if q is not None and (not isinstance(q, torch.Tensor) or q.size(0) != draft.numel()):
+        return f"its q is not one row of probabilities per drafted token ({draft.numel()})"
+    if draft.numel() and draft.device.type == "cpu":
+        bad = draft[(draft < 0) | (draft >= vocab_size)]
+        if bad.numel():
+            return (f"it drafted token id {int(bad[0])}, outside the target's vocabulary "
+                    f"0..{vocab_size - 1}")
+    return None
+
+
 @dataclass(frozen=True)
 class Declaration:
     """A drafter, declared once at the end of its file as DRAFTER = Declaration(...): what the rest
@@ -354,7 +405,11 @@ def to_target_vocab(z, d2t, V):
 def k_for(drafter, mode):
     """The k a drafter drafts unless told, greedy or sampling: sampling lowers acceptance, so long
     drafts stop paying (each drafter's k: docs/experiments.md)."""
-    return drafter.sampled_k if mode != "greedy" and drafter.sampled_k else drafter.default_k
+    k = drafter.sampled_k if mode != "greedy" and drafter.sampled_k else drafter.default_k
+    if not isinstance(k, int) or k < 1:
+        raise DrafterError(f"the {drafter.name} drafter's default_k (or sampled_k) is {k!r}: a "
+                           "drafter drafts 1 token a round or more; set it in its class")
+    return k
 
 
 # -----------------------------------------------------------------------------
@@ -422,7 +477,8 @@ def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
     cache.reset()
     logits, _, hid = target(x, cache=cache, hidden_layers=drafter.hidden_layers, last_only=True)
     seq = torch.cat([x[0], sampler.first_token(logits[0], x.size(1))])  # confirmed tokens
-    drafter.begin(seq.view(1, -1), hid)
+    with drafter_code(drafter, "begin"):
+        drafter.begin(seq.view(1, -1), hid)
     return seq, [seq[-1].item()], n_total, cache
 
 
@@ -448,7 +504,7 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
         k_round = min(k, n_total - len(out) - 1)  # never past max_new_tokens or the context window
         t0 = time.perf_counter()
         if k_round > 0:
-            draft, q = drafter.propose(k_round, sampler)
+            draft, q = proposal(drafter, k_round, sampler, target.config.vocab_size)
         else:
             draft, q = seq[:0], None
         n_drafted = draft.numel()  # a scheduling drafter may offer fewer than asked
@@ -465,7 +521,8 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
         n, new_ids, new = keep - 1, new_ids[:keep], new[:keep]
         cache.rollback(cache_len + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet
         seq = torch.cat([seq, new])
-        drafter.commit(n, new, {layer: h[:, :n + 1] for layer, h in hid.items()})
+        with drafter_code(drafter, "commit"):
+            drafter.commit(n, new, {layer: h[:, :n + 1] for layer, h in hid.items()})
         stats.verify_time += time.perf_counter() - t1
         stats.draft_time += t1 - t0
         stats.record(n_drafted, n)

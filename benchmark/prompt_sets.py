@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from runtime.settings import not_unicode
 from training import data
 from training import tokenizer
 
@@ -72,6 +73,8 @@ def read_requests(path):
         if not text:
             raise ValueError(f"{path} line {i} has an empty {kind}: give it some text or drop "
                              "the line")
+        if not_unicode(text):
+            raise ValueError(f"{path} line {i}: its {kind} {not_unicode(text)}")
         requests.append((kind, text))
     if not requests:
         raise ValueError(f"--prompts file {path} holds no prompts")

@@ -99,9 +99,13 @@ def _read(path, size, mtime):
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
+            version = int.from_bytes(f.read(4), "little")
         if magic != b"GGUF":
             raise refuse(path, f"it does not start with GGUF's magic bytes (it starts with "
                          f"{magic!r}): not a GGUF, or damaged")
+        if version not in (2, 3):  # the versions the gguf package reads
+            raise refuse(path, f"it is GGUF version {version}; the gguf package here reads "
+                         "versions 2 and 3 (a newer file may need: pip install -U gguf)")
         r = gguf.GGUFReader(path)
     except CheckpointError:
         raise
@@ -156,9 +160,13 @@ def read_config(path):
         positive[name] = m(key, int)
         if positive[name] < 1:
             raise refuse(path, f"its metadata's {arch}.{key} is {positive[name]}")
+    claims_what_it_holds(r, path, arch, positive)
     n_head = positive["n_head"]
     n_kv = m("attention.head_count_kv", int, n_head)
     head_dim = m("attention.key_length", int, positive["n_embd"] // n_head)
+    if positive["n_embd"] % n_head and head_dim == positive["n_embd"] // n_head:
+        raise refuse(path, f"its {arch}.embedding_length {positive['n_embd']} is not a multiple "
+                     f"of its {arch}.attention.head_count {n_head}")
     odd = {"attention.head_count_kv": n_kv < 1 or n_head % max(n_kv, 1),  # key -> is it odd
            "attention.value_length": m("attention.value_length", int, head_dim) != head_dim,
            "rope.dimension_count": m("rope.dimension_count", int, head_dim) != head_dim,
@@ -189,6 +197,20 @@ def read_config(path):
     cfg.rope_scaling = rope_scaling(r, path, arch, cfg)
     check_tensors(r, path, cfg)
     return cfg
+
+
+def claims_what_it_holds(r, path, arch, sizes):
+    """The metadata's layer count and width against the tensors the file holds, before a model of
+    that shape is built (a claimed 10,000 layers would take minutes and gigabytes to refuse)."""
+    layers = {int(t.name.split(".")[1]) for t in r.tensors
+              if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}
+    if layers != set(range(sizes["n_layer"])):
+        raise refuse(path, f"its {arch}.block_count is {sizes['n_layer']} but it holds tensors "
+                     f"of {len(layers)} layers (blk.0 .. blk.{max(layers, default=0)})")
+    embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+    if embd is not None and int(embd.shape[0]) != sizes["n_embd"]:
+        raise refuse(path, f"its {arch}.embedding_length is {sizes['n_embd']} but "
+                     f"token_embd.weight is {int(embd.shape[0])} wide")
 
 
 def vocab_size(r, path, arch):

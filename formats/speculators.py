@@ -29,6 +29,7 @@ docs/your_model.md takes a model folder to a served drafter with these.
 import functools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -227,7 +228,7 @@ def verifier_of(target_ckpt, name):
         c = read_json(source)
         served = {"architectures": c.get("architectures") or [], "hub_id": None,
                   "context": c.get("max_position_embeddings")}
-    name = name or served["hub_id"]
+    name = given_verifier(name) if name is not None else served["hub_id"]
     if name is None:
         if os.path.isfile(source):
             raise ValueError(f"the target was read from the GGUF {source}, which names no model "
@@ -240,6 +241,25 @@ def verifier_of(target_ckpt, name):
         name = os.path.abspath(source)
     return {"name_or_path": name, "architectures": served["architectures"],
             "max_position_embeddings": served["context"]}
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # owner/name, or a bare name
+
+
+def given_verifier(name):
+    """--verifier as config.json writes it: a folder here (its absolute path), or a hub id (which
+    cannot be checked offline: a note says so). Anything else is refused."""
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    if not name:
+        raise ValueError("--verifier is empty: give the verifier's folder or hub id, or leave "
+                         "the flag out for the model the target was read from")
+    if not HUB_ID.fullmatch(name) or os.path.exists(name) or name.startswith("."):
+        raise ValueError(f"--verifier {name} is neither a folder here nor a hub id (owner/name): "
+                         "give the folder where the model is, or its hub id")
+    print(f"note: --verifier {name} is no folder here: written as a hub id, not checked (an "
+          "engine downloads it from there)")
+    return name
 
 
 def trained_network(out_dir, kind):

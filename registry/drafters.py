@@ -79,7 +79,7 @@ def check_stage(name, stages, stage):
     """What a stage file must hold for train.py, checked before anything trains: its settings a
     dataclass of setting() fields among them `iters` and `lr` (training/stage.py), and every
     out/<name>.pt it saves named after its drafter (a save's name read from its source)."""
-    where, cls = f"training/stages_{name}.py", stage.settings
+    where, cls = stages.__name__.replace(".", "/") + ".py", stage.settings
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise RegistryError(f"{where}: its settings {getattr(cls, '__name__', cls)} are not a "
                             "dataclass: write @dataclass above the class (README: Adding a "
@@ -134,7 +134,8 @@ def check(entries):
             raise RegistryError(f"{name!r} cannot name a drafter: use a lower-case Python name, "
                                 "not 'target' or 'ar'")
         if name in seen:
-            raise RegistryError(f"two drafters are named {name!r}: give each its own name")
+            raise RegistryError(f"{seen[name].lesson.__name__}.py and {e.lesson.__name__}.py both "
+                                f"declare the drafter {name!r}: give each its own name")
         builds_on = e.stage.builds_on if e.stage else None
         if builds_on is not None and (seen.get(builds_on) is None or seen[builds_on].stage is None):
             raise RegistryError(f"{name}'s stage builds on {builds_on!r}, which is no learned "

@@ -17,6 +17,9 @@ import os
 import re
 import signal
 import sys
+import traceback
+
+from speculative import DrafterError
 
 
 class Terminated(KeyboardInterrupt):
@@ -46,12 +49,19 @@ def ending(code=1):
 
 
 def run(main, errors=(), interrupted="nothing was written"):
-    """main() as a command. An exception of `errors` ends in 'error: ...' and exit status 1; an
+    """main() as a command. An exception of `errors` ends in 'error: ...' and exit status 1 (a
+    speculative.DrafterError too, then the drafter's own traceback); an
     interruption in 'interrupted: <interrupted>' (a string, or a function giving one then) and
     exit status 130 (Ctrl-C) or 143 (SIGTERM)."""
     previous = sigterm_as_interrupt(), signal.getsignal(signal.SIGINT)
     try:
         return main()
+    except DrafterError as e:  # a drafter's bug: its name first, then where in its code
+        ending()
+        print(f"error: {e}", file=sys.stderr)
+        if e.__cause__ is not None:
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        raise SystemExit(1) from None
     except errors as e:
         ending()
         raise SystemExit(f"error: {e}") from None

@@ -68,6 +68,32 @@ def number(kind=int, lo=None, hi=None, above=None):
     return parse
 
 
+def not_unicode(text):
+    """Why `text` is not valid Unicode (None: it is): a byte that is not UTF-8 from a terminal
+    of another encoding (Python keeps it as a lone surrogate, \\udc80..\\udcff), or a lone
+    surrogate escape from a JSON file (\\ud800). No tokenizer encodes either."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        what = (f"the byte 0x{ord(bad) - 0xDC00:02x}, which is not UTF-8 (a terminal in "
+                "another encoding?)" if 0xDC80 <= ord(bad) <= 0xDCFF else
+                f"a lone surrogate \\u{ord(bad):04x}")
+        return f"holds {what} at character {e.start + 1}: give it as UTF-8 text"
+
+
+def text_arg(text):
+    """An argparse type for text a tokenizer will encode: valid Unicode, refused in one line."""
+    why = not_unicode(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+text_arg.__name__ = "text"
+
+
 def _made_blocked(p):
     """Can folder p not be made because a file sits where a folder above it must be?"""
     up = os.path.abspath(p)

@@ -103,11 +103,57 @@ def test_drafters_naming_no_stage_and_dspark_over_a_draft_vocabulary_are_refused
 
 
 def test_the_real_cpu_preset_plans_the_chat_set_and_dflash_alone(tiny_file, corpus, tmp_path):
-    run_ = train.resolve_args(["--preset", "real-cpu", "--init-from", tiny_file, "--data", corpus,
-                               "--out-dir", str(tmp_path), "--device", "cpu", "--block-size",
-                               "128"])
-    assert run_.drafters == "dflash" and run_.settings["dflash"].vocab == 8192
+    argv = ["--preset", "real-cpu", "--init-from", tiny_file, "--data", corpus, "--out-dir",
+            str(tmp_path), "--device", "cpu", "--block-size", "128", "--gen-tokens", "64"]
+    # its draft vocabulary is a real model's: more than this tiny file's whole vocabulary
+    refused(run("train.py", *argv), "--dflash-vocab 8192", "vocabulary of 269")
+    run_ = train.resolve_args([*argv, "--dflash-vocab", "40"])
+    assert run_.drafters == "dflash" and run_.settings["dflash"].vocab == 40
     phases = [name for name, _ in flags.plan(run_, train.STAGES)]
     assert phases == ["distill", "dflash"]  # the target is read, not trained
     assert "--init-from" in refused(run("train.py", "--preset", "real-cpu", "--out-dir",
                                         tmp_path))
+
+
+def test_chat_set_sizes_that_cannot_work_are_refused_before_the_work(tiny_file, corpus, tmp_path):
+    """Answers as long as the window, a draft vocabulary larger than the target's or of one token:
+    one line naming the flags, before anything is imported or answered."""
+    out = tmp_path / "o"
+    base = ("--init-from", tiny_file, "--block-size", "128", "--drafters", "dflash",
+            "--gen-prompts", "chat")
+    for extra, needles in [(("--gen-tokens", "128"), ("--gen-tokens 128", "--block-size 128")),
+                           (("--gen-tokens", "12", "--dflash-vocab", "100000"),
+                            ("--dflash-vocab 100000", "vocabulary of 269")),
+                           (("--gen-tokens", "12", "--dflash-vocab", "1"), ("--dflash-vocab 1",))]:
+        refused(run("train.py", *tiny_args(corpus, out, *base, *extra)), *needles)
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_chat_set_too_small_for_a_window_names_the_flag():
+    """(It is packed after every answer is saved: a rerun with more --gen-seqs answers only the
+    rest.)"""
+    assert chat_set.packed([[1, 2, 3], [4, 5, 6, 7, 8]], 4).tolist() == [[1, 2, 3, 4]]  # cut at 4
+    with pytest.raises(ValueError, match="2 conversations hold 5 tokens, less than one 8-token "
+                                         "training window: raise --gen-seqs"):
+        chat_set.packed([[1, 2], [3, 4, 5]], 8)
+
+
+def test_a_chat_set_of_ids_outside_the_vocabulary_is_answered_anew(chat_drafter, tmp_path, capsys):
+    path = str(tmp_path / "chat_set.pt")
+    ck = load_checkpoint(str(chat_drafter / "chat_set.pt"), "chat_set")
+    save_checkpoint({**ck, "conversations": [[1, 2, 10_000]] * 6}, path)
+    target, tck = load_target(str(chat_drafter / "target.pt"))
+    enc = data.encoding_of(data.load_build(str(chat_drafter)))
+    convs = chat_set.write(target, Chat(**tck["chat"]), enc, 6, 12, 1337, path, ck["settings"],
+                           torch.bfloat16)
+    assert "outside the target's 269; answering anew" in capsys.readouterr().out
+    assert convs == ck["conversations"]
+
+
+def test_ctrl_c_while_answering_says_the_answers_so_far_are_kept(monkeypatch):
+    from training.trainer import Phase, kept
+    monkeypatch.setattr(Phase, "running", None)
+    monkeypatch.setattr(chat_set, "saved", (192, 768, "out/chat_set.pt"))
+    assert "out/chat_set.pt keeps the chat set's 192/768 answers so far" in kept()
+    monkeypatch.setattr(chat_set, "saved", None)
+    assert "192" not in kept()

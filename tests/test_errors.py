@@ -252,3 +252,21 @@ def test_bench_refuses_a_batch_size_given_twice_and_an_unknown_hybrid_partner(tr
                      "--hybrid-with", "nosuch")
     one_clear_error(rc, err, "argument --hybrid-with: invalid choice: 'nosuch'")
     assert "lookup" not in err.split("choose from")[1]
+
+
+def test_a_drafters_bug_is_its_name_then_its_traceback(capsys):
+    """A bug inside a drafter is not a user's error: the first line names the drafter, the
+    traceback under it shows where in its code (a student must see it); exit status 1."""
+    from runtime.command import run
+    from speculative import DrafterError
+
+    def main():
+        try:
+            {}["missing"]
+        except KeyError as e:
+            raise DrafterError("the rest drafter failed inside its propose(): KeyError") from e
+    with pytest.raises(SystemExit) as e:
+        run(main, errors=(ValueError,))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: the rest drafter failed inside")
+    assert "Traceback" in err and '{}["missing"]' in err

@@ -182,6 +182,18 @@ def test_bench_py_names_the_new_tokens_that_fit(out, corpus):
     refused(run("bench.py", *with_flag(argv, "--prompt-len", "500")), "--prompt-len 500")
 
 
+def test_text_that_is_not_unicode_is_one_error_line(out, corpus, tmp_path):
+    """A byte from a terminal of another encoding (Python keeps it as a lone surrogate) and a
+    JSON lone surrogate escape: refused where the text enters, naming it, not in the tokenizer."""
+    argv = fast("sample.py", out, corpus)
+    refused(run("sample.py", *with_flag(argv, "--prompt", "caf\udce9")), "--prompt", "0xe9")
+    refused(run("sample.py", *with_flag(argv, "--chat", "x\udcff")), "--chat", "0xff")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n')
+    refused(run("bench.py", *with_flag(fast("bench.py", out, corpus), "--prompts", bad)),
+            "line 2", "lone surrogate \\ud800")
+
+
 def test_plot_py_checks_where_it_draws_before_it_reads(out, tmp_path, things):
     """The figure's file, named or beside the JSON: one error line, never a traceback."""
     results = tmp_path / "r.json"

@@ -183,11 +183,12 @@ def test_the_chat_modules_docstring_example_runs():
 def bad_file(tmp_path, how):
     """A GGUF damaged or unreadable in one way -> its path."""
     path = tmp_path / "bad.gguf"
-    if how in ("header", "data", "magic", "empty"):
+    if how in ("header", "data", "magic", "empty", "version"):
         gf.write_tiny(path, "llama", "Q8_0")
         raw = path.read_bytes()
         path.write_bytes({"header": raw[:300], "data": raw[:-4096], "magic": b"PK\x03\x04" +
-                          raw[4:], "empty": b""}[how])
+                          raw[4:], "empty": b"", "version": raw[:4] + (99).to_bytes(4, "little")
+                          + raw[8:]}[how])
         return path
     cfg, arch, vocab, extra = gf.tiny_config("llama"), "llama", gf.byte_vocab(), {}
     if how == "arch":
@@ -210,6 +211,10 @@ def bad_file(tmp_path, how):
         extra["__rope__"] = True
     if how == "heads":
         cfg = LlamaConfig(**{**vars(cfg), "n_kv_head": 3})
+    if how == "layers":  # metadata that claims far more than the file holds
+        cfg = LlamaConfig(**{**vars(cfg), "n_layer": 10_000})
+    if how == "width":
+        cfg = LlamaConfig(**{**vars(cfg), "n_head": 3, "head_dim": cfg.n_embd // 3})
     if how == "experts":
         extra["llama.expert_count"] = 8
     rope = np.ones(cfg.head_dim // 2, np.float16) if extra.pop("__rope__", False) else None
@@ -225,6 +230,8 @@ def bad_file(tmp_path, how):
     ("shape", "output_norm.weight is (128,)"), ("eos", "eos_token_id 10000"),
     ("heads", "K/V heads that do not divide"), ("experts", "a mixture of experts"),
     ("merges", "tokenizer does not build"), ("rope", "rope_freqs.weight is F16"),
+    ("version", "GGUF version 99"), ("layers", "block_count is 10000 but it holds tensors of 2"),
+    ("width", "embedding_length 256 is not a multiple of its llama.attention.head_count 3"),
 ])
 def test_a_bad_file_is_one_error_line_and_nothing_is_written(tmp_path, corpus, how, needle):
     path = bad_file(tmp_path, how)

@@ -3,6 +3,7 @@ greedy and coupled sampling are token-identical to plain decoding (float64), rej
 sampling has the target's distribution, caches after a rejection equal a fresh prefill,
 and generation stops exactly where it should."""
 
+import copy
 import math
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 from conftest import make, tiny_gpt, within
 from registry import drafters as registry
 from runtime.profiling import add_stats
-from speculative import (NOISE_CHUNK, Drafter, Sampler, Stats, generate_plain, generate_speculative,
-                         k_for, keyed_gumbel)
+from speculative import (NOISE_CHUNK, Drafter, DrafterError, Sampler, Stats, generate_plain,
+                         generate_speculative, k_for, keyed_gumbel)
 
 
 def prompts(n, vocab, seed=0):
@@ -73,6 +74,68 @@ def test_coupled_is_token_identical_to_plain_sampling(target, drafter_name, temp
     # and the seed matters: a different seed gives different text (the test can fail)
     other = generate_plain(target, p, 40, Sampler("coupled", temperature, None, seed + 1))
     assert other != ref
+
+
+def test_every_drafter_drafts_on_text_it_should_match(target, drafter_name):
+    """The target's own greedy text, said twice: every drafter offers tokens there (a drafter that
+    never drafts passes every exactness test above unseen: its loop is plain decoding)."""
+    text = generate_plain(target, [5, 6, 7], 24, Sampler("greedy"))
+    drafter = make(drafter_name, target)
+    _, stats = generate_speculative(target, drafter, [5, 6, 7, *text, 5, 6, 7], 24,
+                                    within(drafter, 4), Sampler("greedy"))
+    assert stats.drafted_at[0] > 0, f"{drafter_name} drafted nothing in {stats.rounds} rounds"
+
+
+def test_no_state_leaks_from_one_request_to_the_next(target, drafter_name):
+    """A drafter that served one request drafts for the next exactly as a fresh copy does, round
+    for round. What moves with the clock describes the machine, not the request, and carries over
+    by design: DSpark's timed scheduler is set to its fixed threshold here; the hybrid, which picks
+    its half by the clock, is left out."""
+    if drafter_name.startswith("hybrid"):
+        pytest.skip("the hybrid picks its half each round by measured times")
+    drafter = make(drafter_name, target)
+    if getattr(drafter, "schedule", None) == "auto":
+        drafter.schedule, drafter.measured = "threshold", False
+    fresh = copy.deepcopy(drafter)
+    first, second = prompts(2, target.config.vocab_size, seed=5)
+    k = within(drafter, 4)
+    generate_speculative(target, drafter, first, 30, k, Sampler("greedy"))
+    after, alone = [], []
+    generate_speculative(target, drafter, second, 30, k, Sampler("greedy"), trace=after)
+    generate_speculative(target, fresh, second, 30, k, Sampler("greedy"), trace=alone)
+    assert after == alone
+
+
+def test_a_drafter_that_breaks_its_contract_is_named_with_the_rule(target):
+    """Proposals the loop cannot verify, and a bug inside a drafter: a DrafterError naming the
+    drafter and the rule (the command prints it, then the drafter's traceback), not a traceback
+    deep in the verify."""
+    class Bad(Drafter):
+        name = "bad"
+
+        def __init__(self, give):
+            self.give = give
+
+        def begin(self, tokens, hidden):
+            pass
+
+        def propose(self, k, sampler):
+            return self.give(k)
+
+        def commit(self, n, new, hidden):
+            pass
+    V = target.config.vocab_size
+    for give, needle in [(lambda k: ([1, 2], None), "its tokens are a list"),
+                         (lambda k: torch.tensor([1] * (k + 1)), "not (tokens, q)"),
+                         (lambda k: (torch.tensor([1] * (k + 1)), None), "5 tokens where at most"),
+                         (lambda k: (torch.tensor([V]), None), f"token id {V}, outside"),
+                         (lambda k: {}["key"], "failed inside its propose(): KeyError")]:
+        with pytest.raises(DrafterError, match="the bad drafter") as e:
+            generate_speculative(target, Bad(give), [1, 2, 3], 10, 4, Sampler("greedy"))
+        assert needle in str(e.value)
+    Bad.default_k = 0
+    with pytest.raises(DrafterError, match="the bad drafter's default_k"):
+        k_for(Bad(None), "greedy")
 
 
 def test_random_drafter_is_rejected_often(target):

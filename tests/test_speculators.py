@@ -271,7 +271,12 @@ def test_the_verifier_is_what_the_import_recorded_and_never_a_path_that_is_gone(
     save_checkpoint({**ckpt, "init_from": str(tmp_path / "gone")}, str(out / "target.pt"))
     refused(exported(out, "dflash", tmp_path / "x"), "gone", "--verifier")
     assert not (tmp_path / "x").exists()
-    succeeded(exported(out, "dflash", tmp_path / "x", "--verifier", "Org/Model"))
+    for bad, needle in [(str(tmp_path / "missing"), "neither a folder here nor a hub id"),
+                        ("", "--verifier is empty")]:
+        refused(exported(out, "dflash", tmp_path / "x", "--verifier", bad), needle)
+        assert not (tmp_path / "x").exists()
+    said = succeeded(exported(out, "dflash", tmp_path / "x", "--verifier", "Org/Model"))
+    assert "Org/Model is no folder here: written as a hub id, not checked" in said
     c = json.loads((tmp_path / "x" / "config.json").read_text())
     assert c["speculators_config"]["verifier"] == {"name_or_path": "Org/Model",
                                                    "architectures": ["Qwen3ForCausalLM"]}
@@ -413,7 +418,9 @@ def test_check_reads_a_bfloat16_folder_in_float32_and_needs_no_verifier_folder(h
     both in float32. Its verifier gone: a note, and the check still runs (the target in out/ is
     the model it drafts for)."""
     folder = tmp_path / "exp"
+    (tmp_path / "nowhere").mkdir()
     succeeded(exported(hf_run[1], "dflash", folder, "--verifier", str(tmp_path / "nowhere")))
+    (tmp_path / "nowhere").rmdir()
     printed = succeeded(run(SCRIPT, "check", folder, "--out-dir", hf_run[1]))
     assert "is not a folder here" in printed and "max |difference|" in printed
 

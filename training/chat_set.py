@@ -27,6 +27,7 @@ from serving.batched import BatchSampler, generate_plain_batched
 from training import data
 
 BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)
+saved = None  # while the set is being answered: (answers kept, answers wanted, the file), for Ctrl-C
 
 # how a function becomes a request: a Python user's four usual asks
 ASKS = (
@@ -85,13 +86,18 @@ def requests(n, seed):
     return out
 
 
-def answered(path, want):
+def answered(path, want, vocab_size):
     """The conversations kept in `path` for these settings (an interrupted run's part), or []."""
     try:
         ck = load_checkpoint(path, "chat_set")
     except CheckpointError:  # none yet, or unreadable: it is only a cache
         return []
-    return ck["conversations"] if ck.get("settings") == want else []
+    convs = ck["conversations"] if ck.get("settings") == want else []
+    if any(t < 0 or t >= vocab_size for c in convs for t in c):
+        print(f"chat set: {path} holds token ids outside the target's {vocab_size}; answering "
+              "anew")
+        return []
+    return convs
 
 
 def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
@@ -100,15 +106,22 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
     lists]. Answered BATCH at a time, shortest prompts together; the file is rewritten after
     every batch, so a rerun starts at the first batch not written. dtype: the copy of the target
     that answers (bfloat16 on a CPU that runs it fast: about 2.4x the rows a second)."""
-    convs = answered(path, want)
+    room = target.config.sequence_len - max_new  # a request's tokens that fit before its answer
+    if room < 1:
+        raise ValueError(f"answers of up to --gen-tokens {max_new} leave no room for a request "
+                         f"in the target's {target.config.sequence_len}-token window: lower "
+                         "--gen-tokens or raise --block-size")
+    convs = answered(path, want, target.config.vocab_size)
     if len(convs) >= n:
         return convs[:n]
     prompts = sorted((chat.prompt(enc, q) for q in requests(n, seed)), key=len)
-    prompts = [p[-(target.config.sequence_len - max_new):] for p in prompts]  # fits the window
+    prompts = [p[-room:] for p in prompts]  # the end of a long request: its question
     if convs:
         print(f"chat set: {len(convs)}/{n} answers kept in {path}; answering the rest")
     model = target if dtype == torch.float32 else copy.deepcopy(target).to(dtype)
     t0, done0, tokens = time.time(), len(convs), 0
+    global saved
+    saved = (len(convs), n, path)
     for i in range(len(convs), n, BATCH):
         batch = prompts[i:i + BATCH]
         answers = generate_plain_batched(model, batch, max_new, BatchSampler("greedy", len(batch)),
@@ -117,16 +130,24 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
         tokens += sum(len(a) for a in answers)
         save_checkpoint({"kind": "chat_set", "settings": want, "state_dict": {},
                          "conversations": convs}, path)
+        saved = (len(convs), n, path)
         rate = tokens / (time.time() - t0)
         left = (n - len(convs)) / max(1, len(convs) - done0) * (time.time() - t0)
         print(f"chat set | {len(convs):5d}/{n} answers | {rate:5.0f} answer tok/s | "
               f"ETA {int(left // 60)}m{int(left % 60):02d}s", flush=True)
+    saved = None
     return convs
 
 
 def packed(convs, T):
     """The conversations, in order, end to end into (N, T) training windows (the last partial
-    window dropped; a conversation longer than a window is cut at its end)."""
+    window dropped; a conversation longer than a window is cut at its end). Too few for one
+    window: an error naming the flag (the answers stay kept)."""
     flat = [t for c in convs for t in c[:T]]
     N = len(flat) // T
+    if N < 1:
+        raise ValueError(f"the chat set's {len(convs)} conversations hold {len(flat)} tokens, "
+                         f"less than one {T}-token training window: raise --gen-seqs (to about "
+                         f"{max(2, -(-2 * T * len(convs) // max(1, len(flat))))}; the answers so "
+                         "far are kept)")
     return torch.tensor(flat[:N * T], dtype=torch.long).view(N, T)

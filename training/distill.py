@@ -48,7 +48,9 @@ class DistillSettings:
                                "in its chat template (training/chat_set.py; a request a sequence, "
                                "answered greedily); auto: chat for a target with a chat template",
                                choices=["auto", "corpus", "chat"])
-    gen_tokens: int = setting(256, "chat: the longest answer, in tokens", type=number(int, 1))
+    gen_tokens: int = setting(128, "chat: the longest answer, in tokens (under --block-size: "
+                              "its request shares the window)", type=number(int, 1), cuda=256,
+                              tiny=32, **{"real-cpu": 256})
     feature_cache: int = setting(1, "1: run the target over the distillation set once and keep its "
                                  "logits and states in host memory (bfloat16); 0: every step",
                                  type=number(int, 0, 1), cuda=0)
@@ -282,9 +284,21 @@ class DistillationSet:
     def frequent(self, n):
         """The n tokens the set holds most often, as target ids in increasing order: a draft
         vocabulary (EAGLE-3's draft_vocab_size)."""
-        counts = torch.bincount(self.text().reshape(-1).cpu(),
-                                minlength=self.target()[0].config.vocab_size)
+        V = self.target()[0].config.vocab_size
+        check_vocab(n, V)
+        counts = torch.bincount(self.text().reshape(-1).cpu(), minlength=V)
         return counts.topk(n).indices.sort().values
+
+
+def check_vocab(n, V):
+    """--dflash-vocab n against the target's V tokens (before the run: the BPE size asked for, or
+    None where only the data build will tell; frequent() checks again against the target)."""
+    if V is not None and n > V:
+        raise ValueError(f"--dflash-vocab {n} is more tokens than the target's vocabulary of {V}: "
+                         f"give at most {V}, or 0 for the whole vocabulary")
+    if n == 1:
+        raise ValueError("--dflash-vocab 1 would draft its one token every time (its loss is 0 "
+                         "from the start): give 2 or more, or 0 for the whole vocabulary")
 
 
 def restricted(logits, hid, vocab):

@@ -130,8 +130,9 @@ def resolve_args(argv, stages):
     run.settings, every stage's settings (its dataclass, filled in), each checked by its stage."""
     args = build_parser(stages, preset_of(argv)).parse_args(argv)
     if args.preset in FOR_A_FOLDER and not args.init_from:  # before anything derived from it
-        raise ValueError(f"--preset {args.preset} sizes every drafter for a model read from a "
-                         "folder: give it with --init-from DIR (docs/your_model.md)")
+        raise ValueError(f"--preset {args.preset} sizes every drafter for a model it reads: "
+                         "give it with --init-from (a model folder, a .gguf file, or an installed "
+                         "wheel's name such as smollm2; docs/your_model.md)")
     decided = {n: getattr(args, n) for n in FOLDER_DECIDES  # as given, before presets fill them
                if args.init_from and getattr(args, n) is not None}
     device = pick_device(args.device)
@@ -148,6 +149,7 @@ def resolve_args(argv, stages):
         take_shape(args)  # the folder's own problems first
         refuse_folder_flags(decided)
     run = the_run(args, stages)
+    check_sizes(run, stages)
     if run.preset in FOR_A_GPU and device == "cpu" and args.device != "cpu":
         hours = cpu_hours(run, stages)
         took = (f"about {hours:.0f} hours" if hours >= 2 else
@@ -238,9 +240,23 @@ def take_shape(args):
     for name in ("n_layer", "n_head", "n_embd"):
         setattr(args, name, getattr(cfg, name))
     args.target_family = getattr(cfg, "family", "gpt2")  # llama.LlamaConfig's; GPT-2's has none
+    args.target_vocab = cfg.vocab_size
     if args.block_size > cfg.sequence_len:
         raise ValueError(f"--block-size {args.block_size} is longer than {args.init_from}'s "
                          f"context window ({cfg.sequence_len} positions)")
+
+
+def check_sizes(run, stages):
+    """A chat set's answers against the training window, before the first expensive step: a
+    request needs room before its answer."""
+    if all(s == "target" or left_out(run, s) for s in stages):
+        return
+    want = getattr(run, "gen_prompts", "corpus")
+    if (want == "chat" or (want == "auto" and run.init_from)) and run.gen_tokens >= run.block_size:
+        raise ValueError(f"answers of up to --gen-tokens {run.gen_tokens} leave no room for a "
+                         f"request in a --block-size {run.block_size} window: lower --gen-tokens "
+                         f"(below {run.block_size}; a request and its answer share the window) "
+                         "or raise --block-size")
 
 
 def check_out_dir(run, stages):

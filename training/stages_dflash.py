@@ -13,7 +13,7 @@ import draft_dflash
 from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, widen
 from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from runtime.settings import number, setting
-from training.distill import restricted
+from training.distill import check_vocab, restricted
 from training.stage import Fit, Stage, dropped, usual_record
 
 
@@ -100,6 +100,8 @@ def phases(settings, run):
     for name, block, n_anchors, _, _ in plan:
         check_anchors(run, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
                       else "--dflash-anchors")
+    own = run.vocab_size if getattr(run, "tokenizer", "bpe") == "bpe" else None  # or smaller
+    check_vocab(settings.vocab, getattr(run, "target_vocab", None) or own)
     return [(name, steps) for name, _, _, steps, _ in plan]
 
 

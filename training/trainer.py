@@ -27,7 +27,7 @@ from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint,
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
 from formats import pretrained
-from training import ddp, distill
+from training import chat_set, ddp, distill
 from training.stage import usual_record
 from runtime.target import load_target
 
@@ -207,6 +207,10 @@ class Phase:
 def kept():
     """What an interrupted train.py kept, and how it goes on: its one line on Ctrl-C."""
     phase, again = Phase.running, "the same command"
+    if phase is None and chat_set.saved is not None:
+        done, n, path = chat_set.saved
+        return (f"{path} keeps the chat set's {done}/{n} answers so far, and every finished "
+                f"stage's checkpoint is kept: {again} answers the rest, then goes on")
     if phase is None:
         return f"every finished stage's checkpoint is kept: {again} goes on from the next stage"
     if phase.saved is None:
