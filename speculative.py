@@ -261,9 +261,10 @@ class NoLayers(tuple):
     says what to set (a drafter that reads the target's states must ask for them)."""
 
     def __getitem__(self, i):
-        raise ValueError("a drafter reads the target's hidden states but lists no hidden_layers: "
-                         "set self.hidden_layers = (layer, ...) in its __init__, the layers its "
-                         "network reads (0: the embedding, n_layer: the last block's output)")
+        raise DrafterError("a drafter reads the target's hidden states but lists no "
+                           "hidden_layers: set self.hidden_layers = (layer, ...) in its __init__, "
+                           "the layers its network reads (0: the embedding, n_layer: the last "
+                           "block's output)")
 
 
 class Drafter:

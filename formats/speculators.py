@@ -220,14 +220,10 @@ def verifier_of(target_ckpt, name):
         raise ValueError("the target was trained here, not read from a model, and vLLM serves a "
                          "drafter beside a model it loads: import one with --init-from")
     served = target_ckpt.get("source")
-    if served is None:  # imported before its checkpoint recorded this: the folder, if still there
-        if not os.path.isfile(os.path.join(source, "config.json")):
-            raise ValueError(f"the target's checkpoint predates what an export needs of {source} "
-                             "(its class, its context): import the target again (train.py "
-                             "--init-from ... --only target --force)")
-        c = read_json(source)
-        served = {"architectures": c.get("architectures") or [], "hub_id": None,
-                  "context": c.get("max_position_embeddings")}
+    if served is None:  # imported before its checkpoint recorded the model's class and context
+        raise ValueError(f"the target's checkpoint predates what an export needs of {source}: "
+                         "import the target again (train.py --init-from ... --only target "
+                         "--force)")
     name = given_verifier(name) if name is not None else served["hub_id"]
     if name is None:
         if os.path.isfile(source):
@@ -247,8 +243,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # owner/name, 
 
 
 def given_verifier(name):
-    """--verifier as config.json writes it: a folder here (its absolute path), or a hub id (which
-    cannot be checked offline: a note says so). Anything else is refused."""
+    """--verifier as config.json writes it: a folder here, or a hub id (unchecked offline)."""
     if os.path.isdir(name):
         return os.path.abspath(name)
     if not name:

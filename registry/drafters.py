@@ -134,8 +134,8 @@ def check(entries):
             raise RegistryError(f"{name!r} cannot name a drafter: use a lower-case Python name, "
                                 "not 'target' or 'ar'")
         if name in seen:
-            raise RegistryError(f"{seen[name].lesson.__name__}.py and {e.lesson.__name__}.py both "
-                                f"declare the drafter {name!r}: give each its own name")
+            raise RegistryError(f"two drafters are named {name!r} ({seen[name].lesson.__name__}.py "
+                                f"and {e.lesson.__name__}.py): give each its own name")
         builds_on = e.stage.builds_on if e.stage else None
         if builds_on is not None and (seen.get(builds_on) is None or seen[builds_on].stage is None):
             raise RegistryError(f"{name}'s stage builds on {builds_on!r}, which is no learned "

@@ -289,7 +289,7 @@ def test_a_flag_the_init_from_folder_decides_is_refused(tmp_path, corpus, flag, 
 def test_a_preset_for_a_folder_without_one_names_init_from_first(tmp_path):
     for preset in ("gpu-small", "gpt2"):
         refused(run("train.py", "--preset", preset, "--out-dir", tmp_path / "out"),
-                f"--preset {preset}", "--init-from DIR")
+                f"--preset {preset}", "--init-from (a model folder")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
