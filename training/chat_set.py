@@ -86,6 +86,16 @@ def requests(n, seed):
     return out
 
 
+def check_room(max_new, window):
+    """The tokens a request keeps before an answer of up to max_new in the window (at least one),
+    or an error naming the flags: train.py asks it before anything runs (training/flags.py)."""
+    if max_new >= window:
+        raise ValueError(f"answers of up to --gen-tokens {max_new} leave no room for a request in "
+                         f"a --block-size {window} window: lower --gen-tokens (below {window}; a "
+                         "request and its answer share the window) or raise --block-size")
+    return window - max_new
+
+
 def answered(path, want, vocab_size):
     """The conversations kept in `path` for these settings (an interrupted run's part), or []."""
     try:
@@ -106,11 +116,7 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
     lists]. Answered BATCH at a time, shortest prompts together; the file is rewritten after
     every batch, so a rerun starts at the first batch not written. dtype: the copy of the target
     that answers (bfloat16 on a CPU that runs it fast: about 2.4x the rows a second)."""
-    room = target.config.sequence_len - max_new  # a request's tokens that fit before its answer
-    if room < 1:
-        raise ValueError(f"answers of up to --gen-tokens {max_new} leave no room for a request "
-                         f"in the target's {target.config.sequence_len}-token window: lower "
-                         "--gen-tokens or raise --block-size")
+    room = check_room(max_new, target.config.sequence_len)
     convs = answered(path, want, target.config.vocab_size)
     if len(convs) >= n:
         return convs[:n]

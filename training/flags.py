@@ -24,7 +24,7 @@ from runtime.settings import (ArgumentParser, add_settings, path_arg, preset_val
                               read_settings, settings_of)
 from training import data as datamod
 from formats import pretrained
-from training import ddp
+from training import chat_set, ddp
 from training.distill import DistillSettings
 from training.stage import SharedSettings, left_out
 from training.trainer import DISTILL_COST, RunSettings
@@ -252,11 +252,8 @@ def check_sizes(run, stages):
     if all(s == "target" or left_out(run, s) for s in stages):
         return
     want = getattr(run, "gen_prompts", "corpus")
-    if (want == "chat" or (want == "auto" and run.init_from)) and run.gen_tokens >= run.block_size:
-        raise ValueError(f"answers of up to --gen-tokens {run.gen_tokens} leave no room for a "
-                         f"request in a --block-size {run.block_size} window: lower --gen-tokens "
-                         f"(below {run.block_size}; a request and its answer share the window) "
-                         "or raise --block-size")
+    if want == "chat" or (want == "auto" and run.init_from):
+        chat_set.check_room(run.gen_tokens, run.block_size)
 
 
 def check_out_dir(run, stages):
