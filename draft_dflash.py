@@ -481,7 +481,7 @@ class DFlashDrafter(Drafter):
         self.check_block(k)
         h = self.draft_states(k)  # (k, d)
         S = self.seq.numel()
-        return sampler.draft(self.net.target_logits(h), list(range(S, S + k)))
+        return sampler.draft(self.net.target_logits(h), S)
 
     @torch.inference_mode()
     def commit(self, n, new, hidden):

@@ -220,38 +220,29 @@ def ece(prob, outcome, bins=10):
 # the scheduler: how many drafts to verify this round
 
 
-class Throughput:
-    """The scheduler's rule, fed the prefix survivals a_1, a_2, ... in order: admit position l
-    while it pays (tree.pays: the expected throughput (1 + sum_{j<=l} a_j) / (t_draft +
-    t_verify[l+1]) does not drop); refuse (and stay refused) at the first that does not.
-    t_verify[m]: seconds for an m-token target forward. The first position is always admitted: a
-    round verifies at least one draft. l: positions admitted so far; expected: 1 + their summed
-    survival (expected tokens per round)."""
+def admit(survival, base, t_fixed, cost):
+    """DSpark's scheduler (paper §3.2.2, Algorithm 1): how many of its drafts each request
+    verifies, over a batch of requests (serving/batched.py) or one, a batch of one.
+    survival[r]: request r's prefix survivals a_{r,1}, a_{r,2}, ... (as many as it drafted);
+    base: the requests verified this round, each with at least its last token; cost(N): seconds
+    of one target forward over N tokens in all; t_fixed: the rest of a round's seconds. Start
+    with every length 0 and admit (request, position) pairs most likely first, each adding a
+    token to the forward and its survival to the expected tokens, while expected tokens per
+    second does not drop (tree.pays); the first that does ends the search. Stopping there, not
+    searching past it, is what keeps sampling lossless (paper, Appendix A). a_{r,j} falls with
+    j, so each request's admitted drafts are a prefix of them. -> a length per request, 0 allowed."""
+    pairs = sorted((-a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row))
+    lengths, expected, n = [0] * len(survival), float(base), base
+    for neg_a, j, r in pairs:
+        if not pays(expected, -neg_a, t_fixed + cost(n), t_fixed + cost(n + 1)):
+            break
+        lengths[r], expected, n = j + 1, expected - neg_a, n + 1
+    return lengths
 
-    def __init__(self, t_draft, t_verify):
-        self.t_draft, self.t_verify = t_draft, t_verify
-        self.l, self.expected = 0, 1.0
 
-    def admit(self, survival):
-        seconds = self.t_draft + self.t_verify[self.l + 1]
-        more = self.t_draft + self.t_verify[self.l + 2]
-        if self.l >= 1 and not pays(self.expected, survival, seconds, more):
-            return False
-        self.l, self.expected = self.l + 1, self.expected + survival
-        return True
-
-
-class Threshold:
-    """The static rule, for comparison: admit while a_l >= threshold (and always the first)."""
-
-    def __init__(self, threshold):
-        self.threshold, self.l = threshold, 0
-
-    def admit(self, survival):
-        if self.l >= 1 and survival < self.threshold:
-            return False
-        self.l += 1
-        return True
+def above(survival, threshold):
+    """The static rule, for comparison: the drafts while a_j >= threshold, and always the first."""
+    return next((j for j in range(1, len(survival)) if survival[j] < threshold), len(survival))
 
 
 def expected_saving(survival, length, t_draft, t_verify):
@@ -260,15 +251,6 @@ def expected_saving(survival, length, t_draft, t_verify):
     def per_token(m):
         return (t_draft + t_verify[m + 1]) / (1 + sum(survival[:m]))
     return (per_token(len(survival)) - per_token(length)) * (1 + sum(survival[:length]))
-
-
-def admitted(rule, survival):
-    """How many of the drafts with prefix survivals a_1..a_K `rule` verifies: it is fed them in
-    order until its first refusal, and verifies nothing past it."""
-    for s in survival:
-        if not rule.admit(s):
-            break
-    return rule.l
 
 
 # -----------------------------------------------------------------------------
@@ -393,6 +375,19 @@ class DSparkDrafter(DFlashDrafter):
         self.greedy_chain = host_greedy_chain(self.markov_table)
         self.sync = None
 
+    def use_costs(self, t_draft, t_verify, sync=None):
+        """The start-up profile's costs (runtime/profiling.profile_dspark): t_draft, a round's
+        seconds besides its verify, which the rounds then measure; t_verify[m], seconds of an
+        m-token verify; sync, a wait for the device before scoring is timed."""
+        self.t_draft, self.t_verify, self.sync, self.measured = t_draft, t_verify, sync, True
+
+    def scoring_every_draft(self):
+        """A copy with state of its own that scores every draft and verifies them all: what a
+        round costs at most (the start-up profile times it)."""
+        c = self.fresh()
+        c.schedule, c.threshold = "threshold", 0.0
+        return c
+
     def reset_account(self):
         """Counts from zero: drafts verified, rounds, rounds whose drafts were scored (each one
         host sync); and the scheduler's own account (auto only): the seconds a round its cuts
@@ -432,7 +427,7 @@ class DSparkDrafter(DFlashDrafter):
             S = self.seq.numel()
 
             def draw(logits, j):
-                return sampler.draft(logits, [S + j])
+                return sampler.draft(logits, S + j)
             toks, qs = markov_chain(self.spark, base_logits[None], self.seq[-1:], draw,
                                     self.markov_table, self.markov)
             toks, qs = toks[0], (qs[0] if qs is not None else None)
@@ -465,10 +460,10 @@ class DSparkDrafter(DFlashDrafter):
         for z_j, temp in zip(z, self.conf_temp):  # on the host: k tiny steps, not k more ops
             prefix *= 0.5 * (1 + math.tanh(0.5 * z_j / temp))  # sigmoid(z_j / T_j)
             survival.append(prefix)
-        length = k
-        if self.schedule != "full":
-            length = admitted(Throughput(self.t_draft, self.t_verify) if auto
-                              else Threshold(self.threshold), survival)
+        if auto:  # one request: a batch of one, its verify costs indexed by its length
+            length = admit([survival], 1, self.t_draft, lambda n: self.t_verify[n])[0]
+        else:
+            length = above(survival, self.threshold)
         if auto:
             self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
                        time.perf_counter() - t0)

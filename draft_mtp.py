@@ -389,7 +389,7 @@ class MTPDrafter(Drafter):
             c.rollback(max(0, min(c.length, S - max(j, 2))))
 
         def draft(out, position):
-            tok, q = sampler.draft(lm_logits(self.target, out), [position])
+            tok, q = sampler.draft(lm_logits(self.target, out), position)
             drafts.append(tok)
             qs.append(q)
             return tok

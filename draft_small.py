@@ -74,7 +74,7 @@ class DraftModel(Drafter):
         drafts, qs = [], []
         for j in range(k):
             logits = self.model(pending, cache=self.cache, last_only=True)[0][0]  # (1, V)
-            tok, q = sampler.draft(logits, [S + j])
+            tok, q = sampler.draft(logits, S + j)
             drafts.append(tok)
             qs.append(q)
             if j + 1 < k:

@@ -88,7 +88,12 @@ class Sampler:
     the first in all three modes (keyed Gumbel-max is exact sampling from softmax(logits / T));
     first_token() draws the token after the prefill, from the sampler's own generator in
     rejection mode. dtype: what sampling computes in (default: sampling_dtype of the logits'
-    device). No method reads a value back to the host but verify(), once: the round's one sync."""
+    device). No method reads a value back to the host but verify(), once: the round's one sync.
+
+    One request or a batch, one object: logits (T, V) with `start`, the absolute position of
+    their first row, are one request; logits (B, T, V) with `start` a list of B positions are B
+    requests, row r with its own seed (seed: one for every row, or a list) and its own generator,
+    so that each row samples exactly what its own batch-1 run samples (serving/batched.py)."""
 
     def __init__(self, mode="greedy", temperature=1.0, top_k=None, seed=0, device="cpu",
                  dtype=None):
@@ -100,9 +105,31 @@ class Sampler:
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top-k must be a positive number of tokens (got {top_k})")
         self.mode, self.temperature, self.top_k = mode, temperature, top_k
-        self.seed, self.dtype = seed, dtype
-        self.gen = torch.Generator(device=device).manual_seed(seed)  # rejection mode only
-        self._noise = {}  # coupled mode: (chunk, V, device, dtype) -> (NOISE_CHUNK, V) noise rows
+        self.seed, self.device, self.dtype = seed, device, dtype
+        self.gens = {}  # row -> its torch.Generator (rejection mode only), made when first used
+        self.rows = {}  # row -> that row as a one-request Sampler (row())
+        self._noise = {}  # coupled mode: (row, chunk, V, device, dtype) -> (NOISE_CHUNK, V) rows
+
+    def seed_of(self, r):
+        if not isinstance(self.seed, (list, tuple)):
+            return self.seed
+        if r >= len(self.seed):
+            raise ValueError(f"{len(self.seed)} seeds for a batch of more rows: give one a row")
+        return self.seed[r]
+
+    def gen(self, r=0):
+        """Row r's random generator (rejection sampling), seeded with its seed."""
+        if r not in self.gens:
+            self.gens[r] = torch.Generator(device=self.device).manual_seed(self.seed_of(r))
+        return self.gens[r]
+
+    def row(self, r):
+        """Row r as a one-request Sampler sharing its generator (a drafter run row by row)."""
+        if r not in self.rows:
+            self.rows[r] = Sampler(self.mode, self.temperature, self.top_k, self.seed_of(r),
+                                   self.device, self.dtype)
+            self.rows[r].gens = {0: self.gen(r)}
+        return self.rows[r]
 
     def float_dtype(self, device):
         return self.dtype or sampling_dtype(device)
@@ -118,93 +145,134 @@ class Sampler:
     def probs(self, logits):
         return F.softmax(self.scaled(logits), dim=-1)
 
-    def sample(self, p):
-        """One token per row of probabilities p (..., V) from this sampler's generator: argmax p /
-        E, E ~ Exp(1), exactly torch.multinomial's one draw (same generator, same tokens) without
+    def sample(self, p, r=0):
+        """One token per row of probabilities p (..., V) from row r's generator: argmax p / E,
+        E ~ Exp(1), exactly torch.multinomial's one draw (same generator, same tokens) without
         its two checks of its input, each an .item(): a host sync per sampled token on a GPU."""
-        return (p / torch.empty_like(p).exponential_(generator=self.gen)).argmax(-1)
+        return (p / torch.empty_like(p).exponential_(generator=self.gen(r))).argmax(-1)
 
-    def pick(self, logits, positions):
-        """(T, V) logits for tokens at absolute `positions` -> (T,) tokens. Deterministic."""
+    def pick(self, logits, start):
+        """Logits (T, V) from position `start` on -> (T,) tokens; or (B, T, V) -> (B, T), row r
+        from start[r]. Deterministic."""
         if self.mode == "greedy":
             return logits.argmax(-1)
-        noise = self.noise(positions, logits.size(-1), logits.device)
+        noise = self.noise(start, logits.size(-2), logits.size(-1), logits.device)
         return (self.scaled(logits) + noise).argmax(-1)
 
-    def noise(self, positions, vocab_size, device):
-        """keyed_gumbel's rows for these consecutive positions, made NOISE_CHUNK positions at a
-        time and kept until the positions move past them. Why: a round's drafter and its verify
-        want the same positions, and one call for 32 rows costs far less than 32 one-row calls
-        (docs/experiments.md: Coupled sampling: noise in chunks). The noise is a pure function
-        of the position: plain decoding sees the very same numbers, however it asks."""
-        dtype = self.float_dtype(device)
-        start, n = consecutive(positions, "noise")
-        first, last = start // NOISE_CHUNK, (start + n - 1) // NOISE_CHUNK
+    def noise(self, start, T, vocab_size, device):
+        """keyed_gumbel's (T, V) rows for positions start .. start + T - 1 (a list of starts: (B,
+        T, V), row r's by its own seed), made NOISE_CHUNK positions at a time and kept until the
+        positions move past them. Why: a round's drafter and its verify want the same positions,
+        and one call for 32 rows costs far less than 32 one-row calls (docs/experiments.md:
+        Coupled sampling: noise in chunks). The noise is a pure function of the seed and the
+        position: plain decoding sees the very same numbers, however it asks."""
+        if isinstance(start, (list, tuple)):
+            return torch.stack([self.noise_of(r, s, T, vocab_size, device)
+                                for r, s in enumerate(start)])
+        return self.noise_of(0, start, T, vocab_size, device)
+
+    def noise_of(self, r, start, T, vocab_size, device):
+        """Row r's noise at positions start .. start + T - 1."""
+        dtype, seed = self.float_dtype(device), self.seed_of(r)
+        first, last = start // NOISE_CHUNK, (start + T - 1) // NOISE_CHUNK
         rows = []
         for c in range(first, last + 1):
-            key = (c, vocab_size, str(device), dtype)
+            key = (r, c, vocab_size, str(device), dtype)
             if key not in self._noise:
                 span = range(c * NOISE_CHUNK, (c + 1) * NOISE_CHUNK)
-                self._noise[key] = keyed_gumbel(self.seed, span, vocab_size, device, dtype)
+                self._noise[key] = keyed_gumbel(seed, span, vocab_size, device, dtype)
             rows.append(self._noise[key])
-        # positions only move forward within a generation: forget the chunks behind this one
-        self._noise = {key: v for key, v in self._noise.items() if first <= key[0] <= last}
+        # a row's positions only move forward: forget the chunks behind this one (rows of a
+        # batch keep their own: each row's chunks sit near its own position)
+        self._noise = {key: v for key, v in self._noise.items()
+                       if key[0] != r or first <= key[1] <= last}
         offset = start - first * NOISE_CHUNK
         noise = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return noise[offset:offset + n]
+        return noise[offset:offset + T]
 
-    def draft(self, logits, positions):
+    def draft(self, logits, start, ks=None):
         """The drafter's choice: (tokens, q) where q is the distribution it sampled from
-        (rejection mode needs the real q; the other modes compare tokens only)."""
+        (rejection mode needs the real q; the other modes compare tokens only). A batch: ks[r],
+        row r drafts only its first ks[r] slots (rejection mode draws nothing for the others, so
+        each row's generator moves as in its batch-1 run); None: every slot."""
         if self.mode != "rejection":
-            return self.pick(logits, positions), None
+            return self.pick(logits, start), None
         q = self.probs(logits)
-        return self.sample(q), q
+        if q.dim() == 2:
+            return self.sample(q), q
+        ks = ks if ks is not None else [q.size(1)] * q.size(0)
+        # row r from its own generator, its first ks[r] slots in one draw
+        toks = torch.zeros(q.shape[:2], dtype=torch.long, device=q.device)
+        for r, k in enumerate(ks):
+            toks[r, :k] = self.sample(q[r, :k], r)
+        return toks, q
 
-    def first_token(self, logits, position):
-        """The target's token after the prefill (rejection mode draws from p with its own RNG)."""
+    def first_token(self, logits, start):
+        """The target's token after the prefill: logits (1, V) -> (1,), or (B, 1, V) -> (B, 1)
+        (rejection mode draws from p with each row's own generator)."""
         if self.mode != "rejection":
-            return self.pick(logits, [position])
-        return self.sample(self.probs(logits))
+            return self.pick(logits, start)
+        p = self.probs(logits)
+        if p.dim() == 2:
+            return self.sample(p)
+        return torch.stack([self.sample(p[r], r) for r in range(p.size(0))])
 
-    def verify(self, logits, draft, q, positions):
-        """logits (k+1, V) of the target over [last, d1..dk]; draft (k,). Returns (n accepted,
-        new_ids, new): the n surviving drafts and the target's own token after them, as host
-        ints (a list of n+1) and as a device tensor (n+1,). Exactly one host sync (a .tolist())."""
-        k = draft.numel()
+    def verify(self, logits, drafts, counts, q, start):
+        """logits (B, T, V) of the target over each row's [last, d1..d_counts[r]]; drafts (B, K),
+        row r's first counts[r] real; start[r]: the absolute position of row r's first logits.
+        Returns (n, ids, new): n[r] drafts of row r survived (host ints); new (B, T) holds, in
+        row r's first n[r] + 1 slots, those drafts and the target's own token after them, and
+        ids[r] the same as a host list. Exactly one host sync (a .tolist())."""
         if self.mode == "rejection":
-            return self.verify_rejection(logits, draft, q)
-        t = self.pick(logits, positions)  # (k+1,) what the target itself would emit
-        both = torch.cat([t, draft]).tolist()  # host sync
-        t_ids, d = both[:k + 1], both[k + 1:]
-        n = 0
-        while n < k and d[n] == t_ids[n]:
-            n += 1
+            return self.verify_rejection(logits, drafts, counts, q)
+        t = self.pick(logits, start)  # (B, T) what the target itself would emit
+        K = drafts.size(1)
+        live = torch.arange(K, device=t.device) < torch.tensor(counts, device=t.device)[:, None]
+        # n[r]: row r's drafts that match the target's picks before the first that does not
+        n = ((drafts == t[:, :K]) & live).int().cumprod(1).sum(1)
         # the surviving drafts equal the target's picks, so `t` serves as both: no upload
-        return n, t_ids[:n + 1], t[:n + 1]
+        return self.read(n, t)
 
-    def verify_rejection(self, logits, draft, q):
+    def verify_rejection(self, logits, drafts, counts, q):
         """Accept d_i ~ q with probability min(1, p(d_i)/q(d_i)); at the first rejection n draw
         the token from norm(max(0, p_n - q_n)), exactly what makes the output distribution p; if
-        all k survive, a free bonus token from p_k. Every step on the device; one read back."""
-        k, dev = draft.numel(), logits.device
-        p = self.probs(logits)  # (k+1, V)
-        n, rows = torch.full((1,), k, device=dev), p[k:]
-        if k > 0:
-            idx = torch.arange(k, device=dev)
-            ratio = p[idx, draft] / q[idx, draft]
-            r = torch.rand(k, generator=self.gen, device=dev, dtype=ratio.dtype)
-            rejected = r >= ratio
-            # n: the survivors before the first rejection
-            n = torch.where(rejected.any(), rejected.int().argmax(), k).view(1)
-            resid = (p[:k] - q).clamp_min(0)
+        all of a row's drafts survive, a free bonus token from p. Every step on the device, one
+        read back. Row r draws from its own generator, in its batch-1 order (its rand for its
+        own drafts, then its token)."""
+        p = self.probs(logits)  # (B, T, V)
+        (B, T, V), K, dev = p.shape, drafts.size(1), p.device
+        c = n = torch.tensor(counts, device=dev)
+        rows = p.gather(1, n.view(B, 1, 1).expand(B, 1, V))[:, 0]  # (B, V): p after every draft
+        if K > 0:
+            pd = p[:, :K].gather(2, drafts[..., None])[..., 0]  # (B, K) p(d_i)
+            qd = q.gather(2, drafts[..., None])[..., 0]
+            u = torch.ones(B, K, device=dev, dtype=pd.dtype)  # padding: never accepted
+            for r, m in enumerate(counts):
+                if m:
+                    u[r, :m] = torch.rand(m, generator=self.gen(r), device=dev, dtype=pd.dtype)
+            rejected = (u >= pd / qd) | (torch.arange(K, device=dev) >= c[:, None])
+            # n: each row's survivors before its first rejection
+            n = torch.where(rejected.any(1), rejected.int().argmax(1), K).minimum(c)
+            p_n = p.gather(1, n.view(B, 1, 1).expand(B, 1, V))[:, 0]  # (B, V)
+            q_n = q.gather(1, n.clamp_max(K - 1).view(B, 1, 1).expand(B, 1, V))[:, 0]
+            resid = (p_n - q_n).clamp_min(0)
             # mass is 0 only if rounding made p <= q everywhere: then take p itself
             mass = resid.sum(-1, keepdim=True)
-            rows = torch.cat([torch.where(mass > 0, resid / mass, p[:k]), p[k:]]).index_select(0, n)
-        tok = self.sample(rows)  # (1,)
-        vals = torch.cat([n, tok, draft]).tolist()  # host sync
-        m = vals[0]
-        return m, vals[2:2 + m] + [vals[1]], torch.cat([draft[:m], tok])
+            fixed = torch.where(mass > 0, resid / mass.clamp_min(1e-300), p_n)
+            rows = torch.where((n < c)[:, None], fixed, p_n)
+        tok = torch.stack([self.sample(rows[r], r) for r in range(B)])  # (B,)
+        new = drafts.new_zeros(B, K + 1)
+        new[:, :K] = drafts
+        new.scatter_(1, n.view(B, 1), tok.view(B, 1))
+        return self.read(n, new)
+
+    @staticmethod
+    def read(n, new):
+        """-> (n as host ints, each row's n[r] + 1 new tokens as host lists, new on the device):
+        the round's one host sync."""
+        vals = torch.cat([n.view(-1, 1).to(new.dtype), new], 1).tolist()
+        ns = [v[0] for v in vals]
+        return ns, [v[1:2 + m] for v, m in zip(vals, ns)], new
 
 
 # -----------------------------------------------------------------------------
@@ -248,7 +316,7 @@ def generate_plain(model, prompt, max_new_tokens, sampler, cache=None, stop=()):
         if stop and out[i - 1].item() in stop:
             return out[:i].tolist()
         logits = model(out[i - 1:i].view(1, 1), cache=cache)[0][0]
-        out[i:i + 1] = sampler.pick(logits, [P + i])
+        out[i:i + 1] = sampler.pick(logits, P + i)
     return out.tolist()  # host sync (the only one)
 
 
@@ -516,8 +584,9 @@ def generate_speculative(target, drafter, prompt, max_new_tokens, k, sampler, ca
                                 hidden_layers=layers)
         # the round's one host sync is inside verify: n and the new tokens come back as host ints,
         # and `new` stays on the device, so nothing is uploaded or read back again this round
-        positions = range(cache_len + 1, cache_len + n_drafted + 2)
-        n, new_ids, new = sampler.verify(logits[0], draft, q, positions)
+        n, new_ids, new = sampler.verify(logits, draft.view(1, -1), [n_drafted],
+                                         None if q is None else q[None], [cache_len + 1])
+        n, new_ids, new = n[0], new_ids[0], new[0, :n[0] + 1]  # a batch of one: its row
         keep = until_stop(new_ids, stop)  # n + 1, unless a stop token came earlier
         n, new_ids, new = keep - 1, new_ids[:keep], new[:keep]
         cache.rollback(cache_len + n + 1)  # keep K/V for [last, d1..dn]; t* has none yet

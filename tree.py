@@ -99,8 +99,7 @@ def target_choices(sampler, logits, depth, start):
     next token sits at position start + 1 + depth(i): coupled sampling's noise is keyed on it."""
     if sampler.mode == "greedy":
         return logits.argmax(-1)
-    noise = sampler.noise(range(start + 1, start + 2 + max(depth)), logits.size(-1),
-                          logits.device)
+    noise = sampler.noise(start + 1, 1 + max(depth), logits.size(-1), logits.device)
     return (sampler.scaled(logits) + noise[torch.tensor(depth, device=logits.device)]).argmax(-1)
 
 
@@ -217,9 +216,8 @@ def pays(expected, p, seconds, more_seconds):
     tokens in `seconds`; with it, `expected + p` in `more_seconds` (p: the chance the node is
     kept). It pays where tokens per second do not drop. Grown best-first, each next node's p is at
     most the last one's (a node is kept only if its parent is), so the first node that does not
-    pay ends the tree: more width would only cost more. The chain's length (DSpark's scheduler,
-    draft_dspark.Throughput, asks it too), a tree's shape and a batch's width are this one
-    question (serving/rules.py asks it per batch in its own vectorised form)."""
+    pay ends the tree: more width would only cost more. A tree's shape and the drafts a request
+    or a batch of them verifies (DSpark's scheduler, draft_dspark.admit) are this one question."""
     return (expected + p) * seconds >= expected * more_seconds
 
 
@@ -342,7 +340,7 @@ class BlockTree(TreeDrafter):
         self.started()
         base = d.net.target_logits(d.draft_states(depth))  # (depth, V): one pass drafts every depth
         S, root = d.seq.numel(), int(d.seq[-1])
-        noise = (sampler.noise(range(S, S + depth), base.size(-1), base.device)
+        noise = (sampler.noise(S, depth, base.size(-1), base.device)
                  if sampler.mode == "coupled" else None)  # every depth's row at once
         scores = lambda j, prev: self.node_scores(base, j, prev, sampler, noise)  # noqa: E731
         if self.cost is None:

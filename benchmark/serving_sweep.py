@@ -27,7 +27,7 @@ import torch
 from benchmark.ablations import batch_variants
 from benchmark.report import Progress
 from registry.drafters import batched
-from serving.batched import BatchSampler, generate_batched, generate_plain_batched
+from serving.batched import generate_batched, generate_plain_batched
 from runtime.profiling import timed
 from serving.ragged import new_cache
 from speculative import Sampler, generate_plain
@@ -72,8 +72,8 @@ def run_batch(name, entry, target, batch, args, cache):
     """One method over one batch -> (token lists, BatchStats or None); a row ends at a stop token
     (a chat model's end of turn) or after args.max_new_tokens."""
     drafter, k = entry
-    sampler = BatchSampler(args.sampling, len(batch), args.temperature, args.top_k, args.seed,
-                           target.lm_head.weight.device)
+    sampler = Sampler(args.sampling, args.temperature, args.top_k, args.seed,
+                      target.lm_head.weight.device)
     if drafter is None:
         return generate_plain_batched(target, batch, args.max_new_tokens, sampler, cache,
                                       stop=args.stop), None

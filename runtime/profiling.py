@@ -81,22 +81,16 @@ def chain_as_tree(m, start, device):
 
 
 def profile_dspark(drafter, reps=9):
-    """DSpark's scheduler weighs expected tokens against seconds: t_draft, one full-block propose
-    (every position scored and admitted: the full cost) on a dummy context, then t_verify by
-    length, each try after the drafter's own forward, as in the loop. From then on its rounds
-    measure t_draft (drafter.measured), waiting for its device before scoring is timed
-    (drafter.sync). Leaves the dummy context begun."""
-    device = drafter.net.target.lm_head.weight.device
-    drafter.sync = lambda: synchronize(device)
-    saved = drafter.schedule, drafter.threshold
-    drafter.schedule, drafter.threshold = "threshold", 0.0
-    drafter.t_draft = profile_propose(drafter, drafter.net.target, drafter.max_k, reps)
-    drafter.schedule, drafter.threshold = saved
-    drafter.reset_account()
-    k = drafter.max_k
-    drafter.t_verify = profile_verify(drafter.net.target, k + 1,
-                                      between=lambda: drafter.net.target_logits(drafter.draft_states(k)))
-    drafter.measured = True
+    """DSpark's scheduler weighs expected tokens against seconds (DSparkDrafter.use_costs):
+    t_draft, one full-block propose of a copy that scores and admits every draft (the full cost)
+    on a dummy context, then t_verify by length, each try after that copy's own forward, as in
+    the loop; and how to wait for its device before scoring is timed."""
+    target, k = drafter.net.target, drafter.max_k
+    scoring_all = drafter.scoring_every_draft()
+    t_draft = profile_propose(scoring_all, target, k, reps)
+    t_verify = profile_verify(
+        target, k + 1, between=lambda: scoring_all.net.target_logits(scoring_all.draft_states(k)))
+    drafter.use_costs(t_draft, t_verify, sync=lambda: synchronize(target.lm_head.weight.device))
     return drafter
 
 

@@ -26,129 +26,10 @@ rejection sampling gives each row the target's distribution, from the row's own 
 import time
 
 import torch
-import torch.nn.functional as F
 
 from serving import ragged
-from speculative import (Sampler, Stats, check_k, generate_plain, generate_speculative,
+from speculative import (Stats, check_k, generate_plain, generate_speculative,
                          tokens_allowed, until_stop)
-
-# -----------------------------------------------------------------------------
-# sampling, one row at a time but in one pass: a Sampler per row (its own seed and generator)
-
-
-class BatchSampler:
-    """The batched twin of speculative.Sampler: `rows[r]` is row r's own Sampler, so row r's
-    coupled noise and rejection draws are exactly those of its own batch-1 run. Logits come as
-    (B, T, V) with row r's slot t at absolute position starts[r] + t. Greedy and the picks of
-    coupled sampling are one batched argmax; only the noise lookup and rejection's random draws
-    go row by row (each a slice or a tiny draw). One host read a round, in verify()."""
-
-    def __init__(self, mode, batch_size, temperature=1.0, top_k=None, seeds=0, device="cpu"):
-        seeds = [seeds] * batch_size if isinstance(seeds, int) else list(seeds)
-        if len(seeds) != batch_size:
-            raise ValueError(f"{len(seeds)} seeds for a batch of {batch_size}")
-        self.rows = [Sampler(mode, temperature, top_k, s, device) for s in seeds]
-        self.mode = mode
-
-    def scaled(self, logits):
-        return self.rows[0].scaled(logits)
-
-    def probs(self, logits):
-        return F.softmax(self.scaled(logits), dim=-1)
-
-    def noise(self, starts, T, V, device):
-        """(B, T, V) keyed noise: row r's at positions starts[r] .. starts[r] + T - 1."""
-        return torch.stack([s.noise(range(p, p + T), V, device) for s, p in zip(self.rows, starts)])
-
-    def pick(self, logits, starts):
-        """(B, T, V) -> (B, T) tokens, deterministic: greedy argmax or coupled Gumbel-max."""
-        if self.mode == "greedy":
-            return logits.argmax(-1)
-        B, T, V = logits.shape
-        return (self.scaled(logits) + self.noise(starts, T, V, logits.device)).argmax(-1)
-
-    def sample(self, p, live=None):
-        """p (B, V) -> (B,) one draw per row, each from its own row's generator; a row that is
-        not `live` draws nothing (its generator untouched) and gets token 0."""
-        zero = torch.zeros((), dtype=torch.long, device=p.device)
-        return torch.stack([s.sample(p[r]) if live is None or live[r] else zero
-                            for r, s in enumerate(self.rows)])
-
-    def first_token(self, logits, starts):
-        """(B, 1, V) after the prefill -> (B, 1)."""
-        if self.mode != "rejection":
-            return self.pick(logits, starts)
-        return self.sample(self.probs(logits[:, 0]))[:, None]
-
-    def draft(self, logits, starts, ks=None):
-        """A drafter's choice from (B, T, V): (tokens (B, T), q (B, T, V) or None). ks: row r
-        drafts only its first ks[r] slots (rejection mode draws nothing for the others, so each
-        row's generator moves as in its batch-1 run); None: every slot."""
-        if self.mode != "rejection":
-            return self.pick(logits, starts), None
-        q = self.probs(logits)
-        T = q.size(1)
-        ks = ks if ks is not None else [T] * q.size(0)
-        # slot by slot, row r from its own generator
-        return torch.stack([self.sample(q[:, t], [t < k for k in ks]) for t in range(T)], 1), q
-
-    def verify(self, logits, drafts, counts, q, starts):
-        """logits (B, T, V) of the target over each row's [last, d1..d_counts[r]]; drafts (B, K).
-        Returns (n, ids, new): n[r] drafts of row r survived (host ints); new (B, T) holds, in
-        row r's first n[r] + 1 slots, those drafts and the target's own token after them, and
-        ids[r] the same as a host list."""
-        if self.mode == "rejection":
-            return self.verify_rejection(logits, drafts, counts, q)
-        t = self.pick(logits, starts)  # (B, T) what the target itself would emit
-        K = drafts.size(1)
-        if K == 0:
-            return self.read(torch.zeros(t.size(0), dtype=torch.long, device=t.device), t)
-        live = torch.arange(K, device=t.device) < torch.tensor(counts, device=t.device)[:, None]
-        n = ((drafts == t[:, :K]) & live).int().cumprod(1).sum(1)
-        # the survivors equal the target's picks, so t serves as both
-        return self.read(n, t)
-
-    def verify_rejection(self, logits, drafts, counts, q):
-        """Rejection sampling per row (speculative.Sampler.verify_rejection, for every row in one
-        pass): accept d_i with probability min(1, p/q); at the first rejection n draw from
-        norm(max(0, p_n - q_n)); after full acceptance a bonus from p. Row r draws from its own
-        generator, in its batch-1 order (its rand for its own drafts, then its token)."""
-        p = self.probs(logits)  # (B, T, V)
-        (B, T, V), K, dev = p.shape, drafts.size(1), p.device
-        c = torch.tensor(counts, device=dev)
-        n = c
-        if K > 0:
-            pd = p[:, :K].gather(2, drafts[..., None])[..., 0]  # (B, K) p(d_i)
-            qd = q.gather(2, drafts[..., None])[..., 0]
-            u = torch.ones(B, K, device=dev, dtype=pd.dtype)  # padding: never accepted
-            for r, (s, m) in enumerate(zip(self.rows, counts)):
-                if m:
-                    u[r, :m] = torch.rand(m, generator=s.gen, device=dev, dtype=pd.dtype)
-            rejected = (u >= pd / qd) | (torch.arange(K, device=dev) >= c[:, None])
-            n = torch.where(rejected.any(1), rejected.int().argmax(1), K).minimum(c)
-        p_n = p.gather(1, n.view(B, 1, 1).expand(B, 1, V))[:, 0]  # (B, V)
-        rows = p_n
-        if K > 0:
-            q_n = q.gather(1, n.clamp_max(K - 1).view(B, 1, 1).expand(B, 1, V))[:, 0]
-            resid = (p_n - q_n).clamp_min(0)
-            mass = resid.sum(-1, keepdim=True)
-            # mass is 0 only if rounding made p <= q everywhere: then take p itself
-            fixed = torch.where(mass > 0, resid / mass.clamp_min(1e-300), p_n)
-            rows = torch.where((n < c)[:, None], fixed, p_n)
-        tok = self.sample(rows)  # (B,)
-        new = drafts.new_zeros(B, K + 1)
-        new[:, :K] = drafts
-        new.scatter_(1, n.view(B, 1), tok.view(B, 1))
-        return self.read(n, new)
-
-    @staticmethod
-    def read(n, new):
-        """-> (n as host ints, each row's n[r] + 1 new tokens as host lists, new on the device):
-        the round's one host sync."""
-        vals = torch.cat([n.view(-1, 1).to(new.dtype), new], 1).tolist()
-        ns = [v[0] for v in vals]
-        return ns, [v[1:2 + m] for v, m in zip(vals, ns)], new
-
 
 # -----------------------------------------------------------------------------
 # plain batched decoding: the baseline at batch B
@@ -187,7 +68,7 @@ def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, 
     dev = model.lm_head.weight.device
     allowed = check_prompts(model, prompts, max_new_tokens)
     if len(prompts) == 1:  # one request: the batch-1 loop's own path (generate_batched's reason)
-        out = generate_plain(model, prompts[0], max_new_tokens, sampler.rows[0], stop=stop)
+        out = generate_plain(model, prompts[0], max_new_tokens, sampler.row(0), stop=stop)
         if stats is not None:
             for _ in range(len(out) - 1):  # one plain step a token after the prefill's
                 stats.record_plain(1)
@@ -340,7 +221,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         # ragged cache, the packing and the batch rule's bookkeeping only cost there (measured:
         # docs/experiments.md, "Batched: ragged cache and packed verify"); plain decoding too
         out, one = generate_speculative(target, drafter.one_request(), prompts[0], max_new_tokens,
-                                        k, sampler.rows[0], stop=stop)
+                                        k, sampler.row(0), stop=stop)
         return [out], BatchStats.of_one(one, k)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
     stats = BatchStats(B, k)

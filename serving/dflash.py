@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from serving import ragged
-from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpolate, time_plain
+from serving.rules import CostTable, Widths, best_single_k, interpolate, time_plain
 from serving.batched import BatchDrafter, Confirmed
 from runtime.devices import synchronize
-from draft_dspark import markov_chain
+from draft_dspark import admit, markov_chain
 from draft_dflash import rope
 from gpt import attention
 
@@ -173,7 +173,7 @@ class BatchDSpark(BatchDFlash):
                 the rounds themselves measured (rules.Widths), and whole batches decoded
                 plainly where the batches it drafted, timed whole, made fewer tokens a second
                 than plain decoding: the production rule;
-      auto      DSpark's Algorithm 1 over the whole batch (rules.admit_batch): (row, position)
+      auto      DSpark's Algorithm 1 over the whole batch (draft_dspark.admit): (row, position)
                 pairs admitted in order of the confidence head's survivals until expected
                 throughput stops rising;
       goodput   one length for every row, the best for the batch by the same survivals
@@ -369,8 +369,11 @@ class BatchDSpark(BatchDFlash):
         cost, t_draft, _ = self.costs[B]
         t_fixed = float(t_draft(sum(k + 1 for k in ks if k)))
         base = sum(k > 0 for k in ks)
-        rule = admit_batch if self.schedule == "auto" else best_single_k
-        lengths = rule(est, base, t_fixed, cost)
+        if self.schedule == "auto":  # the lesson's scheduler, over the batch
+            A, L = est
+            lengths = admit([a[:n].tolist() for a, n in zip(A, L)], base, t_fixed, cost)
+        else:
+            lengths = best_single_k(est, base, t_fixed, cost)
         self._scored = (raw, lengths)  # observe() compares them with what survives
         return lengths
 

@@ -41,8 +41,8 @@ class PerRow(BatchDrafter):
             d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})
 
     def propose(self, ks, sampler):
-        got = [d.propose(k, s) if k > 0 else (None, None)
-               for d, k, s in zip(self.rows, ks, sampler.rows)]
+        got = [d.propose(k, sampler.row(r)) if k > 0 else (None, None)
+               for r, (d, k) in enumerate(zip(self.rows, ks))]
         counts = [0 if t is None else t.numel() for t, _ in got]
         K = max(counts)
         drafts = torch.zeros(len(ks), K, dtype=torch.long, device=self.device)

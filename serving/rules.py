@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from serving import ragged
-from serving.batched import BatchSampler, plain_steps
+from serving.batched import plain_steps
+from speculative import Sampler
 from runtime.devices import synchronize
 from runtime.profiling import timed
 
@@ -76,7 +77,7 @@ def time_plain(target, batch_size, context, steps=8, reps=3):
         ragged.forward(target, x, cache)
         seconds, _ = timed(lambda: plain_steps(
             target, cache, x[:, -1], [0] * B, [steps] * B, [context] * B,
-            BatchSampler("greedy", B, device=dev)), dev)
+            Sampler("greedy", device=dev)), dev)
         best = min(best, seconds / steps)
     return best
 
@@ -99,38 +100,6 @@ def as_table(survival):
     for r, row in enumerate(survival):
         A[r, :len(row)] = row
     return A, np.array([len(row) for row in survival], dtype=np.int64)
-
-
-def by_survival(survival):
-    """Every (row, draft position) pair, most likely to survive first (within a row in order:
-    a_{r,j} never rises with j, and ties go to the earlier position) -> numpy arrays (a, j, r)."""
-    A, L = as_table(survival)
-    r, j = np.nonzero(np.arange(A.shape[1]) < L[:, None])
-    a = A[r, j]
-    order = np.lexsort((j, -a))
-    return a[order], j[order], r[order]
-
-
-def lengths_of(j, r, K, batch_size):
-    """The per-row lengths the first K pairs of by_survival make."""
-    lengths = np.zeros(batch_size, dtype=np.int64)
-    np.maximum.at(lengths, r[:K], j[:K] + 1)
-    return lengths.tolist()
-
-
-def admit_batch(survival, base, t_fixed, cost):
-    """DSpark's scheduler over the batch (paper §3.2.2, Algorithm 1). survival[r]: row r's prefix
-    survivals a_{r,1}, a_{r,2}, ... (as many as it drafted); base: rows verified this round (each
-    verifies at least its last token). Start with every length 0, admit (row, position) pairs in
-    order of a, each one raising the budget N by a token and the expected tokens tau by a; stop
-    at the first admission that does not raise theta = tau / (t_fixed + cost(N)). The early stop
-    is what keeps sampling lossless (paper, Appendix A). -> a length per row, 0 allowed."""
-    a, j, r = by_survival(survival)
-    K = np.arange(len(a) + 1)
-    theta = (base + np.concatenate([[0.0], np.cumsum(a)])) / (t_fixed + cost(base + K))
-    drops = np.flatnonzero(theta[1:] <= theta[:-1])
-    stop = int(drops[0]) if len(drops) else len(a)
-    return lengths_of(j, r, stop, len(as_table(survival)[1]))
 
 
 def best_single_k(survival, base, t_fixed, cost):

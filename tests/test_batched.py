@@ -12,8 +12,9 @@ import torch
 
 from serving import batched
 from serving import ragged
-from serving.rules import CostTable, Widths, admit_batch, best_single_k, interpolate
-from serving.batched import BatchSampler, generate_batched, generate_plain_batched
+from draft_dspark import admit
+from serving.rules import CostTable, Widths, best_single_k, interpolate
+from serving.batched import generate_batched, generate_plain_batched
 from serving.drafters import PerRow
 from conftest import make, within
 from draft_dspark import DSparkDrafter
@@ -110,7 +111,7 @@ def test_plain_batched_equals_batch_one(target):
     prompts = ragged_prompts(5, target.config.vocab_size, window=window)
     for mode in ("greedy", "coupled"):
         ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 7)) for p in prompts]
-        out = generate_plain_batched(target, prompts, 30, BatchSampler(mode, 5, 0.8, None, 7))
+        out = generate_plain_batched(target, prompts, 30, Sampler(mode, 0.8, None, 7))
         assert out == ref
     assert len(out[-1]) == 6  # the long prompt's row stopped at the window
 
@@ -133,7 +134,7 @@ def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
     d = batched_drafter(drafter_name, target, len(prompts))
     out, stats = generate_batched(target, d, prompts, 30, within(d, k),
-                                  BatchSampler(mode, 5, 0.9, None, 11))
+                                  Sampler(mode, 0.9, None, 11))
     for r, (o, want) in enumerate(zip(out, ref)):
         assert o == want, f"row {r} diverged"
     assert stats.tokens == sum(len(o) for o in out)
@@ -149,11 +150,11 @@ def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode
     stop = {whole[0][6], whole[2][12]}
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11), stop=stop) for p in prompts]
     assert any(len(r) < 30 for r in ref)
-    plain = generate_plain_batched(target, prompts, 30, BatchSampler(mode, 5, 0.9, None, 11),
+    plain = generate_plain_batched(target, prompts, 30, Sampler(mode, 0.9, None, 11),
                                    stop=stop)
     d = batched_drafter(drafter_name, target, len(prompts))
     out, stats = generate_batched(target, d, prompts, 30, within(d, 4),
-                                  BatchSampler(mode, 5, 0.9, None, 11), stop=stop)
+                                  Sampler(mode, 0.9, None, 11), stop=stop)
     assert plain == ref and out == ref
     assert stats.tokens == sum(len(o) for o in out)
 
@@ -181,7 +182,7 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
     for name, one in natively_batched(target):
         native = batched_twin(one, **({"schedule": "full"} if name == "dspark" else {}))
         assert not isinstance(native, PerRow), name
-        runs = [generate_batched(target, d, prompts, 24, 3, BatchSampler(mode, 4, 0.9, None, 2))
+        runs = [generate_batched(target, d, prompts, 24, 3, Sampler(mode, 0.9, None, 2))
                 for d in (native, PerRow(one))]
         assert runs[0][0] == runs[1][0], name
         assert runs[0][1].given == runs[1][1].given, name
@@ -192,7 +193,7 @@ def test_rows_that_finish_cost_nothing_and_keep_their_tokens(target):
     without it, and its output has exactly its allowed length."""
     prompts = ragged_prompts(3, target.config.vocab_size, seed=9, window=target.config.sequence_len)
     d = batched_drafter("dflash", target, 3)
-    out, stats = generate_batched(target, d, prompts, 40, 4, BatchSampler("greedy", 3))
+    out, stats = generate_batched(target, d, prompts, 40, 4, Sampler("greedy"))
     assert [len(o) for o in out] == [40, 40, 6]
     assert stats.slots > stats.verify_tokens  # ragged rounds: the attention padded some slots
 
@@ -217,7 +218,7 @@ def test_rejection_sampling_per_row_has_the_targets_distribution(target, name):
     prompt, rows, T = [3, 1, 4, 1, 5], 2000, 1.0
     p1, p2 = exact_marginals(target, prompt, T)
     d = batched_drafter(name, target, rows)
-    sampler = BatchSampler("rejection", rows, T, None, seeds=list(range(rows)))
+    sampler = Sampler("rejection", T, None, seed=list(range(rows)))
     out, stats = generate_batched(target, d, [prompt] * rows, 3, 2, sampler)
     assert sum(stats.drafted_at) > 0 and stats.accepted_at[0] < stats.drafted_at[0]  # both paths
     for pos, p in ((0, p1), (1, p2)):
@@ -235,12 +236,12 @@ def test_rejection_sampling_per_row_has_the_targets_distribution(target, name):
 def test_algorithm_1_admits_by_survival_and_stops_at_the_first_drop():
     cost = CostTable(2, [1.0, 1.2, 1.6, 2.4])  # N = 2, 4, 6, 8 tokens
     survival = [[0.9, 0.8, 0.1], [0.5, 0.05]]
-    lengths = admit_batch(survival, 2, 0.5, cost)
+    lengths = admit(survival, 2, 0.5, cost)
     assert lengths == [2, 1]  # 0.9, 0.8, 0.5 pay; 0.1 does not, and the search stops there
     # a flat cost admits everything that survives at all
-    assert admit_batch(survival, 2, 0.5, CostTable(2, [1.0] * 4)) == [3, 2]
+    assert admit(survival, 2, 0.5, CostTable(2, [1.0] * 4)) == [3, 2]
     # a steep one admits nothing: a row may verify no draft at all
-    assert admit_batch(survival, 2, 0.0, CostTable(2, [1.0, 3.0, 9.0, 27.0])) == [0, 0]
+    assert admit(survival, 2, 0.0, CostTable(2, [1.0, 3.0, 9.0, 27.0])) == [0, 0]
 
 
 def test_goodput_gives_every_row_one_length():
@@ -302,7 +303,7 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.sequence_len)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
     d = fixed_costs(BatchDSpark(make("dspark", target), schedule), 4)
-    out, stats = generate_batched(target, d, prompts, 30, 6, BatchSampler(mode, 4, 0.8, None, 5))
+    out, stats = generate_batched(target, d, prompts, 30, 6, Sampler(mode, 0.8, None, 5))
     assert out == ref
     if schedule == "full":
         assert sum(stats.given[1:6]) <= 4 * 3  # only near the end does a row get fewer than 6
@@ -330,7 +331,7 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     drafted = []
     for _ in range(6):
         before = d.rounds
-        out, stats = generate_batched(target, d, prompts, 40, 6, BatchSampler("greedy", 4))
+        out, stats = generate_batched(target, d, prompts, 40, 6, Sampler("greedy"))
         assert out == ref
         drafted.append(d.rounds > before)
         assert drafted[-1] or stats.given[0] == stats.rounds  # plain steps only
@@ -343,15 +344,15 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
 
 def test_bad_batches_are_one_clear_error(target):
     window = target.config.sequence_len
-    s = BatchSampler("greedy", 2)
+    s = Sampler("greedy")
     with pytest.raises(ValueError, match="batch is empty"):
-        generate_plain_batched(target, [], 4, BatchSampler("greedy", 1))
+        generate_plain_batched(target, [], 4, Sampler("greedy"))
     with pytest.raises(ValueError, match="prompt 1 of the batch: the prompt is empty"):
         generate_plain_batched(target, [[1, 2], []], 4, s)
     with pytest.raises(ValueError, match="prompt 0 of the batch: the prompt has"):
         generate_plain_batched(target, [[1] * window, [1]], 4, s)
     with pytest.raises(ValueError, match="seeds for a batch"):
-        BatchSampler("coupled", 3, seeds=[1, 2])
+        Sampler("coupled", seed=[1, 2]).pick(torch.zeros(3, 1, 5), [0, 0, 0])
     d = batched_twin(make("dflash", target))
     with pytest.raises(ValueError, match="prompt 1 of the batch"):
         generate_batched(target, d, [[1, 2], []], 4, 2, s)
@@ -365,11 +366,11 @@ def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
     batch's counts of them."""
     p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
     ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
-    assert generate_plain_batched(target, [p], 30, BatchSampler(mode, 1, 0.9, None, 3)) == [ref]
+    assert generate_plain_batched(target, [p], 30, Sampler(mode, 0.9, None, 3)) == [ref]
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, target, 1)
         k = within(d, 4)
-        out, st = generate_batched(target, d, [p], 30, k, BatchSampler(mode, 1, 0.9, None, 3))
+        out, st = generate_batched(target, d, [p], 30, k, Sampler(mode, 0.9, None, 3))
         _, one = generate_speculative(target, d.one_request(), p, 30, k,
                                       Sampler(mode, 0.9, None, 3))
         assert out == [ref], name

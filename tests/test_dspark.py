@@ -12,7 +12,7 @@ import torch
 
 import train
 from benchmark.ablations import variants
-from draft_dspark import (SCORE_EVERY, DSparkDrafter, Throughput, admitted, calibrate, ece,
+from draft_dspark import (SCORE_EVERY, DSparkDrafter, admit, calibrate, ece,
                           expected_saving, host_greedy_chain, markov_chain)
 from runtime.cpu_speed import speed_up
 from speculative import Sampler, generate_plain, generate_speculative
@@ -40,8 +40,8 @@ make_dspark = drafter_for
 
 
 def schedule_length(survival, t_draft, t_verify):
-    """How many of the drafts with prefix survivals a_1..a_K the throughput rule verifies."""
-    return admitted(Throughput(t_draft, t_verify), survival)
+    """How many of the drafts with prefix survivals a_1..a_K the scheduler verifies, one request."""
+    return admit([survival], 1, t_draft, lambda n: t_verify[n])[0]
 
 
 def throughput(a, t_draft, t_verify, l):
@@ -58,7 +58,7 @@ def test_scheduler_picks_the_formula_optimum():
         t_verify = [0.0] + [1.0 + 0.2 * max(0.0, m - knee) for m in range(1, K + 2)]
         t_draft = 0.3
         l = schedule_length(a, t_draft, t_verify)
-        best = max(range(1, K + 1), key=lambda j: throughput(a, t_draft, t_verify, j))
+        best = max(range(K + 1), key=lambda j: throughput(a, t_draft, t_verify, j))
         assert throughput(a, t_draft, t_verify, l) == throughput(a, t_draft, t_verify, best)
 
 
@@ -72,8 +72,8 @@ def test_scheduler_stops_at_the_first_drop():
     assert schedule_length(a, 0.0, t_verify) == 1
     # a flat table: everything is worth verifying
     assert schedule_length(a, 0.0, [0] + [1.0] * 7) == 6
-    # never fewer than one draft
-    assert schedule_length([0.01, 0.001], 1.0, [0, 1.0, 1.0, 3.0]) == 1
+    # no draft at all where even the first does not pay: the round is a plain step
+    assert schedule_length([0.01, 0.001], 1.0, [0, 1.0, 1.1, 3.0]) == 0
 
 
 @torch.inference_mode()
@@ -187,7 +187,7 @@ def test_greedy_drafting_on_the_host_picks_what_the_torch_chain_picks(target):
         base_logits = d.net.logits(d.draft_states(d.max_k))
         S = d.seq.numel()
         chain, _ = markov_chain(d.spark, base_logits[None], d.seq[-1:],
-                                lambda logits, j: sampler.draft(logits, [S + j]),
+                                lambda logits, j: sampler.draft(logits, S + j),
                                 d.markov_table, d.markov)
         chain = chain[0]
         assert torch.equal(host(base_logits, int(d.seq[-1])), chain)

@@ -15,7 +15,7 @@ from formats import gguf, gguf_int4, pretrained
 from gpt import BUCKET, Rows, attention_by_row, chunk_mask
 from registry import drafters as registry
 from serving import ragged
-from serving.batched import BatchSampler, generate_batched, padded
+from serving.batched import generate_batched, padded
 from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from tree import BlockTree, depths, generate_tree, same_cost, tree_mask
@@ -210,7 +210,7 @@ def test_trees_and_ragged_batches_are_plain_decoding_in_int4(q4_1):
             assert generate_tree(q, d, p, 30, Sampler("greedy"))[0] == ref
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, model, len(ps))
-        out, _ = generate_batched(q, d, ps, 30, within(d, 4), BatchSampler("greedy", len(ps)))
+        out, _ = generate_batched(q, d, ps, 30, within(d, 4), Sampler("greedy"))
         assert out == refs, name
 
 

@@ -202,10 +202,10 @@ def chi2_critical(dof, z=3.719):  # Wilson-Hilferty: the upper 1e-4 quantile of 
 class AlwaysAccept(Sampler):
     """A wrong rule (keeps every draft): the statistical test must catch it."""
 
-    def verify(self, logits, draft, q, positions):
-        k = draft.numel()
-        new = torch.cat([draft, self.sample(self.probs(logits[k:k + 1]))])
-        return k, new.tolist(), new
+    def verify(self, logits, drafts, counts, q, start):
+        k = counts[0]
+        new = torch.cat([drafts[0, :k], self.sample(self.probs(logits[0, k:k + 1]))])
+        return [k], [new.tolist()], new[None]
 
 
 @pytest.fixture(scope="module")
@@ -322,13 +322,14 @@ def test_sampler_noise_is_keyed_gumbel_in_any_chunking():
     sampler = Sampler("coupled", 0.8, None, 5)
     C = NOISE_CHUNK
     for start, n in [(0, 1), (3, 5), (C - 2, 4), (C - 1, 2 * C + 3), (1, 1), (5 * C, C), (7, 9)]:
-        got = sampler.noise(range(start, start + n), 300, "cpu")
+        got = sampler.noise(start, n, 300, "cpu")
         assert torch.equal(got, keyed_gumbel(5, range(start, start + n), 300, "cpu"))
-    assert torch.equal(sampler.noise([40, 41], 300, "cpu"), keyed_gumbel(5, [40, 41], 300, "cpu"))
+    # a batch: row r's own positions, keyed on its own seed
+    rows = Sampler("coupled", 0.8, None, [5, 9]).noise([40, 3], 2, 300, "cpu")
+    assert torch.equal(rows[0], keyed_gumbel(5, [40, 41], 300, "cpu"))
+    assert torch.equal(rows[1], keyed_gumbel(9, [3, 4], 300, "cpu"))
     with pytest.raises(ValueError, match="consecutive"):
-        sampler.noise([1, 3], 300, "cpu")
-    with pytest.raises(ValueError, match="consecutive"):
-        sampler.noise(range(0, 10, 2), 300, "cpu")
+        keyed_gumbel(5, [1, 3], 300, "cpu")
 
 
 def test_bad_arguments(target):

@@ -23,7 +23,8 @@ import time
 import torch
 
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from serving.batched import BatchSampler, generate_plain_batched
+from serving.batched import generate_plain_batched
+from speculative import Sampler
 from training import data
 
 BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)
@@ -130,7 +131,7 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
     saved = (len(convs), n, path)
     for i in range(len(convs), n, BATCH):
         batch = prompts[i:i + BATCH]
-        answers = generate_plain_batched(model, batch, max_new, BatchSampler("greedy", len(batch)),
+        answers = generate_plain_batched(model, batch, max_new, Sampler("greedy"),
                                          stop=tuple(chat.stop))
         convs += [p + a for p, a in zip(batch, answers)]
         tokens += sum(len(a) for a in answers)

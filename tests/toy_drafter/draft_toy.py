@@ -79,7 +79,7 @@ class ToyDrafter(Drafter):
         if self.h is None:  # no state yet: nothing to draft, a plain step
             return torch.empty(0, dtype=torch.long, device=self.net.w.device), None
         logits = self.net(self.h)[:k]  # (k, V)
-        return sampler.draft(logits, list(range(self.length, self.length + k)))
+        return sampler.draft(logits, self.length)
 
     def commit(self, n, new, hidden):
         self.length += new.numel()
