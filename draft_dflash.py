@@ -42,7 +42,8 @@ from torch.nn import functional as F
 from gpt import MLP, attention
 from llama import LlamaConfig, RMSNorm, SwiGLU, rope_frequencies
 from draft_small import total_variation
-from speculative import Declaration, Drafter, head_rows, to_target_vocab
+from registry.declaration import Declaration
+from speculative import Drafter, head_rows, to_target_vocab
 
 # -----------------------------------------------------------------------------
 # config
@@ -595,6 +596,5 @@ DRAFTER = Declaration(
     name="dflash",
     network=lambda config, target: DFlash(DFlashConfig.from_dict(config), target),
     drafter=lambda net, target: DFlashDrafter(net),
-    pairs=True,
-    trees=True,
+    pairs=True, trees=True,
 )

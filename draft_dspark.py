@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from draft_small import total_variation
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, position_weights, soft_labels,
                           training_states)
-from speculative import Declaration
+from registry.declaration import Declaration
 from tree import pays
 
 # -----------------------------------------------------------------------------
@@ -514,4 +514,5 @@ DRAFTER = Declaration(
     drafter=lambda spark, target: DSparkDrafter(spark),
     pairs=True,
     trees=True,
+    syncs={"propose": (1, 0)},  # its scheduler reads the k confidences in a round it scores
 )

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss
-from speculative import Declaration
+from registry.declaration import Declaration
 
 # -----------------------------------------------------------------------------
 # config and network

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from draft_lookup import LookupDrafter
-from speculative import Declaration, Drafter, k_for
+from registry.declaration import Declaration
+from speculative import Drafter, k_for
 from tree import agreed
 
 # -----------------------------------------------------------------------------

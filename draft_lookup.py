@@ -27,7 +27,8 @@ a follower, so a lookup and an update cost microseconds whatever the length of t
 import torch
 import torch.nn.functional as F
 
-from speculative import Declaration, Drafter
+from registry.declaration import Declaration
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 
@@ -137,4 +138,7 @@ class LookupDrafter(Drafter):
 DRAFTER = Declaration(
     name="lookup",
     drafter=lambda network, target: LookupDrafter(target.config.vocab_size),
+    # the text lives on the host: the prompt read at begin, the new tokens at commit, the draft
+    # uploaded
+    syncs={"begin": (1, 0), "propose": (0, 1), "commit": (1, 0)},
 )

@@ -49,7 +49,8 @@ from torch.nn import functional as F
 
 from gpt import Layer, GPTConfig, KVCache, attention, chunk_mask
 from draft_small import total_variation
-from speculative import Declaration, Drafter
+from registry.declaration import Declaration
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 # config

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig
-from speculative import Declaration, Drafter
+from registry.declaration import Declaration
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 # the drafter

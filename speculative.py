@@ -26,7 +26,6 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -425,30 +424,6 @@ def broken(got, k, vocab_size):
             return (f"it drafted token id {int(bad[0])}, outside the target's vocabulary "
                     f"0..{vocab_size - 1}")
     return None
-
-
-@dataclass(frozen=True)
-class Declaration:
-    """A drafter, declared once at the end of its file as DRAFTER = Declaration(...): what the rest
-    of the house reads of it. registry/drafters.py lists the files; the commands' names, the
-    loader, train.py's stages and the tests' lists of drafters all derive from that list.
-
-    name      its name on every command line (bench.py --methods, sample.py --method), its
-              checkpoint out/<name>.pt and train.py's stage for it (training/stages_<name>.py)
-    drafter   drafter(network, target) -> the Drafter that runs it: around its trained network, or
-              None for one with no network, or the partner drafter (below) it is built around
-    network   network(config, target) -> its network, to which the checkpoint's weights then load:
-              config is the dict its stage saved; None: it has no weights to train or load
-    pairs     whether it can be the learned half of the hybrid (draft_hybrid.py)
-    partner   the drafter it is built around unless told (--hybrid-with), or None
-    trees     whether tree.BlockTree grows a token tree from its block (sample.py --tree)
-    """
-    name: str
-    drafter: Callable
-    network: Callable = None
-    pairs: bool = False
-    partner: str = None
-    trees: bool = False
 
 
 def head_rows(head, d2t, cache, dtype):

@@ -2,22 +2,22 @@
 registry/drafters.py -- every drafter of the house, one line each, and what derives from the list.
 
 A drafter declares itself once, in its own files. Its lesson file (draft_<name>.py) ends with
-DRAFTER, a speculative.Declaration: its name, its network back from a checkpoint, the Drafter
-that runs it. If it learns, its stage file (training/stages_<name>.py) ends with STAGE, a
-training.stage.Stage: its settings and their defaults, its phases, how it trains, what a step
-costs. The list below pairs the two, with the batched twin that drafts for many requests at once
-where serving/ has one, and the start-up profile that readies it where it weighs seconds.
+DRAFTER, a registry.declaration.Declaration: its name, what it builds from its checkpoint, the
+Drafter that runs it. If it has a checkpoint, its stage file (training/stages_<name>.py) ends with
+STAGE, a training.stage.Stage: its settings and their defaults, its phases, how it trains, what a
+step costs. The list below pairs the two, with the batched twin that drafts for many requests at
+once where serving/ has one, and the start-up profile that readies it where it weighs seconds.
 
 From the list come train.py's stages (and --only, and their flags), bench.py's --methods,
 sample.py's --method, --hybrid-with, the one loader of every drafter's checkpoint, the batched
-twin or its fallback, and the tests' lists of drafters. Adding a drafter: its lesson file, its
-stage file if it learns, its line below (with its import), and its own test (README: Adding a
-drafter of your own).
+twin or its fallback, and the tests' lists of drafters. The list is built and checked when a
+command first asks for it (drafters()): a line that misses a piece is one `error:` line there.
+Adding a drafter: its lesson file, its stage file if it has a checkpoint, its line below (with its
+import), and its own test (README: Adding a drafter of your own).
 """
 
-import ast
 import dataclasses
-import inspect
+import functools
 import os
 
 import torch
@@ -29,45 +29,48 @@ import draft_hybrid
 import draft_lookup
 import draft_mtp
 import draft_small
+from registry.declaration import Declaration
 from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
 from runtime.settings import settings_of
 from serving.dflash import BatchDFlash, BatchDSpark
 from serving.drafters import BatchMTP, BatchSmall, PerRow
-from speculative import Declaration
 from training import (stages_dflash, stages_dspark, stages_eagle, stages_mtp, stages_small,
                       stages_target)
 from training.stage import Stage
 
 
-class RegistryError(Exception):
-    """A drafter's files lack something the house needs (the message names it)."""
+class RegistryError(ValueError):
+    """A drafter's files lack something the house needs (the message names it): raised where a
+    command first asks for the list, and shown as one `error:` line, as any setting it refuses."""
 
 
 class Entry:
-    """One drafter of the house: its lesson file, its stage file (None: it does not learn), its
-    batched twin (serving/: PerRow, one copy of it a row, unless it has its own; None: it drafts
-    for one request at a time) and ready(drafter), the start-up profile that readies it on the
-    device in use, where it weighs seconds."""
+    """One drafter of the house: its lesson file, its stage file (None: it has no checkpoint to
+    write), its batched twin (serving/: PerRow, one copy of it a row, unless it has its own;
+    None: it drafts for one request at a time) and ready(drafter), the start-up profile that
+    readies it on the device in use, where it weighs seconds."""
 
     def __init__(self, lesson, stages=None, batched=PerRow, ready=None):
         self.declared = getattr(lesson, "DRAFTER", None)
         if not isinstance(self.declared, Declaration):
             raise RegistryError(f"{lesson.__name__}.py declares no DRAFTER: end it with DRAFTER = "
-                                "speculative.Declaration(name=..., drafter=..., ...) (README: "
-                                "Adding a drafter of your own)")
+                                "Declaration(name=..., drafter=..., ...) (README: Adding a "
+                                "drafter of your own)")
         self.stage = None if stages is None else getattr(stages, "STAGE", None)
+        where = None if stages is None else stages.__name__.replace(".", "/") + ".py"
         if stages is not None and not isinstance(self.stage, Stage):
-            raise RegistryError(f"{stages.__name__.replace('.', '/')}.py declares no STAGE: end "
-                                "it with STAGE = training.stage.Stage(settings=..., phases=..., "
-                                "train=..., step_cost=...) (README: Adding a drafter of your own)")
+            raise RegistryError(f"{where} declares no STAGE: end it with STAGE = training.stage."
+                                "Stage(settings=..., phases=..., train=..., step_cost=...) "
+                                "(README: Adding a drafter of your own)")
         if (self.declared.network is None) != (self.stage is None):
-            raise RegistryError(f"{self.declared.name}: a drafter with a network learns it in a "
-                                "stage, and one without has none to learn: give its line "
-                                "both its network and its stage, or neither")
+            raise RegistryError(f"{self.declared.name}: a drafter whose checkpoint holds what it "
+                                "built (its network) has a stage that writes it, and one without "
+                                "has none: give its line both its network and its stage, or "
+                                "neither")
         if self.stage is not None:
-            check_stage(self.declared.name, stages, self.stage)
+            check_settings(where, self.stage.settings)
         self.lesson, self.batched, self.ready = lesson, batched, ready
 
     @property
@@ -75,37 +78,17 @@ class Entry:
         return self.declared.name
 
 
-def check_stage(name, stages, stage):
-    """What a stage file must hold for train.py, checked before anything trains: its settings a
-    dataclass of setting() fields among them `iters` and `lr` (training/stage.py), and every
-    out/<name>.pt it saves named after its drafter (a save's name read from its source)."""
-    where, cls = stages.__name__.replace(".", "/") + ".py", stage.settings
+def check_settings(where, cls):
+    """A stage's settings, checked before anything trains: a dataclass of setting() fields (each
+    with its help, its default and what each preset changes: train.py's flags)."""
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise RegistryError(f"{where}: its settings {getattr(cls, '__name__', cls)} are not a "
                             "dataclass: write @dataclass above the class (README: Adding a "
                             "drafter of your own)")
     try:
-        fields = {n for n, _ in settings_of(cls)}
+        settings_of(cls)
     except TypeError as e:
         raise RegistryError(f"{where}: {e}") from None
-    missing = [f for f in ("iters", "lr") if f not in fields]
-    if missing:
-        raise RegistryError(f"{where}: {cls.__name__} has no {' and no '.join(missing)}: every "
-                            "stage's settings name its steps `iters` and its peak learning rate "
-                            "`lr` (train.py records the one and names the other's flag)")
-    for saved in saved_names(stages):
-        if saved != name:
-            raise RegistryError(f"{where} saves {saved!r}, but the drafter is {name!r}: write "
-                                f"tr.save({name!r}, ...) (its checkpoint is out/{name}.pt)")
-
-
-def saved_names(module):
-    """The literal names a stage file passes to tr.save(name, ...)."""
-    tree = ast.parse(inspect.getsource(module))
-    return [node.args[0].value for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "save" and node.args and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)]
 
 
 def listed():
@@ -147,12 +130,22 @@ def check(entries):
         seen[name] = e
 
 
-try:  # a line that misses a piece: every command ends at its first import, in that one line
-    DRAFTERS = listed()
-    check(DRAFTERS)
-except RegistryError as e:
-    raise SystemExit(f"error: {e}") from None
-BY_NAME = {e.name: e for e in DRAFTERS}
+@functools.cache
+def drafters():
+    """The list, checked: built when a command first asks for it, so that a line that misses a
+    piece is one RegistryError there (and asked again, raised again)."""
+    entries = listed()
+    check(entries)
+    return entries
+
+
+def __getattr__(name):
+    """registry.DRAFTERS and registry.BY_NAME, read as names: drafters() and entry() by name."""
+    if name == "DRAFTERS":
+        return drafters()
+    if name == "BY_NAME":
+        return {e.name: e for e in drafters()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -161,39 +154,40 @@ BY_NAME = {e.name: e for e in DRAFTERS}
 
 def names():
     """Every drafter's name, in the list's order."""
-    return [e.name for e in DRAFTERS]
+    return [e.name for e in drafters()]
 
 
 def entry(name):
     """A drafter's entry by name; an unknown name is one ValueError listing the registered."""
-    if name not in BY_NAME:
+    found = [e for e in drafters() if e.name == name]
+    if not found:
         raise ValueError(f"unknown drafter {name!r}: choose from {', '.join(names())}")
-    return BY_NAME[name]
+    return found[0]
 
 
 def stages():
     """{name: training.stage.Stage} of train.py: the target's, then every drafter that learns."""
-    return {"target": stages_target.STAGE, **{e.name: e.stage for e in DRAFTERS if e.stage}}
+    return {"target": stages_target.STAGE, **{e.name: e.stage for e in drafters() if e.stage}}
 
 
 def partners():
     """The drafters another can be built around (the hybrid's learned half: --hybrid-with)."""
-    return [e.name for e in DRAFTERS if e.declared.pairs]
+    return [e.name for e in drafters() if e.declared.pairs]
 
 
 def tree_drafters():
     """The drafters tree.BlockTree grows a token tree from (sample.py --tree, bench.py's trees)."""
-    return [e.name for e in DRAFTERS if e.declared.trees]
+    return [e.name for e in drafters() if e.declared.trees]
 
 
 def built_around():
     """The drafters built around a partner (those --hybrid-with applies to)."""
-    return [e.name for e in DRAFTERS if e.declared.partner]
+    return [e.name for e in drafters() if e.declared.partner]
 
 
 def default_partner():
     """The partner the first drafter built around one takes unless told (--hybrid-with)."""
-    return next((e.declared.partner for e in DRAFTERS if e.declared.partner), None)
+    return next((e.declared.partner for e in drafters() if e.declared.partner), None)
 
 
 def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.float32,
@@ -227,7 +221,7 @@ def batched(drafter, **options):
     """The batched twin of a batch-1 drafter (serving/batched.py runs it): its line's, where that
     twin takes this drafter, with the twin's own options (BatchDSpark's schedule), else one copy
     of it per row (PerRow)."""
-    e = BY_NAME.get(drafter.name)
+    e = next((e for e in drafters() if e.name == drafter.name), None)
     twin = e.batched if e is not None else PerRow
     if twin is None:
         raise NotImplementedError(f"the {e.name} drafts one request at a time (batch 1)")

@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training import ddp
+from training import ddp, trainer
 import train
 from gpt import GPT, GPTConfig
+from registry import drafters as registry
 from registry.drafters import load_drafter
 from tests.conftest import tiny_args
-from training.stage import Fit
 from runtime.target import load_target
 
-LEARNED = [name for name in train.STAGES if name != "target"]  # every drafter that trains
+LEARNED = [name for name in registry.stages() if name != "target"]  # every drafter that trains
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -71,11 +71,11 @@ def model_and_batch():
 
 
 class OneStep:
-    """What train.fit asks of its Trainer, for one step on model_and_batch()'s batch: the rows
+    """What Trainer.fit asks of its Trainer, for one step on model_and_batch()'s batch: the rows
     of this process's micro-step, no autocast, and a clock that keeps the step's logged loss."""
 
     def __init__(self, world, accum, out_dir):
-        self.world, self.rows, self.losses = world, None, []
+        self.world, self.rows, self.losses, self.stage_steps = world, None, [], 0
         self.run = types.SimpleNamespace(warmup=0, grad_accum=accum, batch_size=8,
                                          out_dir=out_dir, ckpt_interval=float("inf"),
                                          eval_interval=1, log_interval=1)
@@ -101,16 +101,16 @@ class OneStep:
 
 
 def one_step(world, accum, out_dir):
-    """One optimizer step of train.py's own loop (train.fit: the shards, DDP, the AdamW and the
-    clip) on the batch model_and_batch() gives -> (its logged loss, the new parameters)."""
+    """One optimizer step of the training loop itself (Trainer.fit: the shards, DDP, the AdamW and
+    the clip) on the batch model_and_batch() gives -> (its logged loss, the new parameters)."""
     model, x, y = model_and_batch()
     tr = OneStep(world, accum, out_dir)
 
     def loss_fn(step):
         r = tr.rows if tr.rows is not None else slice(None)
         return model(x[r], y[r])[1]
-    train.fit(tr, Fit("step", model, loss_fn, lambda: 0.0, steps=1, lr=1e-2, fingerprint={},
-                      tokens_per_step=1))
+    trainer.Trainer.fit(tr, "step", model, loss_fn, lambda: 0.0, steps=1, lr=1e-2, fingerprint={},
+                        tokens_per_step=1)
     return tr.losses[0], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -214,18 +214,22 @@ def test_a_failed_rank_ends_the_run_in_one_line_and_the_rerun_resumes_exactly(
 @pytest.mark.parametrize("stage", LEARNED)
 def test_the_shards_of_a_stages_step_make_the_whole_batchs_loss(trained, corpus, tmp_path,
                                                                   monkeypatch, stage):
-    """Each stage's loss_fn, as train.py's loop calls it: with the rows of --grad-accum 2's (or
+    """Each phase's loss, as the training loop calls it: with the rows of --grad-accum 2's (or
     2 ranks') shards set, the two losses average to the whole batch's. A shard drawing its
-    anchors for its own rows (not the batch's) would miss by far more than rounding."""
+    anchors for its own rows (not the batch's) would miss by far more than rounding. A stage
+    that learns nothing (no phases) fits nothing, and nothing of it is split."""
     out = shutil.copytree(trained, tmp_path / "out")
     seen = []
 
-    def fit(tr, phase):  # record the phase, train nothing
-        seen.append((tr, phase.name, phase.module, phase.loss))
-        return float("nan"), {}
-    monkeypatch.setattr(train, "fit", fit)
-    train.main(tiny_args(corpus, out, "--only", stage, "--force", "--bf16", "off"))
-    assert seen
+    def fit(tr, name, module, loss, *rest, **kwargs):  # record the phase, train nothing
+        seen.append((tr, name, module, loss))
+        return trainer.Fitted(float("nan"), {})
+    monkeypatch.setattr(trainer.Trainer, "fit", fit)
+    argv = tiny_args(corpus, out, "--only", stage, "--force", "--bf16", "off")
+    run = train.resolve_args(argv)
+    learns = bool(registry.stages()[stage].phases(run.settings[stage], run))
+    train.main(argv)
+    assert bool(seen) == learns, stage
     for tr, name, module, loss_fn in seen:
         module.train()
         with torch.no_grad():

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from registry import drafters as registry
 from runtime import settings
 from conftest import make, tiny_args, tiny_gpt, within
 from runtime.target import load_target
@@ -171,13 +172,13 @@ def counting_calls(obj, name):
     setattr(obj, name, wrapper)
 
 
-# what a drafter itself reads back or uploads per propose()/commit(), declared honestly:
-# DSpark's scheduler reads its k confidences once in each round it scores (a rule that runs on
-# the host; DSparkDrafter.closed skips scoring where it does not pay); prompt lookup
-# keeps the text on the host, so it reads the prompt at begin, the new tokens at commit, and
-# uploads its draft. (reads, uploads) per call:
-OWN = {"dspark": {"propose": (1, 0)},
-       "lookup": {"begin": (1, 0), "propose": (0, 1), "commit": (1, 0)}}
+def own_syncs(name):
+    """What a drafter itself reads back or uploads per call, {call: (reads, uploads)}, as its
+    declaration says (Declaration(syncs=...)): DSpark's scheduler reads its confidences in a
+    round it scores; prompt lookup keeps the text on the host."""
+    return registry.entry(name).declared.syncs or {}
+
+
 CALLS = ("begin", "propose", "commit")
 
 
@@ -198,7 +199,7 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     out, stats = generate_speculative(target, drafter, [1, 2, 3], 40, within(drafter, 4),
                                       Sampler(mode, 0.9, None, 0))
     monkeypatch.undo()
-    own = {what: OWN.get(kind, {}).get(what, (0, 0)) for what in CALLS}
+    own = {what: own_syncs(kind).get(what, (0, 0)) for what in CALLS}
     calls = dict(drafter.calls)
     if kind == "dspark":
         assert 1 <= drafter.scored <= calls["propose"]
@@ -206,7 +207,7 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     if drafter_name.startswith("hybrid"):
         # as the lookup: the prompt at begin, the new tokens at commit, its draft on its rounds
         # (its learned drafter, DFlash, reads and uploads nothing)
-        own = {"begin": (1, 0), "commit": (1, 0), "propose": (0, 1)}
+        own = {what: own_syncs("lookup").get(what, (0, 0)) for what in CALLS}
         calls["propose"] = drafter.rounds["lookup"]
         assert 0 < drafter.rounds["lookup"] < stats.rounds or drafter_name == "hybrid"
     # 1: the token after the prefill
@@ -214,7 +215,10 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     uploads = 1 + sum(own[w][1] * calls[w] for w in own)  # 1: the prompt
     assert stats.rounds > 3 and len(out) == 40
     counted = (syncs.reads, syncs.uploads)
-    assert counted == (reads, uploads), (stats.rounds, drafter.calls)
+    assert counted == (reads, uploads), (
+        f"{kind} read back {syncs.reads} and uploaded {syncs.uploads} times in {stats.rounds} "
+        f"rounds, where the loop's and its declaration's (Declaration(syncs=...)) make {reads} "
+        f"and {uploads}: declare what it syncs itself, or keep it on the device")
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])

@@ -17,6 +17,7 @@ import dataclasses
 
 import train
 from conftest import tiny_args
+from registry import drafters as registry
 from registry.drafters import load_drafter
 from runtime import devices
 from runtime.checkpoint import load_checkpoint
@@ -27,7 +28,7 @@ from runtime.target import load_target
 
 def preset(name):
     """{setting: value} of every setting (by its flag's name) in one preset."""
-    return flags.values_in(train.STAGES, name)
+    return flags.values_in(registry.stages(), name)
 
 
 def test_target_checkpoint_is_complete_and_learned(trained):
@@ -45,7 +46,7 @@ def test_target_checkpoint_is_complete_and_learned(trained):
 
 def test_every_stage_wrote_a_matching_checkpoint(trained):
     t = load_checkpoint(str(trained / "target.pt"), "target")
-    for stage in train.STAGES:
+    for stage in registry.stages():
         if stage == "target":
             continue
         ck = load_checkpoint(str(trained / f"{stage}.pt"), stage)
@@ -53,10 +54,10 @@ def test_every_stage_wrote_a_matching_checkpoint(trained):
 
 
 def test_existing_stages_are_skipped(trained, corpus, capsys):
-    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+    before = {s: os.path.getmtime(trained / f"{s}.pt") for s in registry.stages()}
     train.main(tiny_args(corpus, trained))
     assert "exists, skipping" in capsys.readouterr().out
-    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in train.STAGES}
+    assert before == {s: os.path.getmtime(trained / f"{s}.pt") for s in registry.stages()}
 
 
 class Interrupt(Exception):
@@ -66,19 +67,19 @@ class Interrupt(Exception):
 def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeypatch, capsys):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     train.main(tiny_args(corpus, ref_dir, "--only", "target"))
-    real_lr_at = train.lr_at
+    real_lr_at = trainer.lr_at
 
     def dying_lr_at(step, *args):  # the process "dies" at step 20, after a resume file was written
         if step == 20:
             raise Interrupt
         return real_lr_at(step, *args)
 
-    monkeypatch.setattr(train, "lr_at", dying_lr_at)
+    monkeypatch.setattr(trainer, "lr_at", dying_lr_at)
     with pytest.raises(Interrupt):
         train.main(tiny_args(corpus, run_dir, "--only", "target", "--ckpt-interval", "0"))
     assert not (run_dir / "target.pt").exists()  # no half-finished checkpoint masquerades as done
     assert load_checkpoint(str(run_dir / "target.resume.pt"), "resume")["step"] == 20
-    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    monkeypatch.setattr(trainer, "lr_at", real_lr_at)
     capsys.readouterr()
     train.main(tiny_args(corpus, run_dir, "--only", "target"))
     assert "resuming an interrupted run at step 20" in capsys.readouterr().out
@@ -89,14 +90,13 @@ def test_interrupted_stage_resumes_to_the_same_weights(corpus, tmp_path, monkeyp
 
 
 def test_nan_loss_stops_the_stage_and_keeps_the_last_good_state(corpus, tmp_path, monkeypatch):
-    real_fit = train.fit
+    real_fit = trainer.Trainer.fit
 
-    def poisoned_fit(tr, phase):  # the loss turns NaN at step 12
-        loss = phase.loss
-        return real_fit(tr, dataclasses.replace(
-            phase, loss=lambda s: loss(s) * (float("nan") if s >= 12 else 1.0)))
+    def poisoned_fit(tr, name, module, loss, *args, **kwargs):  # the loss turns NaN at step 12
+        return real_fit(tr, name, module, lambda s: loss(s) * (float("nan") if s >= 12 else 1.0),
+                        *args, **kwargs)
 
-    monkeypatch.setattr(train, "fit", poisoned_fit)
+    monkeypatch.setattr(trainer.Trainer, "fit", poisoned_fit)
     with pytest.raises(trainer.TrainingError, match="became nan at step 12.*step 12.*kept in"):
         train.main(tiny_args(corpus, tmp_path, "--only", "target", "--ckpt-interval", "0"))
     assert not (tmp_path / "target.pt").exists()
@@ -112,18 +112,17 @@ def test_a_stage_that_writes_no_checkpoint_is_an_error_not_a_success(trained, co
 
     def forgetful(tr, settings):  # trains nothing, saves nothing
         return 0.0
-        yield
-    monkeypatch.setitem(train.STAGES, "small", dataclasses.replace(train.STAGES["small"],
-                                                                    train=forgetful))
+    small = registry.entry("small")
+    monkeypatch.setattr(small, "stage", dataclasses.replace(small.stage, train=forgetful))
     os.remove(out / "small.pt")
     with pytest.raises(trainer.TrainingError, match=r"small: its stage ended without writing .*"
-                       r"small.pt: its train\(\) saves it, tr.save\('small', ...\)"):
+                       r"small.pt: its train\(\) saves it, tr.save\(config, net, ...\)"):
         train.main(tiny_args(corpus, out, "--only", "small"))
 
 
 def test_same_seed_same_checkpoints(trained, corpus, tmp_path):
     train.main(tiny_args(corpus, tmp_path))
-    for stage in train.STAGES:
+    for stage in registry.stages():
         a = load_checkpoint(str(trained / f"{stage}.pt"), stage)["state_dict"]
         b = load_checkpoint(str(tmp_path / f"{stage}.pt"), stage)["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
@@ -234,16 +233,16 @@ def test_dflash_trains_a_narrow_block_first_then_widens(trained, corpus, tmp_pat
     assert dspark["state_dict"]["backbone.mask_emb"].size(0) == P["dflash_block"] - 1
 
     out = shutil.copytree(trained, tmp_path / "out")
-    real_fit = train.fit
+    real_fit = trainer.Trainer.fit
 
-    def dying_fit(tr, phase):  # dies as the full block starts
-        if phase.name == "dflash":
+    def dying_fit(tr, name, *args, **kwargs):  # dies as the full block starts
+        if name == "dflash":
             raise Interrupt
-        return real_fit(tr, phase)
-    monkeypatch.setattr(train, "fit", dying_fit)
+        return real_fit(tr, name, *args, **kwargs)
+    monkeypatch.setattr(trainer.Trainer, "fit", dying_fit)
     with pytest.raises(Interrupt):
         train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
-    monkeypatch.setattr(train, "fit", real_fit)
+    monkeypatch.setattr(trainer.Trainer, "fit", real_fit)
     assert (out / "dflash-narrow.resume.pt").exists()
     capsys.readouterr()
     train.main(tiny_args(corpus, out, "--only", "dflash", "--force"))
@@ -274,24 +273,25 @@ def test_dspark_has_sampling_weights_from_the_sampled_text(trained, corpus, tmp_
         assert all(torch.equal(d.spark.state_dict()[k], v) for k, v in want.items())
         assert len(d.budget) == (2 if mode == "greedy" else 3)
     # the rows it learns from: the last gen_sampled share, the ones written at a temperature
-    ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, trained)), train.STAGES)
+    ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, trained)), registry.stages())
     pool, batch = ctx.distill.text(), ctx.distill.batches("gen", sampled_only=True)
+    assert len(ctx.corpus("train")) > len(ctx.corpus("val")) > 0  # the corpus, as token ids
     first = len(pool) - round(P["gen_seqs"] * P["gen_sampled"])
     for step in range(5):
         x = batch(step)[0]
         assert all(any(torch.equal(row, s) for s in pool[first:]) for row in x)
 
     out = shutil.copytree(trained, tmp_path / "out")
-    real_lr_at = train.lr_at
+    real_lr_at = trainer.lr_at
 
     def dying_lr_at(step, iters, *args):  # dies in the middle of the sampling steps
         if iters == P["dspark_sampled_iters"] and step == 2:
             raise Interrupt
         return real_lr_at(step, iters, *args)
-    monkeypatch.setattr(train, "lr_at", dying_lr_at)
+    monkeypatch.setattr(trainer, "lr_at", dying_lr_at)
     with pytest.raises(Interrupt):
         train.main(tiny_args(corpus, out, "--only", "dspark", "--force", "--ckpt-interval", "0"))
-    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    monkeypatch.setattr(trainer, "lr_at", real_lr_at)
     capsys.readouterr()
     train.main(tiny_args(corpus, out, "--only", "dspark", "--force"))
     log = capsys.readouterr().out
@@ -316,7 +316,7 @@ def test_every_setting_has_one_home_and_every_preset_value_parses():
     every stage shares, the distillation set's, each drafter stage's), with its help; each preset's
     value passes the setting's own flag type (so a preset can never hold a value the command line
     would refuse)."""
-    fields = [(name, f) for _, cls, prefix in flags.groups(train.STAGES)
+    fields = [(name, f) for _, cls, prefix in flags.groups(registry.stages())
               for name, f in settings_of(cls, prefix)]
     names = [name for name, _ in fields]
     assert len(names) == len(set(names)) == len(preset("cpu"))
@@ -346,14 +346,15 @@ def test_help_shows_the_value_each_preset_gives_and_groups_the_flags():
             assert f"(default: {want}, preset {p})" in text.split(
                 "--" + name.replace("_", "-"))[-1], (p, name)
     text = help_of("--device", "cpu")
-    titles = ["start here:"] + [f"{title}:" for title, _, _ in flags.groups(train.STAGES)]
+    titles = ["start here:"] + [f"{title}:" for title, _, _ in flags.groups(registry.stages())]
     assert "the distillation set (training/distill.py):" in titles
     assert "dflash (training/stages_dflash.py):" in titles
     assert all(t in text for t in titles)
     assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)
 
 
-def test_a_stage_trained_with_other_settings_is_retrained(trained, corpus, tmp_path, capsys):
+def test_a_stage_trained_with_other_settings_is_retrained(trained, corpus, tmp_path, capsys,
+                                                          monkeypatch):
     """Not only --force retrains: a checkpoint that records other settings is stale (so the full
     run after `--preset quick` retrains everything instead of keeping the quick checkpoints)."""
     out = shutil.copytree(trained, tmp_path / "out")
@@ -364,6 +365,11 @@ def test_a_stage_trained_with_other_settings_is_retrained(trained, corpus, tmp_p
     assert "small_iters 10 -> 12" in log and "retraining it" in log
     after = load_checkpoint(str(out / "small.pt"), "small")
     assert after["budget"]["steps"] == 12 != before["budget"]["steps"]
+    small = registry.entry("small")  # one its stage now writes in another format
+    monkeypatch.setattr(small, "stage", dataclasses.replace(small.stage, format=2))
+    train.main(tiny_args(corpus, out, "--only", "small", "--small-iters", "12"))
+    log = capsys.readouterr().out
+    assert "format 1 -> 2" in log and "retraining it" in log
     train.main(tiny_args(corpus, out, "--only", "target", "--target-iters", "31"))
     assert "target_iters 30 -> 31" in capsys.readouterr().out
 
@@ -379,13 +385,14 @@ def test_the_whole_runs_time_is_estimated_as_it_goes(trained, corpus, tmp_path, 
 
 def test_no_drafter_file_imports_train_py():
     """Each stage (training/stages_<name>.py) gets what it needs from its settings and the Trainer
-    it is handed, and yields its phases to train.py's loop: none imports train.py."""
+    it is handed, whose loop (tr.fit) trains its phases: none imports train.py."""
     import ast
     import glob
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [p for pattern in ("draft_*.py", "training/stage*.py")
              for p in glob.glob(os.path.join(root, pattern))]
-    assert {f"stages_{name}.py" for name in train.STAGES} <= {os.path.basename(p) for p in paths}
+    files = {os.path.basename(p) for p in paths}
+    assert {f"stages_{name}.py" for name in registry.stages()} <= files
     for path in paths:
         tree = ast.parse(open(path).read())
         imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)

@@ -116,7 +116,7 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32):
     target's greedy answer, up to max_new tokens and its end of turn -> [prompt + answer token
     lists]. Answered BATCH at a time, shortest prompts together; the file is rewritten after
     every batch, so a rerun starts at the first batch not written. dtype: the copy of the target
-    that answers (bfloat16 on a CPU that runs it fast: about 2.4x the rows a second)."""
+    that answers (bfloat16 where this CPU runs it faster than float32)."""
     room = check_room(max_new, target.config.sequence_len)
     convs = answered(path, want, target.config.vocab_size)
     if len(convs) >= n:

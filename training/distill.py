@@ -225,7 +225,7 @@ class DistillationSet:
     def compact(self, layers):
         """A chat set's cache: features() of the whole set once, keeping only `layers` and each
         position's TOP_K largest logits (values, target ids), in bfloat16: a wide vocabulary's
-        logits would not fit (SmolLM2's 49,152 a token are 96 KB; these, 192 bytes). The soft
+        logits would not fit, a row of V for each position where these keep TOP_K. The soft
         labels are then the target's distribution over its TOP_K likeliest tokens."""
         layers = tuple(sorted(layers))
         if self.top_k is None or self.top_k[0] != layers:
@@ -235,7 +235,8 @@ class DistillationSet:
                 top = logits.float().topk(TOP_K, dim=-1)
                 return (top.values.to("cpu", torch.bfloat16), top.indices.to("cpu", torch.int32),
                         {l: h[l].to("cpu", torch.bfloat16) for l in layers})
-            chunks = self.over_set(8, layers, keep)  # 8 windows: their logits are 1.6 GB
+            # 8 windows at a time: the whole vocabulary's logits of more would not fit in memory
+            chunks = self.over_set(8, layers, keep)
             self.top_k = (layers, torch.cat([c[0] for c in chunks]),
                           torch.cat([c[1] for c in chunks]),
                           {l: torch.cat([c[2][l] for c in chunks]) for l in layers})

@@ -1,22 +1,29 @@
 """
 training/stage.py -- what a stage of train.py is: the training-side twin of speculative.Drafter.
 
-A drafter that learns has a stage, declared once at the end of its stage file
+A drafter with a checkpoint has a stage, declared once at the end of its stage file
 (training/stages_<name>.py) as STAGE = Stage(...): its settings, what it trains in which phases,
 how it trains, and what a step costs. registry/drafters.py pairs it with the drafter's lesson file;
 train.py runs the target's stage (training/stages_target.py), then every drafter's in the registry's
 order, each skipped while its checkpoint out/<name>.pt is current.
 
-A stage's train(trainer, cfg) is a generator, so that the loop stays in train.py: for each phase
-it builds a network and yields a Fit, what train.py's loop is to train, and gets back the phase's
-(validation loss, optimizer state); then it writes its checkpoint and returns its validation loss:
+A stage's train(trainer, cfg) is a plain function: it builds what it trains, hands each phase to
+the trainer's loop (tr.fit: the learning-rate schedule, forward to the loss, loss.backward(), the
+clip, optimizer.step()), which gives back the phase's validation loss; then it writes its
+checkpoint and returns that loss:
 
     def train(tr, cfg):                      # cfg: this stage's settings, typed
         net = MyNet(...).to(tr.device)
         batches = tr.distill.batches("gen")   # the target's own text, and its features on it
-        val, _ = yield Fit("mine", net, lambda step: my_loss(net, *batches(step)), ...)
-        tr.save("mine", net.config.to_dict(), net, {"val_loss": val})
+        val = tr.fit("mine", net, lambda step: my_loss(net, *batches(step)),
+                     evaluate=lambda: tr.val_loss(...), steps=cfg.iters, lr=cfg.lr,
+                     fingerprint={...}, tokens_per_step=...).val_loss
+        tr.save(net.config.to_dict(), net, {"val_loss": val})   # out/mine.pt
         return val
+
+A drafter that builds what it drafts from without learning it (a datastore of the corpus's
+n-grams, say) calls no tr.fit: it builds from tr.corpus() and saves, and nothing of it is wrapped
+for training.
 
 What a stage reads is its own settings (cfg), the run's (tr.run: the corpus, the target's shape,
 the batch, the seed) and the Trainer's services (training/trainer.py); a stage whose network is
@@ -43,27 +50,6 @@ class SharedSettings:
                           type=number(int, 0), cuda=200, quick=20, tiny=5)
 
 
-@dataclass
-class Fit:
-    """One phase for train.py's loop to train: `steps` AdamW steps of loss(step), the loss of that
-    step's batch, on module's trainable parameters, from a peak learning rate lr (warmup, then
-    cosine decay). evaluate(): the validation loss, every --eval-interval steps and at the end.
-    fingerprint: everything the phase's result depends on (a resume file with another one is not
-    resumed); tokens_per_step: for the progress lines. after_step(n), if given, runs after the
-    n-th step; keep_resume: keep the phase's resume file when it ends (a rerun then skips it).
-    The loop answers with (the final validation loss, the optimizer's state)."""
-    name: str
-    module: object
-    loss: Callable
-    evaluate: Callable
-    steps: int
-    lr: float
-    fingerprint: dict
-    tokens_per_step: int
-    after_step: Callable = None
-    keep_resume: bool = False
-
-
 @dataclass(frozen=True)
 class Stage:
     """How a drafter learns, declared once in its stage file.
@@ -74,8 +60,8 @@ class Stage:
     phases      phases(cfg, run) -> [(phase, steps)], what it trains in order (for the time
                 estimate and the resume files), refusing settings that cannot work: train.py asks
                 every stage before any trains
-    train       train(trainer, cfg): a generator yielding a Fit per phase (above), then writing
-                out/<name>.pt and returning its validation loss
+    train       train(trainer, cfg): a plain function (above) that writes out/<name>.pt and
+                returns its validation loss
     step_cost   {phase: seconds of one of its steps / seconds of one target step} on the reference
                 CPU with the cpu preset (docs/results.md: Training): the run's time estimate
                 until the run has measured its own
@@ -86,10 +72,12 @@ class Stage:
     files       the other files it writes in out/ (DFlash: the state DSpark branches off)
     records     records(run) -> the settings its checkpoint records, where they are not the usual
                 ones (usual_record, below: the target's stage says its own)
+    format      the layout of what its train saves: raise it when that changes, and a checkpoint
+                written in another is not current (it is retrained, as one of other settings)
 
-    Its settings include `iters` (the steps its checkpoint's budget records, unless its train says
-    otherwise) and `lr` (the flag named when a phase diverges); its phases are named after it
-    (`dflash`, `dflash-narrow`): they name its resume files and their step costs.
+    Its phases are named after it (`dflash`, `dflash-narrow`): they name its resume files and
+    their step costs, and a phase's learning rate is the setting `lr` (or `<phase>_lr`), the flag
+    named when it diverges.
     """
     settings: type
     phases: Callable
@@ -99,6 +87,7 @@ class Stage:
     reads: tuple = ()
     files: tuple = ()
     records: Callable = None
+    format: int = 1
 
 
 def usual_record(run, name, stage):

@@ -6,6 +6,7 @@ training/stages_dspark.py starts there, so that the two drafters train the same 
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +15,7 @@ from draft_dflash import DFlash, DFlashConfig, dflash_loss, sample_anchors, wide
 from runtime.checkpoint import cpu_state_dict, save_checkpoint
 from runtime.settings import number, setting
 from training.distill import check_vocab, restricted
-from training.stage import Fit, Stage, dropped, usual_record
+from training.stage import Stage, dropped, usual_record
 
 
 @dataclass
@@ -68,21 +69,31 @@ class DFlashSettings:
 # its phases: the narrow block, then the full block (the recipe: draft_dflash.py, widen)
 
 
+class BlockPhase(NamedTuple):
+    """One phase of DFlash's training: its name, the block it trains, anchors a sequence, its
+    steps and its peak learning rate."""
+    name: str
+    block: int
+    anchors: int
+    steps: int
+    lr: float
+
+
 def training_phases(settings, run):
-    """DFlash's training as phases (phase name, block, anchors a sequence, steps, peak lr): with
-    --dflash-narrow-iters, the narrow block first, then the full block."""
+    """DFlash's training as phases: with --dflash-narrow-iters, the narrow block first, then the
+    full block."""
     target = run.settings["target"]
     if target.n_embd % heads(settings, target):
         raise ValueError(f"--dflash-heads ({settings.heads}) must divide the target's width, "
                          f"--n-embd ({target.n_embd})")
-    full = ("dflash", settings.block, settings.anchors, settings.iters, settings.lr)
+    full = BlockPhase("dflash", settings.block, settings.anchors, settings.iters, settings.lr)
     if settings.narrow_iters == 0:
         return [full]
     if settings.narrow_block >= settings.block:
         raise ValueError(f"--dflash-narrow-block ({settings.narrow_block}) must be smaller than "
                          f"--dflash-block ({settings.block}), or use --dflash-narrow-iters 0")
-    return [("dflash-narrow", settings.narrow_block, settings.narrow_anchors, settings.narrow_iters,
-             settings.narrow_lr), full]
+    return [BlockPhase("dflash-narrow", settings.narrow_block, settings.narrow_anchors,
+                       settings.narrow_iters, settings.narrow_lr), full]
 
 
 def check_anchors(run, block, n_anchors, flag):
@@ -97,12 +108,12 @@ def check_anchors(run, block, n_anchors, flag):
 def phases(settings, run):
     """The phases this stage runs: (name, steps). Checks the settings too."""
     plan = training_phases(settings, run)
-    for name, block, n_anchors, _, _ in plan:
-        check_anchors(run, block, n_anchors, "--dflash-narrow-anchors" if "narrow" in name
+    for p in plan:
+        check_anchors(run, p.block, p.anchors, "--dflash-narrow-anchors" if "narrow" in p.name
                       else "--dflash-anchors")
     own = run.vocab_size if getattr(run, "tokenizer", "bpe") == "bpe" else None  # or smaller
     check_vocab(settings.vocab, getattr(run, "target_vocab", None) or own)
-    return [(name, steps) for name, _, _, steps, _ in plan]
+    return [(p.name, p.steps) for p in plan]
 
 
 def total_steps(settings, run):
@@ -198,27 +209,26 @@ def train(tr, settings):
     vocab = tr.distill.frequent(settings.vocab).to(tr.device) if settings.vocab else None
     batches = tr.distill.batches(settings.text, layers=cfg.taps, vocab=vocab)
     plan = training_phases(settings, run)
-    fingerprint = {"stage": "dflash", "config": cfg.to_dict(),
-                   "target": target_ckpt["model_hash"], "phases": [p[1:] for p in plan],
+    fingerprint = {"stage": "dflash", "config": cfg.to_dict(), "target": target_ckpt["model_hash"],
+                   "phases": [(p.block, p.anchors, p.steps, p.lr) for p in plan],
                    "text": settings.text, "gen": tr.distill.key(settings.text),
                    "gamma": settings.gamma, "seed": run.seed, "branch": branch_step(settings, run)}
     net, done = None, 0
     for i, phase in enumerate(plan):
-        net, val = yield from train_phase(tr, settings, fingerprint, batches, i, phase, net, done,
-                                          vocab)
-        done += phase[3]
-    tr.save("dflash", cfg.to_dict(), net, {"val_loss": val, "text": settings.text,
-                                               "fingerprint": fingerprint}, steps=done)
+        net, val = train_phase(tr, settings, fingerprint, batches, i, phase, net, done, vocab)
+        done += phase.steps
+    tr.save(cfg.to_dict(), net, {"val_loss": val, "text": settings.text,
+                                 "fingerprint": fingerprint})
     return val
 
 
 def train_phase(tr, settings, fingerprint, batches, i, phase, before, done, vocab=None):
-    """Phase i, from the network `before` (the previous phase's, or None), after `done` steps of
-    the earlier phases -> (its network, its val loss). Every phase but the last keeps its resume
-    file when finished: a rerun skips it. vocab: the draft vocabulary's target ids, or None."""
-    name, block, n_anchors, steps, lr = phase
-    target = tr.target()[0]
-    cfg = network_config(settings, target.config, block)
+    """Phase i (a BlockPhase), from the network `before` (the previous phase's, or None), after
+    `done` steps of the earlier phases -> (its network, its val loss). Every phase but the last
+    keeps its resume file when finished: a rerun skips it. vocab: the draft vocabulary's target
+    ids, or None."""
+    target, n_anchors = tr.target()[0], phase.anchors
+    cfg = network_config(settings, target.config, phase.block)
     torch.manual_seed(tr.run.seed + 3)
     net = DFlash(cfg, target).to(tr.device)
     if vocab is not None:
@@ -239,22 +249,19 @@ def train_phase(tr, settings, fingerprint, batches, i, phase, before, done, voca
                              "budget": {"steps": done + n, "seconds": tr.elapsed()}},
                             tr.path("dflash.branch"))
     last = i == len(fingerprint["phases"]) - 1
-    val, _ = yield Fit(name, net, lambda s: loss_of(*batches(s), s),
-                       lambda: tr.val_loss(lambda x, y: loss_of(
-                           x, *restricted(*tr.distill.features(x, cfg.taps), vocab), -1)),
-                       steps=steps, lr=lr, fingerprint={**fingerprint, "phase": i},
-                       tokens_per_step=tr.run.batch_size * n_anchors * block,
-                       after_step=after_step, keep_resume=not last)
+    val = tr.fit(phase.name, net, lambda s: loss_of(*batches(s), s),
+                 lambda: tr.val_loss(lambda x, y: loss_of(
+                     x, *restricted(*tr.distill.features(x, cfg.taps), vocab), -1)),
+                 steps=phase.steps, lr=phase.lr, fingerprint={**fingerprint, "phase": i},
+                 tokens_per_step=tr.run.batch_size * n_anchors * phase.block,
+                 after_step=after_step, keep_resume=not last).val_loss
     return net, val
 
 
 def with_arch(values, run):
     """A record of the settings (training.stage.usual_record) with --dflash-arch as it resolves
-    for the target's family; GPT-2's layers are recorded as before there were two kinds, not at
-    all, so that a checkpoint written then stays current."""
-    arch = arch_of(run.settings["dflash"], run.target_family)
-    values.pop("dflash_arch")
-    return values if arch == "gpt2" else {**values, "dflash_arch": arch}
+    for the target's family ('auto' is not what trained)."""
+    return {**values, "dflash_arch": arch_of(run.settings["dflash"], run.target_family)}
 
 
 def records(run):

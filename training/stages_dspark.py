@@ -15,7 +15,7 @@ from draft_dflash import widen
 from draft_dspark import DSpark, DSparkConfig, calibrate, dspark_loss
 from runtime.checkpoint import cpu_state_dict, load_checkpoint
 from runtime.settings import number, setting
-from training.stage import Fit, Stage, usual_record
+from training.stage import Stage, usual_record
 from training.stages_dflash import (anchored, branch_step, check_anchors, network_config,
                                     total_steps, with_arch)
 
@@ -93,20 +93,20 @@ def train(tr, settings):
                    "gamma": dflash.gamma, "seed": run.seed, "init_budget": init_budget}
     tune = sampling_weights_wanted(tr, settings)
     # keep_resume: a run stopped in the sampling steps that follow does not redo these
-    val, _ = yield Fit("dspark", spark, lambda s: loss_of(*batches(s), s),
-                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * dflash.anchors * backbone_cfg.block,
-                       keep_resume=tune)
+    val = tr.fit("dspark", spark, lambda s: loss_of(*batches(s), s),
+                 lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                 steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
+                 tokens_per_step=run.batch_size * dflash.anchors * backbone_cfg.block,
+                 keep_resume=tune).val_loss
     extra = {"val_loss": val, "text": dflash.text, "init_budget": init_budget}
     if settings.calib_seqs > 0:
         extra["ece_before"], extra["ece_after"] = calibrate_on_held_out(tr, settings, spark,
                                                                         backbone_cfg)
     budget = tr.budget()  # DSpark's own: it ends here, before the sampling weights
     if tune:
-        extra["sampled"] = yield from sampling_weights(tr, settings, spark, fingerprint)
+        extra["sampled"] = sampling_weights(tr, settings, spark, fingerprint)
     config = {"backbone": backbone_cfg.to_dict(), "dspark": spark_cfg.to_dict()}
-    tr.save("dspark", config, spark, extra, budget=budget)
+    tr.save(config, spark, extra, budget=budget)
     return val
 
 
@@ -116,11 +116,11 @@ def start_from_dflash(tr, backbone_cfg):
     dflash = tr.run.settings["dflash"]
     dfl = load_checkpoint(tr.path("dflash"), "dflash")
     same_target = dfl.get("target_hash") == tr.target()[1]["model_hash"]
-    if not same_target or dfl["config"] != backbone_cfg.to_dict():
+    if not same_target or dfl["config"] != backbone_cfg.to_dict() or "fingerprint" not in dfl:
         raise ValueError(f"--dspark-init dflash needs {tr.path('dflash')} trained on this "
                          "target with the same --dflash-* shape: run "
                          "`python train.py --only dflash` first, or use --dspark-init scratch")
-    branch = (dfl.get("fingerprint") or {}).get("branch")
+    branch = dfl["fingerprint"]["branch"]
     if branch is None:
         print(f"dspark: backbone initialised from {tr.path('dflash')} (its final weights)")
         return dfl["state_dict"], dfl.get("budget")
@@ -187,16 +187,16 @@ def sampling_weights(tr, settings, spark, fingerprint):
 
     fingerprint = {**fingerprint, "sampled": [settings.sampled_iters, settings.sampled_block,
                                               settings.sampled_anchors]}
-    val, _ = yield Fit("dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
-                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=settings.sampled_iters, lr=settings.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * settings.sampled_anchors * narrow.block)
+    val = tr.fit("dspark-sampled", tuned, lambda s: loss_of(*batches(s), s),
+                 lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                 steps=settings.sampled_iters, lr=settings.lr, fingerprint=fingerprint,
+                 tokens_per_step=run.batch_size * settings.sampled_anchors * narrow.block).val_loss
     return {"state_dict": cpu_state_dict(tuned), "val_loss": val, "block": narrow.block,
             "budget": {"steps": settings.sampled_iters, "seconds": round(time.time() - t0)}}
 
 
 def records(run):
-    """What out/dspark.pt records of the settings: its own and DFlash's (stages_dflash.with_arch)."""
+    """What out/dspark.pt records of the settings: its own and DFlash's (with_arch)."""
     return with_arch(usual_record(run, "dspark", STAGE), run)
 
 

@@ -11,7 +11,7 @@ import torch
 from draft_eagle import BETA, DISTILL, UNROLL, Eagle, EagleConfig, default_taps, eagle_loss
 from draft_mtp import unroll_anchors
 from runtime.settings import number, setting
-from training.stage import Fit, Stage
+from training.stage import Stage
 from training.stages_mtp import check_unroll
 
 
@@ -79,11 +79,11 @@ def train(tr, settings):
                    "gen": tr.distill.key("gen"),
                    "unroll": (settings.unroll, settings.anchors, settings.beta),
                    "distill": settings.distill, "seed": run.seed}
-    val, _ = yield Fit("eagle", net, lambda s: loss_of(*batches(s), s),
-                       lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
-                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * run.block_size)
-    tr.save("eagle", cfg.to_dict(), net, {"val_loss": val})
+    val = tr.fit("eagle", net, lambda s: loss_of(*batches(s), s),
+                 lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x), -1)),
+                 steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
+                 tokens_per_step=run.batch_size * run.block_size).val_loss
+    tr.save(cfg.to_dict(), net, {"val_loss": val})
     return val
 
 

@@ -12,7 +12,7 @@ import torch
 
 from draft_mtp import MTP, MTPConfig, mtp_loss, unroll_anchors
 from runtime.settings import number, setting
-from training.stage import Fit, Stage
+from training.stage import Stage
 
 
 @dataclass
@@ -75,7 +75,7 @@ def save_mtp(tr, mtp, mode, steps=None):
     val = tr.val_loss(
         lambda x, y: mtp_loss(mtp, target, target(x, hidden_layers=(last,))[2][last], x, y))
     print(f"mtp ({mode}): val CE of the token after next {val:.4f}")
-    tr.save("mtp", mtp.config.to_dict(), mtp, {"val_loss": val, "mode": mode}, steps=steps)
+    tr.save(mtp.config.to_dict(), mtp, {"val_loss": val, "mode": mode}, steps=steps, stage="mtp")
     return val
 
 
@@ -109,10 +109,10 @@ def train(tr, settings):
                    "iters": settings.iters, "lr": settings.lr, "distill": settings.distill,
                    "text": settings.text, "gen": tr.distill.key(settings.text), "seed": run.seed,
                    "unroll": (settings.unroll, settings.anchors, settings.beta)}
-    yield Fit("mtp", mtp, lambda s: loss_of(*batches(s), s),
-              lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus
-              steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
-              tokens_per_step=run.batch_size * run.block_size)
+    tr.fit("mtp", mtp, lambda s: loss_of(*batches(s), s),
+           lambda: tr.val_loss(lambda x, y: loss_of(x, *tr.distill.features(x))),  # corpus
+           steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
+           tokens_per_step=run.batch_size * run.block_size)
     return save_mtp(tr, mtp, "posthoc")
 
 

@@ -10,7 +10,7 @@ import torch
 from draft_small import small_loss
 from gpt import GPT, GPTConfig
 from runtime.settings import number, setting
-from training.stage import Fit, Stage
+from training.stage import Stage
 
 
 @dataclass
@@ -49,12 +49,11 @@ def train(tr, settings):
                    "distill": settings.distill, "seed": run.seed,
                    "text": tr.distill.key(settings.text)}
     batches = tr.distill.batches(settings.text)
-    val, _ = yield Fit("small", model,
-                       lambda s: small_loss(model, *batches(s)[:2], settings.distill),
-                       lambda: tr.val_loss(lambda x, y: model(x, y)[1]),
-                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * run.block_size)
-    tr.save("small", cfg.to_dict(), model, {"val_loss": val})
+    val = tr.fit("small", model, lambda s: small_loss(model, *batches(s)[:2], settings.distill),
+                 lambda: tr.val_loss(lambda x, y: model(x, y)[1]),
+                 steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
+                 tokens_per_step=run.batch_size * run.block_size).val_loss
+    tr.save(cfg.to_dict(), model, {"val_loss": val})
     return val
 
 

@@ -2,8 +2,8 @@
 training/stages_target.py -- the target's stage of train.py, the first: trained here on the corpus,
 or read from a model someone else trained (--init-from: a Hugging Face folder or a GGUF file).
 
-gpt.py is the model; this file trains it with train.py's loop (a Stage, as every drafter's:
-training/stage.py). With --mtp-mode joint the MTP head trains inside this stage, its loss added
+gpt.py is the model; this file trains it with the one training loop, tr.fit (a Stage, as every
+drafter's: training/stage.py). With --mtp-mode joint the MTP head trains inside this stage, its loss added
 to the target's (DeepSeek-V3: L_main + lambda L_mtp), and out/mtp.pt is written with the target.
 With --init-from the weights are a pretrained model's (formats/pretrained.py reads a folder or a
 GGUF), nothing trains, and the context window is cut to --block-size; a chat model's chat format
@@ -26,7 +26,7 @@ from runtime.checkpoint import (CheckpointError, cpu_state_dict, cpu_tree, save_
 from runtime.settings import setting, settings_of, values_of
 from formats import pretrained
 from training import ddp
-from training.stage import Fit, SharedSettings, Stage
+from training.stage import SharedSettings, Stage
 from training.stages_mtp import new_mtp, save_mtp
 from training.trainer import TrainingError
 
@@ -91,11 +91,11 @@ def train(tr, settings):
                    "batch": run.batch_size,
                    "seed": run.seed, "mtp": None if mtp is None else (joint.modules, joint.lambda_)}
     module = model if mtp is None else torch.nn.ModuleDict({"gpt": model, "mtp": mtp})
-    val, opt_state = yield Fit("target", module, loss_fn,
-                               lambda: tr.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
-                               steps=settings.target_iters, lr=settings.target_lr,
-                               fingerprint=fingerprint,
-                               tokens_per_step=run.batch_size * run.block_size)
+    val, opt_state = tr.fit("target", module, loss_fn,
+                            lambda: tr.val_loss(lambda x, y: model(x, y)[1]),  # L_main only
+                            steps=settings.target_iters, lr=settings.target_lr,
+                            fingerprint=fingerprint,
+                            tokens_per_step=run.batch_size * run.block_size)
     sd = cpu_state_dict(model)
     save_checkpoint({"kind": "target", "config": cfg.to_dict(), "state_dict": sd,
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
@@ -127,8 +127,8 @@ def import_target(tr):
     model = cpu_speed.speed_up(model.to(tr.device))
     print(f"target: {model.num_params() / 1e6:.2f}M parameters from {run.init_from}, "
           f"{model.config}")
-    # a check that it computes, not a measurement: 8 windows (a real model's batch of 8 x 32
-    # windows took minutes on a CPU)
+    # a check that it computes, not a measurement: a few windows (a real model's full validation
+    # is slow on a CPU)
     val = tr.val_loss(lambda x, y: model(x, y)[1], n=2, rows=4)
     if not math.isfinite(val):  # a target that computes nan is not imported as done
         raise TrainingError(f"target: the model in {run.init_from} computes a validation loss "

@@ -1,18 +1,19 @@
 """
-trainer.py -- what wraps train.py's loop from outside: the Trainer a stage is handed, the plumbing
-of each phase (resume files, the NaN stop, progress, validation), the data build and the guard on
-a trained target, what a stage's checkpoint records of its settings, and the run's own settings.
+trainer.py -- the one training loop every stage runs, and what wraps it: the Trainer a stage is
+handed, the plumbing of each phase (resume files, the NaN stop, progress, validation), the data
+build and the guard on a trained target, what a stage's checkpoint records of its settings, and
+the run's own settings.
 
-train.py holds the loop itself (fit: forward, loss.backward(), clip, optimizer.step(), the
-learning-rate schedule) and runs the stages in order, each a generator that yields the phases it
-wants trained (training/stage.py); training/stages_target.py and training/stages_*.py say what each
-trains. A Trainer is everything a stage gets besides its own settings: the training-side twin of
+The loop is Trainer.fit, nanoGPT's: set the learning rate from the schedule, forward to the loss,
+loss.backward(), clip the gradient norm, optimizer.step(). A stage (training/stage.py) calls it
+for each phase it trains and gets back the phase's validation loss; train.py runs the stages in
+order. A Trainer is everything a stage gets besides its own settings: the training-side twin of
 speculative.Drafter. Each stage writes out/<stage>.pt, and is skipped while that checkpoint belongs
-to the current target and records the same settings (unless --force). A running phase saves its
-whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches come from
-generators seeded by the step, so a killed run resumes to the very same weights. With --init-from
-the target's stage reads a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) instead of training;
-under torchrun every stage trains data-parallel, one shard of each step's batch per process
+to the current target and records the same settings and format (unless --force). A running phase
+saves its whole state to out/<name>.resume.pt every --ckpt-interval seconds, atomically; batches
+come from generators seeded by the step, so a killed run resumes to the very same weights. With
+--init-from the target's stage reads a Hugging Face folder or a GGUF instead of training; under
+torchrun every phase trains data-parallel, one shard of each step's batch per process
 (training/ddp.py).
 """
 
@@ -20,10 +21,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint, save_checkpoint
+from runtime import cpu_speed
+from runtime.checkpoint import CheckpointError, cpu_tree, load_checkpoint, save_checkpoint
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
 from formats import pretrained
@@ -142,10 +146,10 @@ class Clock:
 
 
 class Phase:
-    """The plumbing around one phase of train.py's loop: its resume file (read back here: `start`
-    is the step to begin at; written atomically every --ckpt-interval seconds), the stop on a NaN,
-    the progress lines, the validation every --eval-interval steps. A run killed anywhere resumes
-    to the very same weights: batches come from generators seeded by the step."""
+    """The plumbing around one phase of the loop (Trainer.fit): its resume file (read back here:
+    `start` is the step to begin at; written atomically every --ckpt-interval seconds), the stop on
+    a NaN, the progress lines, the validation every --eval-interval steps. A run killed anywhere
+    resumes to the very same weights: batches come from generators seeded by the step."""
     running = None  # the phase running now, for what an interruption says it kept (kept())
 
     def __init__(self, tr, name, module, opt, fingerprint, steps, eval_fn, tokens_per_step):
@@ -225,12 +229,12 @@ def kept():
 
 
 def recorded(run, stages, name):
-    """The settings out/<name>.pt records: one trained with other values is not current. Its
-    stage's own record (the target's), else the usual one (training.stage.usual_record)."""
+    """The settings out/<name>.pt records, and its stage's format: one trained with other values,
+    or written in another format, is not current. Its stage's own record (the target's), else the
+    usual one (training.stage.usual_record)."""
     stage = stages[name]
-    if stage.records is not None:
-        return stage.records(run)
-    return usual_record(run, name, stage)
+    values = stage.records(run) if stage.records is not None else usual_record(run, name, stage)
+    return {**values, "format": stage.format}
 
 
 def is_current(tr, stage):
@@ -329,6 +333,33 @@ def keep_trained_target(run, stages):
 
 
 # -----------------------------------------------------------------------------
+# the loop's schedule and optimizer, nanoGPT's
+
+
+def lr_at(step, iters, peak, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak (nanoGPT)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    ratio = (step - warmup) / max(1, iters - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, ratio))))
+
+
+def make_optimizer(module, lr):
+    """AdamW over the trainable parameters, nanoGPT's way: weight decay on matrices only."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return params, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+class Fitted(NamedTuple):
+    """What Trainer.fit gives back of a phase."""
+    val_loss: float
+    optimizer_state: dict
+
+
+# -----------------------------------------------------------------------------
 # the Trainer: what a stage gets besides its own settings (the training-side twin of
 # speculative.Drafter)
 
@@ -336,13 +367,16 @@ def keep_trained_target(run, stages):
 class Trainer:
     """Everything a stage gets besides its own settings, so that no stage imports train.py:
 
+    fit(name, module, loss, ...)   the loop: trains one phase -> Fitted(val_loss, optimizer_state)
     run, device            the run's settings (run.block_size, run.seed, ...; run.settings: every
                            stage's settings, where one builds on another's) and the device
     target()               (the trained, frozen target, its checkpoint dict)
     distill                the drafters' text and the target's features on it (training/distill.py):
                            distill.batches(text) -> step -> (x, target logits, hidden states)
+    corpus(split)          the corpus's tokens, for what is built from them without learning
     val_loss(fn)           mean of fn(x, y) over fixed validation windows
-    save(stage, config, module, extra)   out/<stage>.pt, tied to this target and tokenizer
+    save(config, state, extra)   out/<stage>.pt of the running stage, tied to this target and
+                           tokenizer
     path(name), elapsed(), budget(), per_row(), recorded(stage)
     stages: {name: Stage} of the run (training/stage.py); plan: [(phase, steps)] it may train.
     """
@@ -354,7 +388,51 @@ class Trainer:
         self.forget_target()  # no target loaded yet, and so no distillation set
         self.rows = None  # this process's shard of the running step's batch (set_rows)
         self.stage, self.stage_t0, self.shared0 = None, time.time(), 0.0  # the running stage
+        self.stage_steps = 0  # the optimizer steps of the running stage's phases so far
         self.clock = Clock(plan, {p: c for st in stages.values() for p, c in st.step_cost.items()})
+
+    def fit(self, name, module, loss, evaluate, steps, lr, fingerprint, tokens_per_step,
+            after_step=None, keep_resume=False):
+        """The one training loop, every phase's: `steps` AdamW steps of loss(step), the loss of
+        that step's batch, on module's trainable parameters, from a peak learning rate lr (warmup,
+        then cosine decay). evaluate(): the validation loss, every --eval-interval steps and at
+        the end. fingerprint: all the phase's result depends on (a resume file of another is not
+        resumed); tokens_per_step: for the progress lines; after_step(n), if given, runs after the
+        n-th step; keep_resume: keep the phase's resume file when it ends (a rerun skips it).
+        -> Fitted(the final validation loss, the optimizer's state)."""
+        run, world = self.run, self.world
+        cpu_speed.speed_up(module)  # its no-grad passes (validation, calibration) as bench's
+        params, optimizer = make_optimizer(module, lr)
+        plumbing = Phase(self, name, module, optimizer, fingerprint, steps, evaluate,
+                         tokens_per_step)
+        forward = ddp.wrap(world, module, loss)  # loss itself in one process
+        module.train()
+        for step in range(plumbing.start, steps):  # > 0: an interrupted run resumes
+            lr_now = lr_at(step, steps, lr, run.warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            # the step's batch in --grad-accum micro-steps, and under torchrun a shard of each per
+            # process: the gradients add up to the whole batch's (DDP averages them over processes)
+            loss_val = 0.0
+            for micro in range(run.grad_accum):
+                self.set_rows(ddp.shard(world, run.grad_accum, run.batch_size, micro))
+                with ddp.sync_if_last(forward, micro, run.grad_accum), self.autocast():
+                    loss_now = forward(step)
+                if run.grad_accum > 1:
+                    loss_now = loss_now / run.grad_accum
+                loss_val += loss_now.item()
+                loss_now.backward()
+            self.set_rows(None)
+            loss_val = ddp.mean(world, loss_val)  # the whole batch's loss, in every process
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+            plumbing.check(step, loss_val, grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if after_step is not None:
+                after_step(step + 1)
+            plumbing.after(step + 1, loss_val, lr_now)  # progress, validation, the resume file
+        self.stage_steps += steps
+        return Fitted(plumbing.finish(keep_resume), optimizer.state_dict())
 
     def path(self, name):
         return os.path.join(self.run.out_dir, f"{name}.pt")
@@ -366,10 +444,12 @@ class Trainer:
 
     def start(self, stage):
         self.stage, self.stage_t0, self.shared0 = stage, time.time(), self.distill.shared
+        self.stage_steps = 0
 
     def budget(self, steps=None):
-        """What the running stage cost: its optimizer steps and seconds (bench.py prints it)."""
-        return {"steps": steps or self.run.settings[self.stage].iters, "seconds": self.elapsed()}
+        """What the running stage cost: its optimizer steps (those of its phases so far, unless
+        told) and seconds (bench.py prints it)."""
+        return {"steps": steps or self.stage_steps, "seconds": self.elapsed()}
 
     def recorded(self, stage):
         """The settings out/<stage>.pt records (recorded(), above)."""
@@ -410,15 +490,20 @@ class Trainer:
             return sum(loss_of_batch(*self.data.get("val", i, self.device, rows)).item()
                        for i in range(n)) / n
 
-    def save(self, stage, config, module, extra=None, steps=None, budget=None):
-        """out/<stage>.pt for a drafter: its weights, the target and tokenizer it belongs to, and
-        its training budget."""
-        if stage not in self.stages:  # the registry reads a literal name before training
-            raise TrainingError(f"the {self.stage} stage saves {stage!r}, which names no stage: "
-                                f"write tr.save({self.stage!r}, ...) in "
-                                f"training/stages_{self.stage}.py")
+    def corpus(self, split="train"):
+        """The corpus's tokens of one split, (N,) ids in a read-only memory map of its token file
+        (training/data.py): what a drafter that does not learn builds from."""
+        return np.memmap(self.data.files[split], dtype=self.data.dtype, mode="r")
+
+    def save(self, config, state, extra=None, steps=None, budget=None, stage=None):
+        """out/<stage>.pt of the running stage (or of `stage`: the target's writes MTP's beside it
+        in joint mode): config, what the declaration builds from it; state, its module or a dict
+        of tensors; the target and tokenizer it belongs to, and its training budget."""
+        stage = stage or self.stage
+        if isinstance(state, torch.nn.Module):
+            state = state.state_dict()
         _, target_ckpt = self.target()
-        save_checkpoint({"kind": stage, "config": config, "state_dict": cpu_state_dict(module),
+        save_checkpoint({"kind": stage, "config": config, "state_dict": cpu_tree(state),
                          "budget": budget or self.budget(steps),
                          "target_hash": target_ckpt["model_hash"],
                          "tokenizer_hash": self.info["tokenizer_hash"],

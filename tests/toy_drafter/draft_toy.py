@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speculative import Declaration, Drafter
+from registry.declaration import Declaration
+from speculative import Drafter
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from draft_toy import ToyConfig, ToyHeads, toy_loss
 from runtime.settings import setting
-from training.stage import Fit, Stage
+from training.stage import Stage
 
 
 @dataclass
@@ -35,12 +35,11 @@ def train(tr, settings):
     fingerprint = {"stage": "toy", "config": net.config.to_dict(), "iters": settings.iters,
                    "lr": settings.lr, "target": target_ckpt["model_hash"], "seed": run.seed,
                    "gen": tr.distill.key("gen")}
-    val, _ = yield Fit("toy", net, lambda s: toy_loss(net, *batches(s), last),
-                       lambda: tr.val_loss(lambda x, y: toy_loss(net, x, *tr.distill.features(x),
-                                                                 last)),
-                       steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
-                       tokens_per_step=run.batch_size * run.block_size)
-    tr.save("toy", net.config.to_dict(), net, {"val_loss": val})
+    val = tr.fit("toy", net, lambda s: toy_loss(net, *batches(s), last),
+                 lambda: tr.val_loss(lambda x, y: toy_loss(net, x, *tr.distill.features(x), last)),
+                 steps=settings.iters, lr=settings.lr, fingerprint=fingerprint,
+                 tokens_per_step=run.batch_size * run.block_size).val_loss
+    tr.save(net.config.to_dict(), net, {"val_loss": val})
     return val
 
 
