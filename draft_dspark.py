@@ -34,7 +34,7 @@ drafters take the same number of optimizer steps:
 
     spark = DSpark(cfg, DSparkConfig(), target)
     widen(spark.backbone, dflash_state_at_the_branch)   # draft_dflash.widen; Markov head at 0
-    ...train dspark_loss in train.py's loop...
+    ...train dspark_loss in the trainer's loop...
     calibrate(spark, held_out_batches)                  # the confidences' temperatures
 
 (training/stages_dspark.py runs it, with a copy tuned on sampled text for sampling.)

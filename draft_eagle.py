@@ -130,7 +130,7 @@ class EagleDrafter(MTPDrafter):
 # -----------------------------------------------------------------------------
 # how it learns: MTP's loss (distillation + the text's tokens, draft_mtp.step_loss) over the
 # unrolled steps, each weighted beta^(j-1); with one step it is plain teacher forcing, the ablation
-# (training/stages_eagle.py runs it in train.py's loop)
+# (training/stages_eagle.py runs it in the trainer's loop, training/trainer.py)
 
 
 UNROLL = 4     # draft steps unrolled on its own outputs in training (1: teacher forcing only)

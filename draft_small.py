@@ -12,7 +12,7 @@ k, which is what the later drafters (draft_mtp.py, draft_dflash.py) attack.
 
 How it learns (small_loss): by distillation. It trains on text the target wrote itself
 (training/distill.py) against the target's own distributions, KL + total variation, in
-train.py's loop. The total variation term, shared by every drafter's loss, lives here where it
+the trainer's loop (training/trainer.py). The total variation term, shared by every drafter's loss, lives here where it
 first appears (total_variation: why).
 
     python train.py --only small && python sample.py --method small

@@ -35,15 +35,6 @@ from training import ddp, flags
 from training.trainer import Trainer, TrainingError, is_current, kept
 
 
-def __getattr__(name):
-    """train.STAGES, read as a name: registry.stages(), {name: training.stage.Stage}, the
-    target's, then every drafter's (asked for, not read at import: a slip in the registry is one
-    `error:` line of the command)."""
-    if name == "STAGES":
-        return registry.stages()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def run_stages(tr, run):
     """Every stage in order (or just --only), skipping those whose checkpoint is current: each a
     plain function, stage.train(tr, settings), that writes out/<name>.pt and returns its val

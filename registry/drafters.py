@@ -139,15 +139,6 @@ def drafters():
     return entries
 
 
-def __getattr__(name):
-    """registry.DRAFTERS and registry.BY_NAME, read as names: drafters() and entry() by name."""
-    if name == "DRAFTERS":
-        return drafters()
-    if name == "BY_NAME":
-        return {e.name: e for e in drafters()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # -----------------------------------------------------------------------------
 # what derives from the list
 

@@ -19,6 +19,7 @@ import torch
 import bench
 import sample
 import train
+from registry import drafters as registry
 from conftest import tiny_args
 from formats import hf_gpt2
 from training import data, forward_cost
@@ -28,7 +29,7 @@ PARSERS = {"train.py": train.build_parser, "bench.py": bench.build_parser,
            "sample.py": sample.build_parser, "training/data.py": data.build_parser,
            "training/forward_cost.py": forward_cost.build_parser}
 DATA_FILES = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
-CHECKPOINTS = [f"{stage}.pt" for stage in train.STAGES]  # the target's, every learned drafter's
+CHECKPOINTS = [f"{stage}.pt" for stage in registry.stages()]  # the target's, every learned drafter's
 
 
 def run(script, *argv):

@@ -51,7 +51,7 @@ def fixed_costs(drafter, B):
 
 def batches(name):
     """Whether the registered drafter `name` (or a variant of it) has a batched form."""
-    return registry.BY_NAME[name.split("-")[0]].batched is not None
+    return registry.entry(name.split("-")[0]).batched is not None
 
 
 def batched_drafter(name, target, B):
@@ -164,7 +164,7 @@ def natively_batched(target):
     own, as the shared tests build it (DSpark verifying its whole block, the rule its batch-1
     self shares with its twin), and the one-module MTP head BatchMTP batches (the shared
     tests' has two)."""
-    for e in registry.DRAFTERS:
+    for e in registry.drafters():
         if e.batched not in (PerRow, None):
             one = make(e.name, target)
             if isinstance(one, DSparkDrafter):

@@ -9,6 +9,7 @@ import torch
 import bench
 import gguf_files as gf
 import train
+from registry import drafters as registry
 from commands import refused, run
 from conftest import tiny_args
 from formats.chat import Chat
@@ -109,7 +110,7 @@ def test_the_real_cpu_preset_plans_the_chat_set_and_dflash_alone(tiny_file, corp
     refused(run("train.py", *argv), "--dflash-vocab 8192", "vocabulary of 269")
     run_ = train.resolve_args([*argv, "--dflash-vocab", "40"])
     assert run_.drafters == "dflash" and run_.settings["dflash"].vocab == 40
-    phases = [name for name, _ in flags.plan(run_, train.STAGES)]
+    phases = [name for name, _ in flags.plan(run_, registry.stages())]
     assert phases == ["distill", "dflash"]  # the target is read, not trained
     assert "--init-from" in refused(run("train.py", "--preset", "real-cpu", "--out-dir",
                                         tmp_path))

@@ -70,7 +70,7 @@ def test_damaged_checkpoint_readers_refuse_naming_the_stage(out, corpus, name, h
 def test_train_py_finds_a_damaged_checkpoint_stale(out, corpus, name, how, capsys):
     damage(out / name, how)
     run = train.resolve_args(fast("train.py", out, corpus))
-    assert not trainer.is_current(trainer.Trainer(run, train.STAGES), name[:-3])
+    assert not trainer.is_current(trainer.Trainer(run, registry.stages()), name[:-3])
     assert how == "delete" or "unreadable; retraining it" in capsys.readouterr().out
 
 

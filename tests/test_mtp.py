@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train
+from registry import drafters as registry
 from training import trainer
 from registry.drafters import load_drafter
 from runtime.checkpoint import CheckpointError
@@ -230,10 +231,10 @@ def test_joint_mode_writes_a_matching_head_and_posthoc_retrains_it(corpus, tmp_p
     assert joint["mode"] == "joint" and joint["target_hash"] == target_ckpt["model_hash"]
     assert isinstance(load_drafter("mtp", str(tmp_path), target, target_ckpt), MTPDrafter)
     ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode", "joint")),
-                          train.STAGES)
+                          registry.stages())
     assert trainer.is_current(ctx, "mtp")  # so the mtp stage is skipped
     ctx = trainer.Trainer(train.resolve_args(tiny_args(corpus, tmp_path, "--mtp-mode",
-                                                       "posthoc")), train.STAGES)
+                                                       "posthoc")), registry.stages())
     assert not trainer.is_current(ctx, "mtp")  # a posthoc run retrains the joint head
     train.main(tiny_args(corpus, tmp_path, "--mtp-mode", "posthoc", "--only", "mtp", "--force"))
     post = torch.load(tmp_path / "mtp.pt", weights_only=True)

@@ -268,7 +268,7 @@ def test_a_rerun_skips_every_stage_until_the_weights_change(pipeline, folder, co
     d = copy_of(folder, tmp_path)
     args = tiny_args(corpus, out, "--init-from", str(folder))
     train.main(args)
-    assert capsys.readouterr().out.count("exists, skipping") == len(train.STAGES)
+    assert capsys.readouterr().out.count("exists, skipping") == len(registry.stages())
     hf_gpt2.write_folder(tiny_model(seed=1), merges, d)  # other weights, same tokenizer
     before = (out / "target.pt").read_bytes()
     with pytest.raises(SystemExit) as e:  # another folder's import replaces it only if asked

@@ -17,6 +17,7 @@ import torch
 
 import bench
 import train
+from registry import drafters as registry
 from commands import refused, run, snapshot, succeeded
 from conftest import tiny_args
 from runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -91,9 +92,9 @@ def test_a_llama_or_qwen_target_gets_the_papers_layers_shaped_like_it(qwen3_run)
     assert (gpt2.arch, gpt2.alibi, gpt2.taps) == ("gpt2", True, [1, 2])
     assert "arch" not in gpt2.to_dict()  # a GPT-2 drafter's checkpoint is written as before
     # what a checkpoint records: the layers as they resolve, GPT-2's not at all (as before)
-    assert trainer.recorded(run_, train.STAGES, "dspark")["dflash_arch"] == "qwen3"
+    assert trainer.recorded(run_, registry.stages(), "dspark")["dflash_arch"] == "qwen3"
     assert "dflash_arch" not in trainer.recorded(train.resolve_args(["--preset", "tiny"]),
-                                                 train.STAGES, "dflash")
+                                                 registry.stages(), "dflash")
 
 
 @pytest.mark.parametrize("kind", KINDS)
