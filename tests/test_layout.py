@@ -25,8 +25,10 @@ from training import flags
 from training.stage import Stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the lesson: the targets, the loop, the trees, and every registered drafter's file
-LESSON = ["gpt", "llama", "speculative", "tree", *(e.lesson.__name__ for e in registry.DRAFTERS)]
+# the lesson: the targets, the loop, the trees, DFlash's draft layers, and every registered
+# drafter's file
+LESSON = ["gpt", "llama", "speculative", "tree", "dflash_layers",
+          *(e.lesson.__name__ for e in registry.DRAFTERS)]
 COMMANDS = ["train", "bench", "sample"]
 PACKAGES = ["runtime", "formats", "serving", "training", "registry", "benchmark"]
 MOST_LINES = 600  # a file a reader can hold in mind; write for the reader, not for this number
