@@ -82,24 +82,19 @@ class DFlashConfig:
         self.n_hidden = self.n_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
     def to_dict(self):
-        d = asdict(self)
-        if not self.draft_vocab:  # as written before there was one: old checkpoints stay current
-            del d["draft_vocab"]
-        if self.arch == "gpt2":  # as written before there were two: old checkpoints stay current
-            for name in ("arch",) + QWEN3_ONLY:
-                del d[name]
-        return d
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d):
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DFlash config fields {sorted(unknown)}: "
-                             "the checkpoint is not a nanospec DFlash drafter")
+        """The config a checkpoint recorded: every field of today's, no other (a checkpoint of
+        another layout is retrained, not read)."""
+        fields = set(cls.__dataclass_fields__)
+        missing, unknown = sorted(fields - set(d)), sorted(set(d) - fields)
+        if missing or unknown:
+            raise ValueError(f"the checkpoint's DFlash config is not this version's (missing "
+                             f"{missing}, unknown {unknown}): retrain it (python train.py "
+                             "--only dflash --force; a DSpark drafter: --only dspark --force)")
         return cls(**d)
-
-
-QWEN3_ONLY = ("n_kv_head", "head_dim", "n_hidden", "norm_eps", "rope_scaling", "mask_token")
 
 
 def default_taps(n_layer, arch="gpt2"):
