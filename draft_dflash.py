@@ -16,15 +16,15 @@ concatenated, projected d*n -> d and normalised into a context, and in EVERY dra
 context is injected as extra keys/values in front of the block ("KV injection"). Queries come
 only from the block. Embedding, ln_f and LM head are the target's, frozen.
 
-The draft layers follow the target's family (DraftLayer): for a Llama or Qwen target the
-papers' (and speculators', which vLLM serves): Qwen3 decoder layers, every mask slot one mask
-token's embedding, a final norm of their own. For the lesson's GPT-2 target GPT-2's, with two
-departures for training in minutes: one mask embedding per block offset, and ALiBi on top of
-RoPE (docs/experiments.md: DFlash: the papers' layers).
+The draft layers follow the target's family (dflash_layers.py, read before this file): for a
+Llama or Qwen target the papers' (and speculators', which vLLM serves): Qwen3 decoder layers,
+every mask slot one mask token's embedding, a final norm of their own. For the lesson's GPT-2
+target GPT-2's, with two departures for training in minutes: one mask embedding per block offset,
+and ALiBi on top of RoPE (docs/experiments.md: DFlash: the papers' layers).
 
-It reads in order: the config, the draft layers, the network, the Drafter (how it drafts), then
-how it learns (anchors, mask, loss, narrow-then-full; training/stages_dflash.py runs it). At
-inference the context is the target's states of every confirmed token BEFORE the anchor,
+It reads in order: the config, the network (its layers dflash_layers.py's), the Drafter (how it
+drafts), then how it learns (anchors, mask, loss, narrow-then-full; training/stages_dflash.py runs
+it). At inference the context is the target's states of every confirmed token BEFORE the anchor,
 which enters the block at its absolute position; each draft layer caches its context K/V once
 per position, and a round does only what changes (docs/experiments.md: DFlash: lean round).
 
@@ -39,11 +39,11 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import MLP, attention
-from llama import LlamaConfig, RMSNorm, SwiGLU, rope_frequencies
+from llama import rotate, rotation
+from dflash_layers import FAMILIES, alibi_bias
 from draft_small import total_variation
 from registry.declaration import Declaration
-from speculative import Drafter, head_rows, to_target_vocab
+from speculative import Drafter
 
 # -----------------------------------------------------------------------------
 # config
@@ -58,9 +58,9 @@ class DFlashConfig:
     block: int = 16          # trained block: anchor + block-1 masks; usable at any smaller size
     shift: int = 0           # 0: slot j predicts the token at anchor+j (DFlash: a mask predicts
     #                          itself); 1: slot j predicts anchor+j+1, so the anchor slot drafts too
-    rope_base: float = 10000.0  # RoPE in the draft attention (see rope())
-    arch: str = "gpt2"       # the draft layers: "gpt2" or "qwen3" (the papers'; see DraftLayer)
-    alibi: bool | None = None  # ALiBi on top of RoPE (see alibi_bias()); None: "gpt2" only
+    rope_base: float = 10000.0  # RoPE in the draft attention (see tables())
+    arch: str = "gpt2"       # the draft layers: "gpt2" or "qwen3" (the papers'; dflash_layers.py)
+    alibi: bool | None = None  # ALiBi on top of RoPE (dflash_layers.alibi_bias); None: "gpt2" only
     bias: bool | None = None   # like the target's Linears and LayerNorms (None: "gpt2" only)
     dropout: float = 0.0     # gpt.MLP wants it; 0 for runs this short
     # "qwen3" layers only (the target's own where it is a Llama or a Qwen; None: as GPT-2's)
@@ -73,41 +73,29 @@ class DFlashConfig:
     draft_vocab: int = 0     # tokens it drafts from (its d2t buffer's ids); 0: the target's
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"unknown DFlash layers {self.arch!r}: use {' or '.join(ARCHS)}")
-        gpt2 = self.arch == "gpt2"
-        self.alibi = gpt2 if self.alibi is None else self.alibi
-        self.bias = gpt2 if self.bias is None else self.bias
+        if self.arch not in FAMILIES:
+            raise ValueError(f"unknown DFlash layers {self.arch!r}: use {' or '.join(FAMILIES)}")
+        family = FAMILIES[self.arch]
+        self.alibi = family.alibi if self.alibi is None else self.alibi
+        self.bias = family.bias if self.bias is None else self.bias
         self.n_kv_head = self.n_kv_head or self.n_head
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         self.n_hidden = self.n_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
-    def layer_config(self):
-        """The "qwen3" layers' shape as llama.py reads it (its RMSNorm, SwiGLU, RoPE angles)."""
-        return LlamaConfig(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.n_kv_head,
-                           head_dim=self.head_dim, n_hidden=self.n_hidden, norm_eps=self.norm_eps,
-                           rope_theta=self.rope_base, rope_scaling=self.rope_scaling, qk_norm=True)
-
     def to_dict(self):
-        d = asdict(self)
-        if not self.draft_vocab:  # as written before there was one: old checkpoints stay current
-            del d["draft_vocab"]
-        if self.arch == "gpt2":  # as written before there were two: old checkpoints stay current
-            for name in ("arch",) + QWEN3_ONLY:
-                del d[name]
-        return d
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d):
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DFlash config fields {sorted(unknown)}: "
-                             "the checkpoint is not a nanospec DFlash drafter")
+        """The config a checkpoint recorded: every field of today's, no other (a checkpoint of
+        another layout is retrained, not read)."""
+        fields = set(cls.__dataclass_fields__)
+        missing, unknown = sorted(fields - set(d)), sorted(set(d) - fields)
+        if missing or unknown:
+            raise ValueError(f"the checkpoint's DFlash config is not this version's (missing "
+                             f"{missing}, unknown {unknown}): retrain it (python train.py "
+                             "--only dflash --force; a DSpark drafter: --only dspark --force)")
         return cls(**d)
-
-
-ARCHS = ("gpt2", "qwen3")
-QWEN3_ONLY = ("n_kv_head", "head_dim", "n_hidden", "norm_eps", "rope_scaling", "mask_token")
 
 
 def default_taps(n_layer, arch="gpt2"):
@@ -121,124 +109,13 @@ def default_taps(n_layer, arch="gpt2"):
 
 
 # -----------------------------------------------------------------------------
-# the draft layers: RoPE, KV-injected attention, a block
-
-
-def rope_table(n, cfg, device=None):
-    """cos and sin of the RoPE angles for positions 0..n-1, each (n, hs/2), in float32 (a
-    bfloat16 angle would turn position 200 by the wrong amount): pair i of dimensions turns by
-    base^(-2i/hs) a position; "qwen3" layers take llama.py's angles, rope scaling included."""
-    hs = cfg.head_dim
-    if cfg.arch == "qwen3":
-        inv = rope_frequencies(cfg.layer_config()).to(device)
-    else:
-        inv = cfg.rope_base ** (-torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
-    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv  # (n, hs/2)
-    return ang.cos(), ang.sin()
-
-
-def rope(x, cos, sin):
-    """Rotary position embedding (Su et al. 2021) on x (B, nh, T, hs), cos/sin rope_table's rows at
-    x's positions: (T, hs/2), or (B, 1, T, hs/2). After rotation q.k depends only on the distance
-    between a slot and a context position, so "slot j attends to the last few context positions"
-    is one pattern at every position. Keys are rotated once, at their absolute position."""
-    hs = x.size(-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-def alibi_bias(q_pos, k_pos, n_head, dtype=torch.float32):
-    """ALiBi (Press et al. 2022): score -= m_h * |distance|, slopes m_h = 2^(-8h/nh), queries at
-    q_pos (..., Tq), keys at k_pos (..., Tk) -> (..., nh, Tq, Tk): a recency prior from step 0,
-    where uniform attention drowned the last states before the anchor (docs/experiments.md:
-    DFlash: ALiBi). A step's largest tensor: distances are one float tensor, only the result per
-    head."""
-    wide = torch.promote_types(dtype, torch.float32)  # positions and distances exact (< 2^24)
-    dist = (q_pos.to(wide)[..., :, None] - k_pos.to(wide)[..., None, :]).abs_()  # (..., Tq, Tk)
-    slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=q_pos.device, dtype=wide) / n_head)
-    return (-slopes.view(n_head, 1, 1) * dist[..., None, :, :]).to(dtype)
-
-
-class InjectedAttention(nn.Module):
-    """Queries from the block only; keys/values = [context ; block] along the sequence axis.
-    One key/value projection serves both, so context and block live in the same key space.
-    "qwen3" layers add what Qwen3's attention has: n_kv_head K/V heads, each shared by a group of
-    query heads (gpt.attention repeats them), and an RMSNorm on each head of q and k, before the
-    rotation (the context's keys too)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        nh, nkv, hs = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self.c_q = nn.Linear(cfg.n_embd, nh * hs, bias=cfg.bias)
-        self.c_kv = nn.Linear(cfg.n_embd, 2 * nkv * hs, bias=cfg.bias)  # keys, then values
-        self.c_proj = nn.Linear(nh * hs, cfg.n_embd, bias=cfg.bias)
-        if cfg.arch == "qwen3":
-            self.q_norm, self.k_norm = RMSNorm(hs, cfg.norm_eps), RMSNorm(hs, cfg.norm_eps)
-        self.head_dim = hs
-
-    def heads(self, t):
-        B, T, _ = t.shape
-        return t.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-
-    def queries(self, q, cs):
-        """c_q's output (B, T, nh*hs) -> queries, normed ("qwen3") and rotated, (B, nh, T, hs)."""
-        q = self.heads(q)
-        return rope(self.q_norm(q) if hasattr(self, "q_norm") else q, *cs)
-
-    def keys_values(self, kv, cs):
-        """c_kv's output (B, T, 2*nkv*hs) -> keys (normed, rotated to their absolute positions)
-        and values, each (B, nkv, T, hs)."""
-        k, v = self.heads(kv).chunk(2, dim=1)
-        return rope(self.k_norm(k) if hasattr(self, "k_norm") else k, *cs), v
-
-    def forward(self, x, cs, kv, start=None, mask=None):
-        """kv = (context keys, context values). Training: start None, the block's K/V are appended
-        to them. Inference (gpt-fast style): kv is a static cache whose first `start` positions
-        hold the context; the block's K/V are written at start.. (overwritten next round)."""
-        B, T, _ = x.shape
-        q = self.queries(self.c_q(x), cs)  # (B, nh, T, hs)
-        k, v = self.keys_values(self.c_kv(x), cs)
-        if start is None:
-            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # (B, nkv, Tc+T, hs)
-        else:
-            kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
-            k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
-        # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
-        y = attention(q, k, v, mask)  # (B, nh, T, hs)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
-
-
-def norm_of(cfg, dim):
-    """A norm of the draft layers: GPT-2's LayerNorm, or (qwen3) RMSNorm."""
-    return nn.LayerNorm(dim, bias=cfg.bias) if cfg.arch == "gpt2" else RMSNorm(dim, cfg.norm_eps)
-
-
-class DraftLayer(nn.Module):
-    """A pre-norm block: attention over [context ; block], then an MLP. Its parts are the
-    target's family's: "gpt2" layers are gpt.py's (LayerNorm, GELU, biases, with ALiBi on top of
-    RoPE); "qwen3" layers are the DFlash and DSpark papers' and speculators' (llama.py's RMSNorm
-    and SwiGLU, per-head q/k RMSNorm, grouped K/V, no biases), which vLLM serves."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln_1 = norm_of(cfg, cfg.n_embd)
-        self.attn = InjectedAttention(cfg)
-        self.ln_2 = norm_of(cfg, cfg.n_embd)
-        self.mlp = MLP(cfg) if cfg.arch == "gpt2" else SwiGLU(cfg.layer_config())
-
-    def forward(self, x, cs, kv, start=None, mask=None):
-        x = x + self.attn(self.ln_1(x), cs, kv, start, mask)
-        return x + self.mlp(self.ln_2(x))
-
-
-# -----------------------------------------------------------------------------
 # the drafter network
 
 
 class DFlash(nn.Module):
-    """Fusion projection + mask embedding + draft layers. The target (embedding, ln_f, LM head)
-    is held, not registered as a submodule: frozen, out of the optimizer and our state_dict."""
+    """Fusion projection + mask embedding + draft layers, of the family cfg.arch names
+    (dflash_layers.FAMILIES). The target (embedding, ln_f, LM head) is held, not registered as a
+    submodule: frozen, out of the optimizer and our state_dict."""
 
     def __init__(self, cfg, target):
         super().__init__()
@@ -249,21 +126,9 @@ class DFlash(nn.Module):
             raise ValueError(f"taps {cfg.taps} must be target layers in 1..{target.config.n_layer}")
         self.config = cfg
         self.__dict__["target"] = target  # plain attribute, not a submodule (see above)
+        self.family = FAMILIES[cfg.arch](cfg)  # its layers' parts, chosen here once
         self.fc = nn.Linear(cfg.n_embd * len(cfg.taps), cfg.n_embd, bias=False)  # d*n -> d, no bias
-        self.ctx_norm = norm_of(cfg, cfg.n_embd)
-        if cfg.arch == "gpt2":
-            # one learned mask embedding per offset, at the embeddings' scale (row norm ~1): with
-            # one shared mask every slot made the same guess (experiments.md: DFlash: mask embeddings)
-            self.mask_emb = nn.Parameter(torch.randn(cfg.block - 1, cfg.n_embd) /
-                                         math.sqrt(cfg.n_embd))
-        else:  # the papers': every mask slot is one token's embedding, the target's own, frozen
-            V = target.config.vocab_size
-            self.mask_token = V - 1 if cfg.mask_token is None else cfg.mask_token
-            if not 0 <= self.mask_token < V:
-                raise ValueError(f"mask token {self.mask_token} is not a target token (0..{V - 1})")
-        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.n_layer)])
-        if cfg.arch == "qwen3":
-            self.norm = norm_of(cfg, cfg.n_embd)  # its own final norm before the target's LM head
+        self.family.build(self, target)  # ctx_norm, what fills a mask slot, the layers, ...
         if not 0 <= cfg.draft_vocab <= target.config.vocab_size:
             raise ValueError(f"a draft vocabulary of {cfg.draft_vocab} tokens does not fit the "
                              f"target's {target.config.vocab_size}")
@@ -285,8 +150,8 @@ class DFlash(nn.Module):
         if key not in self._tables:
             cfg = self.config
             N = self.target.config.sequence_len + cfg.block
-            cos, sin = rope_table(N, cfg, device)
             pos = torch.arange(N, device=device)
+            cos, sin = (t[0, 0] for t in rotation(pos, self.family.inv_freq(device)))  # (N, hs)
             # (1, nh, N, N): 4-d, as SDPA's fused CPU kernel wants it (for a 3-d mask it falls
             # back to its slower unfused path; docs/experiments.md: DFlash: lean round)
             bias = alibi_bias(pos, pos, cfg.n_head).to(dtype)[None] if cfg.alibi else None
@@ -294,8 +159,8 @@ class DFlash(nn.Module):
         return self._tables[key]
 
     def cs(self, pos, dtype):
-        """RoPE rows for positions pos ((T,) or (B, T)) -> (cos, sin), each (T, hs/2) or
-        (B, 1, T, hs/2)."""
+        """RoPE rows for positions pos ((T,) or (B, T)) -> (cos, sin), each (T, hs) or
+        (B, 1, T, hs)."""
         cos, sin, _ = self.tables(pos.device, dtype)
         return (cos[pos], sin[pos]) if pos.dim() == 1 else (cos[pos][:, None], sin[pos][:, None])
 
@@ -312,13 +177,9 @@ class DFlash(nn.Module):
         """anchors (B, A) token ids -> (B, A * n_slots, d): each anchor's embedding, then the
         masks."""
         B, A = anchors.shape
-        wte = self.target.transformer.wte
-        if self.config.arch == "gpt2":
-            masks = self.mask_emb[:n_slots - 1]  # (n_slots-1, d)
-        else:
-            masks = wte(torch.full((n_slots - 1,), self.mask_token, device=anchors.device))
+        masks = self.family.masks(self, n_slots - 1, anchors.device)  # (n_slots-1, d)
         masks = masks.expand(B, A, -1, -1)  # (B, A, n_slots-1, d)
-        x = torch.cat([wte(anchors)[:, :, None], masks], dim=2)  # (B, A, n_slots, d)
+        x = torch.cat([self.target.transformer.wte(anchors)[:, :, None], masks], dim=2)
         return x.view(B, A * n_slots, -1)
 
     def forward_training(self, x, pos, ctx_kvs, visible):
@@ -351,12 +212,17 @@ class DFlash(nn.Module):
 
     def final_norm(self, h):
         """The norm before the LM head: the target's own ln_f, or ("qwen3") the drafter's."""
-        return self.target.transformer.ln_f(h) if self.config.arch == "gpt2" else self.norm(h)
+        return self.family.final_norm(self, h)
+
+    def norm_keys(self, k):
+        """Stacked context keys k (n_layer, ..., hs) through each layer's per-head norm (the
+        "qwen3" layers'), as a layer's keys_values norms its own."""
+        return self.family.norm_keys(self, k)
 
     def logits(self, h):
         """The target's LM head on the final norm of h -> (..., V), or only its draft
-        vocabulary's rows -> (..., draft_vocab) (speculative.head_rows; docs/experiments.md: A
-        real target's draft vocabulary)."""
+        vocabulary's rows -> (..., draft_vocab) (head_rows, below; docs/experiments.md: A real
+        target's draft vocabulary)."""
         h, head = self.final_norm(h), self.target.lm_head.weight
         if not self.config.draft_vocab:
             return self.target.lm_head(h)
@@ -368,6 +234,26 @@ class DFlash(nn.Module):
         if not self.config.draft_vocab:
             return z
         return to_target_vocab(z, self.d2t, self.target.config.vocab_size)
+
+
+def head_rows(head, d2t, cache, dtype):
+    """A draft vocabulary (EAGLE-3's reduced vocabulary): the rows of the target's LM head `head`
+    (V, d) at its target ids d2t (Vd,), what a drafter's head multiplies by (a wide vocabulary's
+    head is most of a small drafter's cost; the rare tokens it leaves out are seldom what the
+    target says next). Gathered once per weight and dtype at inference, into `cache`."""
+    if torch.is_grad_enabled():
+        return head[d2t]
+    key = ("head", head.data_ptr(), d2t.data_ptr(), head.device, dtype)
+    if key not in cache:
+        cache[key] = head[d2t].to(dtype)
+    return cache[key]
+
+
+def to_target_vocab(z, d2t, V):
+    """Logits over a draft vocabulary (..., Vd) -> over the target's V tokens: each at its id
+    d2t[i], every other token -inf (never drafted; the target still verifies over all V)."""
+    full = z.new_full((*z.shape[:-1], V), float("-inf"))
+    return full.index_copy_(-1, d2t, z)
 
 
 # -----------------------------------------------------------------------------
@@ -403,8 +289,8 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(cfg.taps)
         self.max_k = cfg.block - 1 + cfg.shift
         self.default_k = self.max_k
-        # sampling: acceptance falls fast by position, so a short draft pays; 3 was the best of a
-        # coupled sweep (docs/experiments.md: DFlash: k)
+        # sampling: acceptance falls fast by position, so a short draft pays; how short, a coupled
+        # sweep chose (docs/experiments.md: DFlash: k)
         self.sampled_k = min(3, self.max_k)
         self.new_caches()
         p = net.fc.weight
@@ -443,15 +329,10 @@ class DFlashDrafter(Drafter):
         n_layer, _, nkv, _, hs = self.k_cache.shape
         kv = self.ctx_kv(ctx).view(m, n_layer, 2, nkv, hs).permute(1, 2, 3, 0, 4)  # (L,2,nkv,m,hs)
         cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
-        self.k_cache[:, 0, :, n:n + m] = rope(self.norm_keys(kv[:, 0]), cos[n:n + m], sin[n:n + m])
+        self.k_cache[:, 0, :, n:n + m] = rotate(self.net.norm_keys(kv[:, 0]), cos[n:n + m],
+                                                sin[n:n + m])
         self.v_cache[:, 0, :, n:n + m] = kv[:, 1]
         self.n_ctx += m
-
-    def norm_keys(self, k):
-        """The stacked keys k (n_layer, ..., hs) through each layer's per-head norm ("qwen3")."""
-        if self.net.config.arch == "gpt2":
-            return k
-        return torch.stack([layer.attn.k_norm(k[i]) for i, layer in enumerate(self.net.layers)])
 
     @torch.inference_mode()
     def begin(self, tokens, hidden):

@@ -351,8 +351,8 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, spark, schedule="auto", threshold=THRESHOLD, markov=True, t_draft=0.0,
                  t_verify=None):
         super().__init__(spark.backbone)
-        # sampling: one slot more than DFlash. Its sampling weights train the block's first slots,
-        # and k = 4 beat 3 in a coupled probe (docs/experiments.md: DSpark: sampling k)
+        # sampling: one slot more than DFlash: its sampling weights train the block's first slots,
+        # and a coupled probe chose the longer draft (docs/experiments.md: DSpark: sampling k)
         self.sampled_k = min(4, self.max_k)
         if schedule not in ("auto", "threshold", "full"):
             raise ValueError(f"unknown schedule {schedule!r}: use auto, threshold or full")

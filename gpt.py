@@ -51,9 +51,8 @@ class GPTConfig:
     n_embd: int = 256       # width
     dropout: float = 0.0    # 0 for the short runs here: we are far from overfitting
     bias: bool = True       # GPT-2 has biases in Linears and LayerNorms
-    activation: str = "gelu"  # the MLP's: "gelu" (exact; nanospec's own targets, and every
-    #                           checkpoint written before this field) or "gelu_new" (the tanh
-    #                           approximation OpenAI's GPT-2 weights were trained with)
+    activation: str = "gelu"  # the MLP's: "gelu" (exact; nanospec's own targets) or "gelu_new"
+    #                           (the tanh approximation OpenAI's GPT-2 weights were trained with)
 
     @property
     def n_kv_head(self):  # heads of keys and values: every query head has its own here (llama.py
@@ -64,19 +63,18 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     def to_dict(self):
-        d = asdict(self)
-        if d["activation"] == "gelu":  # what a config without the field means: checkpoints and
-            del d["activation"]        # resume fingerprints of nanospec's targets stay as before
-        return d
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d):
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown GPT config fields {sorted(unknown)}: "
-                             "the checkpoint is not a nanospec GPT")
-        if d.get("activation", "gelu") not in GELU:
+        """The config a checkpoint recorded: every field of today's, no other (a checkpoint of
+        another layout is retrained, not read)."""
+        fields = set(cls.__dataclass_fields__)
+        missing, unknown = sorted(fields - set(d)), sorted(set(d) - fields)
+        if missing or unknown:
+            raise ValueError(f"the checkpoint's GPT config is not this version's (missing "
+                             f"{missing}, unknown {unknown}): retrain it (python train.py --force)")
+        if d["activation"] not in GELU:
             raise ValueError(f"unknown activation {d['activation']!r} (one of {sorted(GELU)})")
         return cls(**d)
 

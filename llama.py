@@ -133,10 +133,16 @@ def rotation(pos, inv_freq):
 
 
 def rotate(x, cos, sin):
-    """x (B, h, T, hs) turned by the angles whose cos and sin `rotation` gave."""
+    """x (B, h, T, hs) turned by the angles whose cos and sin `rotation` gave (DFlash's draft
+    layers, dflash_layers.py, turn theirs with it too)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_half(x):
+    """(x1, x2) -> (-x2, x1), the halves of the last dimension: each pair's partner, turned."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((-x2, x1), dim=-1)
 
 
 # -----------------------------------------------------------------------------

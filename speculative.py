@@ -426,26 +426,6 @@ def broken(got, k, vocab_size):
     return None
 
 
-def head_rows(head, d2t, cache, dtype):
-    """A draft vocabulary (EAGLE-3's reduced vocabulary): the rows of the target's LM head `head`
-    (V, d) at its target ids d2t (Vd,), what a drafter's head multiplies by (a wide vocabulary's
-    head is most of a small drafter's cost; the rare tokens it leaves out are seldom what the
-    target says next). Gathered once per weight and dtype at inference, into `cache`."""
-    if torch.is_grad_enabled():
-        return head[d2t]
-    key = ("head", head.data_ptr(), d2t.data_ptr(), head.device, dtype)
-    if key not in cache:
-        cache[key] = head[d2t].to(dtype)
-    return cache[key]
-
-
-def to_target_vocab(z, d2t, V):
-    """Logits over a draft vocabulary (..., Vd) -> over the target's V tokens: each at its id
-    d2t[i], every other token -inf (never drafted; the target still verifies over all V)."""
-    full = z.new_full((*z.shape[:-1], V), float("-inf"))
-    return full.index_copy_(-1, d2t, z)
-
-
 def k_for(drafter, mode):
     """The k a drafter drafts unless told, greedy or sampling: sampling lowers acceptance, so long
     drafts stop paying (each drafter's k: docs/experiments.md)."""

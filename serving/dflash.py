@@ -22,8 +22,8 @@ from serving.rules import CostTable, Widths, best_single_k, interpolate, time_pl
 from serving.batched import BatchDrafter, Confirmed
 from runtime.devices import synchronize
 from draft_dspark import admit, markov_chain
-from draft_dflash import rope
 from gpt import attention
+from llama import rotate
 
 
 # -----------------------------------------------------------------------------
@@ -31,7 +31,7 @@ from gpt import attention
 
 
 def injected_attention(attn, x, cs, kv, rag, mask):
-    """draft_dflash.InjectedAttention over a ragged batch. x: the real slots packed (N, C), or
+    """dflash_layers.InjectedAttention over a ragged batch. x: the real slots packed (N, C), or
     (B, T, C) with no padding. The projections run on the packed rows, the attention on the padded
     (B, nh, T, hs); K/V written per row."""
     q = attn.queries(rag.unpack(attn.c_q(x)), cs)  # (B, nh, T, hs)
@@ -43,7 +43,7 @@ def injected_attention(attn, x, cs, kv, rag, mask):
 
 
 def draft_layer(layer, x, cs, kv, rag, mask):
-    """draft_dflash.DraftLayer over a ragged batch: the same two residual steps."""
+    """dflash_layers.DraftLayer over a ragged batch: the same two residual steps."""
     x = x + injected_attention(layer.attn, layer.ln_1(x), cs, kv, rag, mask)
     return x + layer.mlp(layer.ln_2(x))
 
@@ -110,8 +110,8 @@ class BatchDFlash(BatchDrafter):
         pos_rope = pos.clamp_max(cos.size(0) - 1)
         at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
               pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
-        self.k_cache[at] = rope(self.one.norm_keys(kv[:, 0]), cos[pos_rope][:, None],
-                                sin[pos_rope][:, None])
+        self.k_cache[at] = rotate(self.net.norm_keys(kv[:, 0]), cos[pos_rope][:, None],
+                                  sin[pos_rope][:, None])
         self.v_cache[at] = kv[:, 1]
         self.n_ctx = list(self.n_states)
 

@@ -144,6 +144,17 @@ def test_cached_context_equals_recomputing_from_scratch(target):
         assert torch.allclose(a, b, atol=1e-10, rtol=0)
 
 
+def test_a_config_records_every_field_and_an_older_layouts_is_refused():
+    """Every field is written, the layers' family too, and read back as it was; a config of an
+    older layout (a GPT-2 drafter's, once written without its family's fields) is one error that
+    names the retrain command."""
+    cfg = DFlashConfig(n_embd=32, n_head=2, taps=[1, 2], block=8)
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["arch"] == "gpt2"
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("arch", "draft_vocab")}
+    with pytest.raises(ValueError, match=r"missing \['arch', 'draft_vocab'\].*--only dflash"):
+        DFlashConfig.from_dict(old)
+
+
 @torch.inference_mode()
 def test_k_beyond_the_trained_block_is_an_error(target):
     d = drafter_for(target)

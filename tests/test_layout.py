@@ -24,8 +24,9 @@ from training import flags
 from training.stage import Stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the lesson: the targets, the loop, the trees, and every registered drafter's file
-LESSON = ["gpt", "llama", "speculative", "tree",
+# the lesson: the targets, the loop, the trees, DFlash's draft layers, and every registered
+# drafter's file
+LESSON = ["gpt", "llama", "speculative", "tree", "dflash_layers",
           *(e.lesson.__name__ for e in registry.drafters())]
 # the one piece of the machinery a lesson file imports: its declaration, DRAFTER = Declaration(...)
 DECLARATION = "registry.declaration"

@@ -128,17 +128,19 @@ def test_the_safetensors_reader_agrees_with_the_package(folder, tmp_path):
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
-def test_the_activation_is_the_configs_and_old_checkpoints_keep_the_exact_gelu():
+def test_the_activation_is_the_configs_and_an_old_checkpoints_config_is_refused():
     old = {"sequence_len": 64, "vocab_size": VOCAB, "n_layer": 2, "n_head": 2, "n_embd": 32,
            "dropout": 0.0, "bias": True}  # a config written before the field existed
-    assert GPTConfig.from_dict(old).activation == "gelu"
+    with pytest.raises(ValueError, match=r"missing \['activation'\].*python train.py --force"):
+        GPTConfig.from_dict(old)
+    assert GPTConfig.from_dict(GPTConfig(**old).to_dict()).activation == "gelu"
     exact, tanh = tiny_model("gelu"), tiny_model("gelu_new")
     tanh.load_state_dict(exact.state_dict())
     idx = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert not torch.equal(exact(idx)[0], tanh(idx)[0])
     with pytest.raises(ValueError, match="unknown activation"):
-        GPTConfig.from_dict({**old, "activation": "relu"})
+        GPTConfig.from_dict({**GPTConfig(**old).to_dict(), "activation": "relu"})
 
 
 def test_a_shorter_context_keeps_the_first_positions(folder):

@@ -90,7 +90,7 @@ def test_a_llama_or_qwen_target_gets_the_papers_layers_shaped_like_it(qwen3_run)
                                         types.SimpleNamespace(n_embd=32, n_head=2, n_layer=2,
                                                               vocab_size=64))
     assert (gpt2.arch, gpt2.alibi, gpt2.taps) == ("gpt2", True, [1, 2])
-    assert "arch" not in gpt2.to_dict()  # a GPT-2 drafter's checkpoint is written as before
+    assert gpt2.to_dict()["arch"] == "gpt2"  # a checkpoint records its layers, GPT-2's too
     # what a checkpoint records: the layers as they resolve, GPT-2's not at all (as before)
     assert trainer.recorded(run_, registry.stages(), "dspark")["dflash_arch"] == "qwen3"
     assert "dflash_arch" not in trainer.recorded(train.resolve_args(["--preset", "tiny"]),
