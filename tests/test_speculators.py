@@ -91,10 +91,10 @@ def test_a_llama_or_qwen_target_gets_the_papers_layers_shaped_like_it(qwen3_run)
                                                               vocab_size=64))
     assert (gpt2.arch, gpt2.alibi, gpt2.taps) == ("gpt2", True, [1, 2])
     assert gpt2.to_dict()["arch"] == "gpt2"  # a checkpoint records its layers, GPT-2's too
-    # what a checkpoint records: the layers as they resolve, GPT-2's not at all (as before)
+    # what a checkpoint records: the layers as they resolve ('auto' is not what trained)
     assert trainer.recorded(run_, registry.stages(), "dspark")["dflash_arch"] == "qwen3"
-    assert "dflash_arch" not in trainer.recorded(train.resolve_args(["--preset", "tiny"]),
-                                                 registry.stages(), "dflash")
+    assert trainer.recorded(train.resolve_args(["--preset", "tiny"]), registry.stages(),
+                            "dflash")["dflash_arch"] == "gpt2"
 
 
 @pytest.mark.parametrize("kind", KINDS)
