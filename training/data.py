@@ -1,6 +1,7 @@
 """
-training/data.py -- the corpus, a tokenizer trained on it (training/tokenizer.py), and the token
-streams train.py reads (as random training windows: Batches). Every command reads the build.
+training/data.py -- the corpus, a tokenizer trained on it (training/tokenizer.py; formats/tokenizer.py
+reads it back), and the token streams train.py reads (as random training windows: Batches). Every
+command reads the build.
 
 By default the corpus is the Python standard library that ships with the running interpreter
 (no download needed); --data PATH swaps in a text file or a folder. prepare_data() writes four
@@ -34,7 +35,6 @@ import sysconfig
 import time
 
 import numpy as np
-import tiktoken
 import torch
 
 if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
@@ -43,9 +43,9 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from formats.hf_folder import HFTokenizer
-from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding, load_tokenizer,
-                                rank_file, train_bpe)
+from formats.tokenizer import (EOT, PAT, DataError, HFTokenizer, get_encoding, load_tokenizer,
+                               rank_file)
+from training.tokenizer import file_sha256, train_bpe
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
@@ -181,7 +181,7 @@ BUILT = ("tokenizer.tiktoken", "tokenizer.json", "train.bin", "val.bin", "data_m
 # tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), the ranks of a pretrained
 # GPT-2 folder (pretrained), or a Llama or Qwen folder's tokenizer.json (hf): train.py --init-from
 KINDS = ("bpe", "gpt2", "pretrained", "hf")
-FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model gives (pretrained.Given.kind)
+FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model gives (formats.tokenizer.Given.kind)
 # how a build was made, as a target records it: enough for remake() to name the command that
 # makes that build again
 RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
@@ -265,14 +265,6 @@ def load_build(out_dir) -> dict:
     if problem:
         raise DataError(f"{problem}: {remake(out, meta)}")
     return _result(out, meta)
-
-
-def encoding_of(info: dict) -> tiktoken.Encoding:
-    """The tokenizer of a build (prepare_data's or load_build's result; gpt2's has no file)."""
-    path = info["tokenizer_path"]
-    if info.get("kind") == "hf":
-        return HFTokenizer(path, info["eot_id"])
-    return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
 
 def _wanted(data, vocab_size, tokenizer, given) -> dict:
@@ -383,7 +375,7 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
                  verbose=True, given=None, force=False) -> dict:
-    """given: for tokenizer 'pretrained' or 'hf', the model's tokenizer (formats.pretrained.Given).
+    """given: for tokenizer 'pretrained' or 'hf', the model's tokenizer (formats.tokenizer.Given).
     force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
     if tokenizer not in KINDS or (tokenizer in FOLDER_KINDS) != (given is not None):

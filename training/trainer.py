@@ -26,7 +26,6 @@ import torch
 from runtime.checkpoint import CheckpointError, cpu_state_dict, load_checkpoint, save_checkpoint
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
-from formats import pretrained
 from training import chat_set, ddp, distill
 from training.stage import usual_record
 from runtime.target import load_target
@@ -275,7 +274,7 @@ def prepare(run, stages):
     gpt2)."""
     given = None
     if run.init_from:
-        given = pretrained.tokenizer_of(run.init_from, pretrained.read_config(run.init_from))
+        given = run.source.tokenizer
     else:
         keep_pretrained_build(run.out_dir)
     keep_trained_target(run, stages)
