@@ -189,14 +189,8 @@ _META_INTS = ("vocab_size", "eot_id", "n_train_tokens", "n_val_tokens", "val_doc
 
 
 def _expected(meta: dict) -> dict:
-    """file name -> (bytes, sha256) it must have. Builds before format 2 recorded only the token
-    counts and the tokenizer's hash: those are checked (bench.py can still read such a build)."""
-    if "files" in meta:
-        return {name: (r["bytes"], r["sha256"]) for name, r in meta["files"].items()}
-    files = {f"{s}.bin": (2 * meta[f"n_{s}_tokens"], None) for s in ("train", "val")}
-    if meta["tokenizer"] == "bpe":
-        files["tokenizer.tiktoken"] = (None, meta["tokenizer_hash"])
-    return files
+    """file name -> (bytes, sha256) it must have (a build without that record is damaged)."""
+    return {name: (r["bytes"], r["sha256"]) for name, r in meta["files"].items()}
 
 
 def read_meta(out: pathlib.Path) -> dict:
@@ -211,8 +205,7 @@ def read_meta(out: pathlib.Path) -> dict:
         ok = (all(type(meta[k]) is int for k in _META_INTS)
               and meta["tokenizer"] in KINDS
               and need <= set(files)
-              and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
-                      for n, h in files.values()))
+              and all(type(n) is int and type(h) is str for n, h in files.values()))
     except (ValueError, KeyError, TypeError, AttributeError):
         # not JSON, not a dict, fields missing
         ok = False
@@ -228,9 +221,9 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
         f = out / name
         if not f.is_file():
             return f"{f} is {'a folder (move it away)' if f.is_dir() else 'missing'}"
-        if size is not None and f.stat().st_size != size:
+        if f.stat().st_size != size:
             return f"{f} is {f.stat().st_size:,} bytes, not {size:,} (truncated or damaged)"
-        if sha is not None and file_sha256(f) != sha:
+        if file_sha256(f) != sha:
             return f"{f} does not match its sha256 in data_meta.json (modified or damaged)"
     return None
 
