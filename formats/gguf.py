@@ -112,6 +112,9 @@ def reader(path):
                               "pip install gguf")
     try:
         size = os.stat(path).st_size
+    except OSError as e:
+        raise refuse(path, f"it cannot be read ({e.strerror})") from None
+    try:
         with open(path, "rb") as f:
             magic = f.read(4)
             version = int.from_bytes(f.read(4), "little")
@@ -124,8 +127,6 @@ def reader(path):
         r = gguf.GGUFReader(path)
     except CheckpointError:
         raise
-    except OSError as e:
-        raise refuse(path, f"it cannot be read ({e.strerror})") from None
     except Exception as e:  # the reader's errors are ValueError, IndexError, OverflowError, ...
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise refuse(path, f"it is truncated or damaged ({first})") from None
