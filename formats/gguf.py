@@ -1,6 +1,7 @@
 """
 formats/gguf.py -- a GGUF file as the target: the one file llama.cpp, Ollama and LM Studio keep a
-model in, read with `gguf` (ggml's own reader) into llama.py's model; and such a file written.
+model in, opened once with `gguf` (ggml's own reader) and handed on as a File: its config, its
+tensors into llama.py's model, its tokenizer's metadata (formats/gguf_vocab.py), the rest of its metadata.
 
 A GGUF holds three things:
 
@@ -31,9 +32,9 @@ frequency; it is read back as the llama3 scaling that made it.
     python -m formats.pretrained FILE.gguf     # what it holds, does it load
 """
 
-import functools
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,25 +78,42 @@ def refuse(path, why):
 
 
 # -----------------------------------------------------------------------------
-# the file: read once per change, every part checked before anything is written
+# the file: opened once, every part checked before anything is written
+
+
+@dataclass
+class File:
+    """A GGUF opened once, every part read and checked: what the model, the tokenizer and the
+    chat format are built from (nothing asks the file by its path again)."""
+    path: str
+    reader: object        # gguf.GGUFReader: every metadata field (meta() reads one, checked)
+    arch: str             # general.architecture: llama, qwen2 or qwen3
+    config: LlamaConfig   # sequence_len its context_length
+    tensors: dict         # GGUF name -> the reader's tensor (its type, shape and blocks)
+    names: dict           # llama.py's name -> the GGUF names stacked into it (name_map)
+    vocab: dict           # the tokenizer: {key after tokenizer.ggml.: value}
 
 
 def read(path):
-    """The GGUF at path (gguf.GGUFReader), read once while the file is unchanged: every command
-    asks for its config, its tokenizer and its weights in turn. One line names what is wrong with a
-    missing, truncated or damaged file."""
+    """The GGUF at path as a File. One line names what is wrong with a missing, truncated or
+    damaged file, a model llama.py does not compute, or a tokenizer it lacks."""
+    r = reader(path)
+    arch = meta(r, path, "general.architecture", str)
+    cfg = read_config(r, path, arch)
+    names = name_map(cfg)
+    check_tensors(r, path, cfg, names)
+    return File(path, r, arch, cfg, {t.name: t for t in r.tensors}, names, vocab_of(r, path))
+
+
+def reader(path):
+    """gguf.GGUFReader of the file, after its magic bytes, its version and its tensors' extents."""
     if gguf is None:
         raise CheckpointError(f"{path} is a GGUF file, which needs the gguf package to read: "
                               "pip install gguf")
     try:
-        st = os.stat(path)
+        size = os.stat(path).st_size
     except OSError as e:
         raise refuse(path, f"it cannot be read ({e.strerror})") from None
-    return _read(os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _read(path, size, mtime):
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -138,15 +156,32 @@ def meta(r, path, key, kind, default=None):
     return v
 
 
+def vocab_of(r, path):
+    """The tokenizer's metadata, {key after tokenizer.ggml.: value}, each checked for its type
+    (formats/gguf_vocab.py builds the tokenizer from it)."""
+    kinds = {"model": str, "pre": str, "tokens": list, "token_type": list, "merges": list,
+             "scores": list, "add_bos_token": bool, "add_eos_token": bool}
+    out = {k: meta(r, path, f"tokenizer.ggml.{k}", kind, "") for k, kind in kinds.items()}
+    out = {k: v for k, v in out.items() if v != ""}
+    for k in ("tokens", "merges"):
+        if not all(isinstance(t, str) for t in out.get(k, [])):
+            raise refuse(path, f"its tokenizer.ggml.{k} holds something other than text")
+    for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
+              "eot_token_id", "eom_token_id"):
+        if f"tokenizer.ggml.{k}" in r.fields:
+            out[k] = meta(r, path, f"tokenizer.ggml.{k}", int)
+    if "tokens" not in out:
+        raise refuse(path, "its metadata lacks tokenizer.ggml.tokens (no tokenizer)")
+    return out
+
+
 # -----------------------------------------------------------------------------
 # metadata -> llama.LlamaConfig
 
 
-def read_config(path):
+def read_config(r, path, arch):
     """The GGUF's llama.LlamaConfig (sequence_len its context_length: train.py shortens it), after
     checking the architecture, the shape and every tensor: its name, its type, its shape."""
-    r = read(path)
-    arch = meta(r, path, "general.architecture", str)
     if arch not in ARCHITECTURES:
         raise refuse(path, f"its architecture is {arch!r}; train.py reads "
                      f"{', '.join(ARCHITECTURES)} (llama.py's model: Llama 2 and 3, SmolLM2, "
@@ -195,7 +230,6 @@ def read_config(path):
     if arch == "qwen2" and not cfg.qkv_bias:
         raise refuse(path, "it is a qwen2 without biases on q, k and v (blk.0.attn_q.bias)")
     cfg.rope_scaling = rope_scaling(r, path, arch, cfg)
-    check_tensors(r, path, cfg)
     return cfg
 
 
@@ -285,13 +319,13 @@ def part_shapes(cfg, shape, n):
     return [(r, *shape[1:]) for r in rows]
 
 
-def check_tensors(r, path, cfg):
+def check_tensors(r, path, cfg, names):
     """Every tensor the model needs is there, of a type dequantized here and of the shape the
     metadata implies; none is left over (it would be silently ignored)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Llama(cfg).state_dict().items()}
     want = {}
-    for ours, parts in name_map(cfg).items():
+    for ours, parts in names.items():
         want.update(zip(parts, part_shapes(cfg, shapes[ours], len(parts))))
     have = {t.name: t for t in r.tensors if t.name != ROPE_FREQS}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
@@ -327,22 +361,14 @@ def unpermute(w, n_head):
     return w.reshape(n_head, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def permute(w, n_head):
-    """llama.cpp's converter's order (the inverse of unpermute)."""
-    return w.reshape(n_head, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def load(path, cfg):
-    """llama.Llama(cfg) with the GGUF's weights, dequantized to float32, in eval mode (cfg from
-    read_config, its sequence_len perhaps shortened)."""
-    r = read(path)
-    arch = meta(r, path, "general.architecture", str)
-    tensors = {t.name: t for t in r.tensors}
+def load(f, cfg):
+    """llama.Llama(cfg) with the File's weights, dequantized to float32, in eval mode (cfg its
+    config, the sequence_len perhaps shortened)."""
     model = Llama(cfg)
     sd = {}
-    for ours, parts in name_map(cfg).items():
-        ws = [dequantized(tensors[p]) for p in parts]
-        if arch == "llama" and ours.endswith(("c_attn.weight", "c_attn.bias")):
+    for ours, parts in f.names.items():
+        ws = [dequantized(f.tensors[p]) for p in parts]
+        if f.arch == "llama" and ours.endswith(("c_attn.weight", "c_attn.bias")):
             ws[0], ws[1] = unpermute(ws[0], cfg.n_head), unpermute(ws[1], cfg.n_kv_head)
         sd[ours] = torch.cat(ws) if len(ws) > 1 else ws[0]
     if cfg.tie_embeddings:
@@ -351,66 +377,9 @@ def load(path, cfg):
     return model.eval()
 
 
-def describe(path):
-    """What the file's tensors are stored as, e.g. 'Q4_1 x 210, F32 x 61, Q8_0 x 1'."""
+def describe(f):
+    """What the File's tensors are stored as, e.g. 'Q4_1 x 210, F32 x 61, Q8_0 x 1'."""
     count = {}
-    for t in read(path).tensors:
+    for t in f.tensors.values():
         count[t.tensor_type.name] = count.get(t.tensor_type.name, 0) + 1
     return ", ".join(f"{k} x {n}" for k, n in sorted(count.items(), key=lambda kv: -kv[1]))
-
-
-# -----------------------------------------------------------------------------
-# writing one, as llama.cpp's converter does: the tests' tiny files
-
-
-def tensors_of(model, arch):
-    """{GGUF name: float32 numpy array, rows first} of a llama.Llama, as llama.cpp's converter
-    lays it out (q and k rows permuted for a Llama)."""
-    cfg, sd = model.config, model.state_dict()
-    out = {}
-    for ours, parts in name_map(cfg).items():
-        w = sd[ours].detach().float()
-        ws = list(w.split([s[0] for s in part_shapes(cfg, w.shape, len(parts))]))
-        if arch == "llama" and ours.endswith(("c_attn.weight", "c_attn.bias")):
-            ws[0], ws[1] = permute(ws[0], cfg.n_head), permute(ws[1], cfg.n_kv_head)
-        out.update({p: x.contiguous().numpy() for p, x in zip(parts, ws)})
-    return out
-
-
-def write(path, cfg, arch, tensors, metadata, rope_freqs=None):
-    """A GGUF of a llama.LlamaConfig: its shape's metadata, `tensors` {name: (numpy data, type
-    name)} (a float array for F32 and F16; the blocks' bytes, (rows, bytes), for the others), and
-    more `metadata` {key: value} (the tokenizer's: tokenizer.ggml.tokens, ...)."""
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.n_layer)
-    w.add_context_length(cfg.sequence_len)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(cfg.n_hidden)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_kv_head)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
-    if rope_freqs is not None:  # float16 only where a test asks for a type llama.py refuses
-        half = np.asarray(rope_freqs).dtype == np.float16
-        tensors = {ROPE_FREQS: (np.asarray(rope_freqs, np.float16 if half else np.float32),
-                                "F16" if half else "F32"), **tensors}
-    for name, (data, kind) in tensors.items():
-        qtype = gguf.GGMLQuantizationType[kind]
-        w.add_tensor(name, data, raw_dtype=None if kind in ("F32", "F16") else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()

@@ -167,15 +167,12 @@ def twice_zero(q, scale, zero, exact):
 # the model
 
 
-def quantized(model, path):
-    """A copy of `model` (a llama.Llama imported from the GGUF at path) computing in the file's own
-    4-bit codes: every Linear an Int4Linear (its input rounded to bfloat16), the rest in the
-    model's dtype, float32 (the embedding, the norms, the attention and its cache), attention by
-    row. -> (the copy, a line saying what ran)."""
-    r = gguf.read(path)
-    cfg, arch = model.config, gguf.meta(r, path, "general.architecture", str)
-    tensors = {t.name: t for t in r.tensors}
-    names = gguf.name_map(cfg)
+def quantized(model, f):
+    """A copy of `model` (a llama.Llama imported from the GGUF f, formats/gguf.py's File) computing
+    in the file's own 4-bit codes: every Linear an Int4Linear (its input rounded to bfloat16), the
+    rest in the model's dtype, float32 (the embedding, the norms, the attention and its cache),
+    attention by row. -> (the copy, a line saying what ran)."""
+    cfg, tensors, names = model.config, f.tensors, f.names
     with torch.device("meta"):  # a new model of the same shape (a deep copy would copy the
         out = type(model)(cfg)    # float Linears' packed caches), its weights the target's
     out = out.to_empty(device="cpu").to(model.lm_head.weight.dtype)
@@ -189,7 +186,7 @@ def quantized(model, path):
         source = names["transformer.wte.weight" if name == "lm_head" and cfg.tie_embeddings
                        else f"{name}.weight"]
         permute = None
-        if arch == "llama" and name.endswith("c_attn"):
+        if f.arch == "llama" and name.endswith("c_attn"):
             heads = (cfg.n_head, cfg.n_kv_head, None)
             permute = [(lambda t, h=h: gguf.unpermute(t, h)) if h else (lambda t: t)
                        for h in heads]
@@ -241,7 +238,7 @@ def pick(target, ckpt, choice, device, dtype):
     if why:
         raise ValueError(f"--arithmetic int4 computes in a GGUF's own 4-bit codes, but {why}: "
                          "use --arithmetic float")
-    q, what = quantized(target, source)
+    q, what = quantized(target, gguf.read(source))
     if not row_invariant(q):
         print(f"note: the int4 kernels here do not give a verify's rows the bits of one-row "
               f"decodes, so speculative decoding could change the text: decoding in {floating}")

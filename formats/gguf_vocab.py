@@ -1,6 +1,6 @@
 """
 formats/gguf_vocab.py -- a GGUF's tokenizer (its tokenizer.ggml.* metadata) as a tokenizer.json, the
-file the `tokenizers` package reads (formats/hf_folder.py's HFTokenizer), built as transformers
+file the `tokenizers` package reads (formats/tokenizer.py's HFTokenizer), built as transformers
 builds it from the same file, so that both give the same ids.
 
 Two kinds of tokenizer live in the GGUFs llama.py reads (tokenizer.ggml.model):
@@ -26,7 +26,9 @@ model's embedding has no row for.
 """
 
 import json
+import os
 
+from formats.tokenizer import Given, HFTokenizer
 from runtime.checkpoint import CheckpointError
 
 try:  # optional: the tokenizer of a GGUF (or a Llama folder's tokenizer.json) needs it
@@ -67,6 +69,29 @@ def sentencepiece_merges(tokens, scores):
         merges += sorted(splits, key=lambda m: (ids[m[0]], ids[m[1]]))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]
+
+
+def tokenizer_of(f):
+    """A GGUF's tokenizer (f: formats/gguf.py's File) as a data build keeps it, a Given: the
+    tokenizer.json built from its metadata, and the id its eos names, which ends a document."""
+    v = f.vocab
+    eot = v.get("eos_token_id")
+    if not isinstance(eot, int) or not 0 <= eot < len(v.get("tokens") or []):
+        raise CheckpointError(f"{f.path} is not a GGUF file train.py can use: its "
+                              f"tokenizer.ggml.eos_token_id {eot!r} is not one of its tokens")
+    text = tokenizer_json(v, f.path)
+    return Given(os.path.abspath(f.path), json=text.encode(), eot=eot,
+                 n_vocab=HFTokenizer(f.path, eot, text).n_vocab)
+
+
+def chat_tokens(v):
+    """What a chat template needs of a GGUF's tokenizer metadata `v`: (its named tokens' texts,
+    {bos_token: "<s>", ...}, and the ids that end a turn: its eos, eot and eom)."""
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+             "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+    tokens = {n: v["tokens"][v[k]] for n, k in names.items()
+              if k in v and 0 <= v[k] < len(v["tokens"])}
+    return tokens, [v[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in v]
 
 
 def tokenizer_json(v, where):

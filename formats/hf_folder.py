@@ -1,7 +1,7 @@
 """
 formats/hf_folder.py -- what every Hugging Face model folder has, whatever its model: a config.json
 whose fields are checked where they are read, the weights in safetensors (one file or shards) or a
-PyTorch pickle, and a tokenizer.json.
+PyTorch pickle, and a tokenizer.json (formats/tokenizer.py reads it).
 
 formats/hf_gpt2.py reads GPT-2's folders and formats/hf_llama.py the Llama family's on top of
 this; formats/speculators.py reads and writes a drafter's folder with it. A folder is refused in
@@ -160,54 +160,7 @@ def read_weights(folder):
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: tokenizer.json through the `tokenizers` package
-
-
-class HFTokenizer:
-    """A tokenizer.json as the few methods of a tiktoken.Encoding the project calls: encode,
-    encode_batch, decode, eot_token, n_vocab, is_special_token, decode_single_token_bytes. Special
-    tokens written in the text (the end-of-text mark) are encoded as themselves, as tiktoken does
-    with allowed_special, and a text gets what the tokenizer's own post-processor adds to every
-    text (Llama-3's and TinyLlama's begin-of-text token; Qwen's and SmolLM2's add nothing), as the
-    model saw its training documents and as transformers' tokenizer encodes a prompt."""
-
-    def __init__(self, path, eot_token, text=None):
-        """path: a tokenizer.json, or with `text` (its content) what to call it in an error."""
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise CheckpointError(f"{path} needs the tokenizers package: pip install tokenizers") \
-                from None
-        try:
-            self.tok = Tokenizer.from_str(text) if text else Tokenizer.from_file(str(path))
-        except Exception as e:  # the package raises its own exception type for bad files
-            raise CheckpointError(f"{path} is not a tokenizer the tokenizers package reads "
-                                  f"({str(e).splitlines()[0][:160]})") from None
-        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eot_token = eot_token
-        self.special = {t.content for t in self.tok.get_added_tokens_decoder().values()
-                        if t.special}
-
-    def encode(self, text, allowed_special=()):
-        return self.tok.encode(text).ids
-
-    def encode_plain(self, text):
-        """The ids of `text` alone, nothing added around it (a chat template writes its own)."""
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts, allowed_special=()):
-        return [e.ids for e in self.tok.encode_batch(texts)]
-
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def is_special_token(self, t):
-        return self.tok.id_to_token(t) in self.special
-
-    def decode_single_token_bytes(self, t):
-        # a token that is part of a character decodes to U+FFFD here, not to its bytes: enough
-        # for what reads it (benchmark/prompt_sets.py: which tokens end a line)
-        return self.decode([t]).encode("utf-8")
+# the tokenizer: tokenizer.json (formats/tokenizer.py's HFTokenizer reads it)
 
 
 def has_tokenizer_json(folder):

@@ -26,10 +26,10 @@ import torch
 
 from formats import hf_folder
 from formats.hf_folder import refuse
+from formats.tokenizer import EOT  # GPT-2's end of text, the last token of its vocabulary
 from gpt import GPT, GELU, GPTConfig
 from runtime.command import atomic_write, replacing
 
-EOT = "<|endoftext|>"  # GPT-2's end of text, the last token of its vocabulary
 # GPT-2's pre-tokenizer: tiktoken's pattern for its "gpt2" encoding
 GPT2_PAT = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)"""
             r"""|\s""")
@@ -108,7 +108,7 @@ def from_gpt(model):
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: vocab.json + merges.txt -> tiktoken's ranks (training/tokenizer.py: the Encoding)
+# the tokenizer: vocab.json + merges.txt -> tiktoken's ranks (formats/tokenizer.py: the Encoding)
 
 
 def byte_chars():

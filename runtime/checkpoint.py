@@ -11,7 +11,6 @@ each by name; the target comes back in runtime/target.py.
 
 import hashlib
 import os
-import re
 
 import torch
 
@@ -69,20 +68,6 @@ def load_checkpoint(path, kind, stage=None):
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path} is not a {kind} checkpoint (found {found!r}); "
                               f"run `python train.py --only {stage} --force` to remake it")
-    return with_current_names(ckpt)
-
-
-def with_current_names(ckpt):
-    """A checkpoint written before the lesson's two renames, read with today's names: the context
-    window (a config's block_size, now sequence_len) and an MTP module's transformer layer (its
-    weights under mods.<i>.block., now mods.<i>.layer.). Today's checkpoints pass unchanged."""
-    cfg = ckpt.get("config")
-    if isinstance(cfg, dict) and "block_size" in cfg:
-        ckpt["config"] = {("sequence_len" if k == "block_size" else k): v for k, v in cfg.items()}
-    old = re.compile(r"(^|\.)mods\.(\d+)\.block\.")
-    if any(old.search(k) for k in ckpt["state_dict"]):
-        ckpt["state_dict"] = {old.sub(r"\1mods.\2.layer.", k): v
-                              for k, v in ckpt["state_dict"].items()}
     return ckpt
 
 
@@ -133,7 +118,7 @@ def load_trained(declared, path, target, target_ckpt, device="cpu", dtype=torch.
         net = declared.network(ckpt["config"], target)
         net.load_state_dict(ckpt["state_dict"])
         drafter = declared.drafter(net.to(device=device, dtype=dtype).eval(), target)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, TypeError) as e:  # another layout: names, config fields
         raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
                               f"run `python train.py --only {declared.name} --force`") from None
     drafter.budget = budget  # what its training cost

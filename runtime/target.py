@@ -27,10 +27,10 @@ def load_target(path, device="cpu", dtype=torch.float32):
     faster kernels (runtime/cpu_speed.py), as every model the commands load."""
     check_dtype(device, dtype)
     ckpt = load_checkpoint(path, "target")
-    model = target_of(ckpt["config"])
     try:
+        model = target_of(ckpt["config"])
         model.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, TypeError) as e:  # another layout: names, config fields
         raise CheckpointError(f"{path} does not match its own config ({str(e).splitlines()[0]}); "
                               "run `python train.py --only target --force`") from None
     return cpu_speed.speed_up(model.to(device=device, dtype=dtype).eval()), ckpt

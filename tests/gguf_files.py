@@ -5,7 +5,8 @@ Each encoder writes ggml's block layout (ggml-common.h, ggml-quants.c) byte by b
 float weights those bytes stand for, computed here from the codes by the format's formula (w = d q,
 w = d q + m, w = d sc q - dmin m, ...): a reference that does not go through gguf's dequantizer,
 which the loader uses. A layout misread anywhere (a nibble order, a scale's packing, the q/k row
-permutation) makes the loaded model's logits differ from the reference model's."""
+permutation) makes the loaded model's logits differ from the reference model's. The file itself is
+written here too (tensors_of, write), as llama.cpp's converter lays it out."""
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from formats import gguf
 from llama import Llama, LlamaConfig
 
 QK_K = 256  # a K-quant's super-block
+ggml = gguf.gguf  # the gguf package itself (None where it is not installed: the tests skip)
 
 
 def f16(x):
@@ -161,7 +163,7 @@ def encoded(model, arch, kind, seed=0):
     vectors kept in F32; the reference holds the weights those codes stand for."""
     rng = np.random.default_rng(seed)
     tensors, ref = {}, {}
-    for name, w in gguf.tensors_of(model, arch).items():
+    for name, w in tensors_of(model, arch).items():
         if w.ndim == 2 and w.shape[1] % QK_K == 0:
             data, ref[name] = ENCODERS[kind](rng, *w.shape)
             tensors[name] = (data, kind)
@@ -195,6 +197,69 @@ def unpermuted(w, heads):
             for j in range(2):
                 out[h * rows + j * rows // 2 + i] = w[h * rows + 2 * i + j]
     return out
+
+
+# -----------------------------------------------------------------------------
+# the file, as llama.cpp's converter writes it
+
+
+def permute(w, n_head):
+    """llama.cpp's converter's order of a Llama's q or k rows (formats/gguf.py's unpermute undoes
+    it)."""
+    return w.reshape(n_head, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def tensors_of(model, arch):
+    """{GGUF name: float32 numpy array, rows first} of a llama.Llama, as llama.cpp's converter
+    lays it out (q and k rows permuted for a Llama)."""
+    cfg, sd = model.config, model.state_dict()
+    out = {}
+    for ours, parts in gguf.name_map(cfg).items():
+        w = sd[ours].detach().float()
+        ws = list(w.split([s[0] for s in gguf.part_shapes(cfg, w.shape, len(parts))]))
+        if arch == "llama" and ours.endswith(("c_attn.weight", "c_attn.bias")):
+            ws[0], ws[1] = permute(ws[0], cfg.n_head), permute(ws[1], cfg.n_kv_head)
+        out.update({p: x.contiguous().numpy() for p, x in zip(parts, ws)})
+    return out
+
+
+def write(path, cfg, arch, tensors, metadata, rope_freqs=None):
+    """A GGUF of a llama.LlamaConfig: its shape's metadata, `tensors` {name: (numpy data, type
+    name)} (a float array for F32 and F16; the blocks' bytes, (rows, bytes), for the others), and
+    more `metadata` {key: value} (the tokenizer's: tokenizer.ggml.tokens, ...)."""
+    w = ggml.GGUFWriter(path, arch)
+    w.add_block_count(cfg.n_layer)
+    w.add_context_length(cfg.sequence_len)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(cfg.n_hidden)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_head)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    if rope_freqs is not None:  # float16 only where a test asks for a type llama.py refuses
+        half = np.asarray(rope_freqs).dtype == np.float16
+        tensors = {gguf.ROPE_FREQS: (np.asarray(rope_freqs, np.float16 if half else np.float32),
+                                "F16" if half else "F32"), **tensors}
+    for name, (data, kind) in tensors.items():
+        qtype = ggml.GGMLQuantizationType[kind]
+        w.add_tensor(name, data, raw_dtype=None if kind in ("F32", "F16") else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def byte_vocab(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
@@ -235,5 +300,5 @@ def write_tiny(path, arch="llama", kind="Q8_0", seed=0, vocab=None, chat=CHATML,
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     tensors, ref = encoded(model, arch, kind, seed)
-    gguf.write(str(path), cfg, arch, tensors, metadata(vocab, chat))
+    write(str(path), cfg, arch, tensors, metadata(vocab, chat))
     return ref

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 import bench
+from formats import tokenizer
 from training import data
-from training import tokenizer
 from benchmark import plot
 from benchmark import prompt_sets
 from registry.drafters import names
@@ -97,7 +97,7 @@ def test_humaneval_prompts_keep_their_last_tokens_and_bench_exactly(trained, tmp
     assert out["prompts"] == "humaneval" and out["n_prompts"] == 3
     assert any(r["what"] == "humaneval tau" for r in out["references"])  # the papers' figures
     assert all(r["exact_match"] == 1.0 for r in out["methods"].values())
-    enc = data.encoding_of(data.load_build(str(trained)))
+    enc = tokenizer.encoding_of(data.load_build(str(trained)))
     whole = tokenizer.encode(enc, fake_humaneval()["HumanEval/1"]["prompt"])
     cut = prompt_sets.humaneval(enc, keep=20)
     assert len(whole) > 64 and cut[1] == whole[-20:]  # the end: where the model continues

@@ -12,6 +12,7 @@ import train
 from registry import drafters as registry
 from commands import refused, run
 from conftest import tiny_args
+from formats import tokenizer
 from formats.chat import Chat
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.target import load_target
@@ -82,7 +83,7 @@ def test_an_interrupted_chat_set_answers_only_the_rest(chat_drafter, monkeypatch
         return real(model, prompts, *a, **k)
     monkeypatch.setattr(chat_set, "generate_plain_batched", counting)
     target, tck = load_target(str(chat_drafter / "target.pt"))
-    enc = data.encoding_of(data.load_build(str(chat_drafter)))
+    enc = tokenizer.encoding_of(data.load_build(str(chat_drafter)))
     convs = chat_set.write(target, Chat(**tck["chat"]), enc, 6, 12, 1337, path, ck["settings"],
                            torch.bfloat16)
     assert asked == [2] and convs[:4] == kept and len(convs) == 6
@@ -144,7 +145,7 @@ def test_a_chat_set_of_ids_outside_the_vocabulary_is_answered_anew(chat_drafter,
     ck = load_checkpoint(str(chat_drafter / "chat_set.pt"), "chat_set")
     save_checkpoint({**ck, "conversations": [[1, 2, 10_000]] * 6}, path)
     target, tck = load_target(str(chat_drafter / "target.pt"))
-    enc = data.encoding_of(data.load_build(str(chat_drafter)))
+    enc = tokenizer.encoding_of(data.load_build(str(chat_drafter)))
     convs = chat_set.write(target, Chat(**tck["chat"]), enc, 6, 12, 1337, path, ck["settings"],
                            torch.bfloat16)
     assert "outside the target's 269; answering anew" in capsys.readouterr().out

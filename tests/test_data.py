@@ -13,10 +13,11 @@ import tiktoken.load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from training import data  # noqa: E402
-from training import tokenizer
+from formats import tokenizer  # noqa: E402
+from training import tokenizer as bpe  # noqa: E402
 from benchmark import prompt_sets  # noqa: E402
 from training.data import DataError
-from training.tokenizer import EOT  # noqa: E402
+from formats.tokenizer import EOT  # noqa: E402
 
 SMALL = ["def foo(x):\n    return x + 1\n", "class Bar:\n    pass\n\n\n",
          "foo foo foo  bar\tbaz 12345\r\n",
@@ -30,7 +31,7 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def stdlib_enc(corpus, tmp_path_factory):
-    ranks = tokenizer.train_bpe(corpus[0], data.DEFAULT_VOCAB)
+    ranks = bpe.train_bpe(corpus[0], data.DEFAULT_VOCAB)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.tiktoken"
     tokenizer.save_tokenizer(ranks, path)
     return ranks, tokenizer.load_tokenizer(path)
@@ -120,7 +121,7 @@ def test_regex_split_matches_tiktoken(corpus):
     # give tiktoken a vocab with every training-side chunk as one token: it then emits exactly
     # one token per piece of ITS split, so equal token lists <=> identical splits
     docs = corpus[0][::3] + corpus[1] + SMALL
-    chunks = [[c.encode() for c in tokenizer._SPLIT.findall(d)] for d in docs]
+    chunks = [[c.encode() for c in bpe._SPLIT.findall(d)] for d in docs]
     ranks = {bytes([i]): i for i in range(256)}
     for c in sorted({c for cs in chunks for c in cs} - set(ranks)):
         ranks[c] = len(ranks)
@@ -132,7 +133,7 @@ def test_regex_split_matches_tiktoken(corpus):
 
 def _reference_bpe(texts, vocab_size):
     """Slow, obviously-correct BPE: recount every pair after every merge."""
-    words = Counter(tuple(c.encode()) for t in texts for c in tokenizer._SPLIT.findall(t))
+    words = Counter(tuple(c.encode()) for t in texts for c in bpe._SPLIT.findall(t))
     vocab = [bytes([i]) for i in range(256)]
     ids = {t: i for i, t in enumerate(vocab)}
     while len(ids) < vocab_size - 1:
@@ -147,20 +148,20 @@ def _reference_bpe(texts, vocab_size):
         if tok not in ids:
             ids[tok] = len(vocab)
             vocab.append(tok)
-        words = Counter({tuple(tokenizer._merge(list(w), a, b, ids[tok])): f for w, f in words.items()})
+        words = Counter({tuple(bpe._merge(list(w), a, b, ids[tok])): f for w, f in words.items()})
     return ids
 
 
 def test_training_is_deterministic_and_matches_reference():
     texts = SMALL * 3 + ["aaaaaaa bbbb aaab abab " * 5]
-    ranks = tokenizer.train_bpe(texts, 400)
-    assert ranks == tokenizer.train_bpe(list(texts), 400)
+    ranks = bpe.train_bpe(texts, 400)
+    assert ranks == bpe.train_bpe(list(texts), 400)
     assert ranks == _reference_bpe(texts, 400)
     assert sorted(ranks.values()) == list(range(len(ranks)))
 
 
 def test_save_load_round_trip(tmp_path):
-    ranks = tokenizer.train_bpe(SMALL * 5, 300)
+    ranks = bpe.train_bpe(SMALL * 5, 300)
     assert len(ranks) == 299
     path = tmp_path / "t.tiktoken"
     tokenizer.save_tokenizer(ranks, path)
@@ -171,13 +172,13 @@ def test_save_load_round_trip(tmp_path):
         assert enc.encode_single_token(tok) == rank
     assert tokenizer.encode(enc, f"foo{EOT}bar").count(299) == 1  # in-text EOT is the special token
     # rebuilding the file at the same path must not serve tiktoken's cached copy of the old one
-    tokenizer.save_tokenizer(tokenizer.train_bpe(SMALL, 270), path)
+    tokenizer.save_tokenizer(bpe.train_bpe(SMALL, 270), path)
     assert tokenizer.load_tokenizer(path).n_vocab == 270
 
 
 def test_vocab_size_range():
     with pytest.raises(DataError):
-        tokenizer.train_bpe(SMALL, 256)
+        bpe.train_bpe(SMALL, 256)
 
 
 def test_gpt2_offline_is_a_clear_error_or_works():
@@ -195,7 +196,7 @@ def test_prepare_data_writes_reuses_and_rebuilds(small_build, capsys):
     names = ["tokenizer.tiktoken", "train.bin", "val.bin", "data_meta.json"]
     assert all((out / n).exists() for n in names) and not list(out.glob("*.tmp*"))
     assert info["vocab_size"] == 300 and info["eot_id"] == 299 and info["val_docs_count"] >= 1
-    assert info["tokenizer_hash"] == tokenizer.file_sha256(out / "tokenizer.tiktoken")
+    assert info["tokenizer_hash"] == bpe.file_sha256(out / "tokenizer.tiktoken")
     for split in ("train", "val"):
         ids = np.memmap(info[f"{split}_bin"], dtype=np.uint16, mode="r")
         assert len(ids) == info[f"n_{split}_tokens"] and ids[-1] == 299 and ids.max() < 300

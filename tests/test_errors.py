@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bench
+from formats import tokenizer
 from training import data
-from training import tokenizer
 from benchmark import prompt_sets
 from registry.drafters import load_drafter
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -231,7 +231,7 @@ def test_prompt_files_with_a_byte_order_mark_load_and_an_empty_prompt_is_named(t
                                                                               tmp_path):
     """A BOM (as Windows editors write UTF-8) is valid input; an empty prompt gets its
     own message, not the one for a line that is not JSON."""
-    enc = data.encoding_of(data.load_build(str(trained)))
+    enc = tokenizer.encoding_of(data.load_build(str(trained)))
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "def f(x):"}\n')
     assert prompt_sets.read_jsonl(str(bom), enc) == [tokenizer.encode(enc, "def f(x):")]

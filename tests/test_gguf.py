@@ -21,7 +21,7 @@ import train
 from commands import refused, run, snapshot, succeeded
 from conftest import tiny_args
 from formats import chat, gguf, gguf_vocab, pretrained
-from formats.hf_folder import HFTokenizer
+from formats.tokenizer import HFTokenizer
 from llama import Llama, LlamaConfig, rope_frequencies
 from runtime.target import load_target
 
@@ -38,7 +38,8 @@ def logits_of(model, idx):
 @pytest.mark.parametrize("kind", gguf.TYPES)
 def test_every_type_of_every_architecture_loads_with_its_references_logits(tmp_path, arch, kind):
     ref = gf.write_tiny(tmp_path / "m.gguf", arch, kind)
-    model, given = pretrained.load(str(tmp_path / "m.gguf"))
+    src = pretrained.read(str(tmp_path / "m.gguf"))
+    model, given = pretrained.load(src), src.tokenizer
     got = model.config  # the file keeps the norm's epsilon in float32, as transformers reads it
     assert got.norm_eps == float(np.float32(ref.config.norm_eps))
     assert vars(got) == {**vars(ref.config), "norm_eps": got.norm_eps}
@@ -51,7 +52,7 @@ def test_every_type_of_every_architecture_loads_with_its_references_logits(tmp_p
 def test_a_llamas_q_and_k_rows_come_back_in_order():
     """llama.cpp's order within a head is (0, hs/2, 1, hs/2 + 1, ...): unpermute reads it back."""
     w = torch.arange(2 * 8).view(2 * 8, 1)  # 2 heads of 8 rows, each row its own index
-    theirs = gguf.permute(w, 2)
+    theirs = gf.permute(w, 2)
     assert theirs[:8, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     assert torch.equal(gguf.unpermute(theirs, 2), w)
     assert torch.equal(gf.unpermuted(theirs, 2), w)  # the tests' own reading agrees
@@ -67,9 +68,9 @@ def test_llama_31s_rope_factors_are_read_as_its_llama3_scaling(tmp_path):
     assert (plain / scaled).max() > 1  # some frequencies are stretched at this width
     tensors, ref = gf.encoded(new_model(cfg), "llama", "Q8_0")
     meta = gf.metadata(gf.byte_vocab())
-    gguf.write(str(tmp_path / "m.gguf"), cfg, "llama", tensors, meta,
+    gf.write(str(tmp_path / "m.gguf"), cfg, "llama", tensors, meta,
                rope_freqs=(plain / scaled).numpy())
-    model, _ = pretrained.load(str(tmp_path / "m.gguf"))
+    model = pretrained.load(pretrained.read(str(tmp_path / "m.gguf")))
     assert model.config.rope_scaling == scaling
     scaled_ref = new_model(LlamaConfig(**{**vars(cfg), "rope_scaling": scaling}))
     scaled_ref.load_state_dict(ref.state_dict())
@@ -78,9 +79,9 @@ def test_llama_31s_rope_factors_are_read_as_its_llama3_scaling(tmp_path):
     assert (logits_of(model, idx) - logits_of(ref, idx)).abs().max().item() > 1e-3  # it counts
     odd = (plain / scaled).numpy()
     odd[0] = 3.0  # a factor no Llama 3 scaling makes
-    gguf.write(str(tmp_path / "odd.gguf"), cfg, "llama", tensors, meta, rope_freqs=odd)
+    gf.write(str(tmp_path / "odd.gguf"), cfg, "llama", tensors, meta, rope_freqs=odd)
     with pytest.raises(Exception, match="is not the llama3 rope scaling"):
-        pretrained.read_config(str(tmp_path / "odd.gguf"))
+        gguf.read(str(tmp_path / "odd.gguf"))
 
 
 def new_model(cfg):
@@ -100,8 +101,8 @@ def tiny_file(tmp_path_factory):
 
 
 def encoder(path):
-    text, eot = pretrained.gguf_tokenizer(path)
-    return HFTokenizer(path, eot, text)
+    given = gguf_vocab.tokenizer_of(gguf.read(path))
+    return HFTokenizer(path, given.eot, given.json.decode())
 
 
 def test_a_byte_level_vocabulary_encodes_its_merges_and_control_tokens(tiny_file):
@@ -158,8 +159,7 @@ def test_a_tokenizer_train_py_does_not_build_is_refused(change, needle):
 
 
 def test_the_chat_template_renders_a_turn_and_finds_the_end_of_turn_token(tiny_file):
-    model_chat = pretrained.chat_of(tiny_file, pretrained.tokenizer_of(
-        tiny_file, pretrained.read_config(tiny_file)))
+    model_chat = pretrained.chat_of(pretrained.read(tiny_file))
     ids = {t: i for i, t in enumerate(gf.byte_vocab()["tokens"])}
     assert model_chat.stop == [ids["<|im_end|>"]]
     text = model_chat.render([{"role": "user", "content": "hi"}])
@@ -218,7 +218,7 @@ def bad_file(tmp_path, how):
     if how == "experts":
         extra["llama.expert_count"] = 8
     rope = np.ones(cfg.head_dim // 2, np.float16) if extra.pop("__rope__", False) else None
-    gguf.write(str(path), cfg, arch, tensors, gf.metadata(vocab, **extra), rope_freqs=rope)
+    gf.write(str(path), cfg, arch, tensors, gf.metadata(vocab, **extra), rope_freqs=rope)
     return path
 
 
@@ -244,7 +244,7 @@ def test_a_bad_file_is_one_error_line_and_nothing_is_written(tmp_path, corpus, h
 def test_without_the_gguf_package_the_error_names_the_install(tiny_file, monkeypatch):
     monkeypatch.setattr(gguf, "gguf", None)
     with pytest.raises(Exception, match="pip install gguf"):
-        pretrained.read_config(tiny_file)
+        gguf.read(tiny_file)
 
 
 def test_a_template_jinja_cannot_read_imports_the_model_without_a_chat_format(tmp_path, corpus):
@@ -347,7 +347,7 @@ def theirs(path):
 def test_transformers_own_gguf_loading_computes_the_same_logits(tmp_path, arch):
     gf.write_tiny(tmp_path / "m.gguf", arch, "Q4_K")
     hf, _ = theirs(tmp_path / "m.gguf")
-    model, _ = pretrained.load(str(tmp_path / "m.gguf"))
+    model = pretrained.load(pretrained.read(str(tmp_path / "m.gguf")))
     idx = torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         diff = (model(idx)[0] - hf(idx).logits).abs().max().item()
@@ -364,7 +364,8 @@ TEXTS = ["Hello world! def f(x):\n    return x  # 日本語 🎉<|im_end|>",
 def test_smollm2_loads_with_transformers_logits_and_token_ids():
     path = pretrained.resolve("smollm2")
     hf, their_tok = theirs(path)
-    model, given = pretrained.load(path, 256)
+    src = pretrained.read(path)
+    model, given = pretrained.load(src, 256), src.tokenizer
     enc = HFTokenizer(path, given.eot, given.json.decode())
     for text in TEXTS:
         assert enc.encode(text) == their_tok.encode(text)

@@ -31,16 +31,18 @@ def tiny(request, tmp_path_factory):
     """(the GGUF's path, its model in float32, the same in its int4 codes)."""
     path = str(tmp_path_factory.mktemp("int4") / f"tiny-{request.param}.gguf")
     gguf_files.write_tiny(path, "llama", request.param)
-    model = pretrained.load(path)[0]
-    return path, model, gguf_int4.quantized(model, path)[0]
+    src = pretrained.read(path)
+    model = pretrained.load(src)
+    return path, model, gguf_int4.quantized(model, src.gguf_file)[0]
 
 
 @pytest.fixture(scope="module")
 def q4_1(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("int4") / "tiny-q4_1.gguf")
     gguf_files.write_tiny(path, "qwen3", "Q4_1")
-    model = pretrained.load(path)[0].double()  # as the shared tests fit their drafters
-    return model, gguf_int4.quantized(model, path)[0]
+    src = pretrained.read(path)
+    model = pretrained.load(src).double()  # as the shared tests fit their drafters
+    return model, gguf_int4.quantized(model, src.gguf_file)[0]
 
 
 def tokens(n, vocab, seed):
@@ -57,7 +59,7 @@ def test_the_codes_are_the_files_weights(tmp_path, kind):
     reads (Q8_0's two halves added up); a nibble or a scale read from the wrong place shows."""
     path = str(tmp_path / "t.gguf")
     gguf_files.write_tiny(path, "llama", kind)
-    for t in gguf.read(path).tensors:
+    for t in gguf.read(path).tensors.values():
         if len(t.shape) != 2:
             continue
         q, scale, zero, exact = gguf_int4.codes(t)
@@ -85,8 +87,9 @@ def test_the_int4_product_is_the_codes_product(tiny):
 def test_a_type_without_a_4bit_form_is_rounded_and_says_so(tmp_path):
     path = str(tmp_path / "t.gguf")
     gguf_files.write_tiny(path, "llama", "Q6_K")
-    model = pretrained.load(path)[0]
-    q, what = gguf_int4.quantized(model, path)
+    src = pretrained.read(path)
+    model = pretrained.load(src)
+    q, what = gguf_int4.quantized(model, src.gguf_file)
     assert "Q6_K rounded to 4-bit codes" in what
     w = model.transformer.h[0].mlp.c_proj.weight
     codes = gguf_int4.nearest(w)

@@ -28,8 +28,8 @@ from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
-from formats import hf_folder, hf_gpt2, hf_llama, pretrained, speculators
-from training import data, stages_dflash, tokenizer
+from formats import hf_folder, hf_gpt2, hf_llama, pretrained, speculators, tokenizer
+from training import data, stages_dflash, tokenizer as bpe
 from runtime.target import load_target
 
 FAMILIES = sorted(LLAMAS)
@@ -152,7 +152,7 @@ def folder_model(family, seed=0, **over):
 @pytest.fixture(scope="module")
 def merges(corpus):
     train_docs, _ = data.load_documents(corpus)
-    return hf_gpt2.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
+    return hf_gpt2.merges_of(bpe.train_bpe(train_docs, VOCAB))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -163,7 +163,8 @@ def folder(request, merges, tmp_path_factory):
 
 
 def test_the_folder_loads_with_an_independent_forwards_logits(folder):
-    model, given = pretrained.load(str(folder))
+    src = pretrained.read(str(folder))
+    model, given = pretrained.load(src), src.tokenizer
     c = json.loads((folder / "config.json").read_text())
     hf = {k: v.double() for k, v in hf_folder.read_weights(str(folder)).items()}
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -217,7 +218,7 @@ def their_folder(family, folder, merges):
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_transformers_own_model_computes_the_same_logits(family, tmp_path, merges):
     theirs = their_folder(family, tmp_path, merges)
-    model, _ = pretrained.load(str(tmp_path))
+    model = pretrained.load(pretrained.read(str(tmp_path)))
     assert model.config.rope_scaling == (None if family != "llama" else {
         k: v for k, v in HF_CONFIGS["llama"]["rope_parameters"].items() if k != "rope_theta"})
     idx = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(0))
@@ -233,9 +234,10 @@ def test_the_tokenizer_json_encodes_as_transformers_does(folder, tmp_path, merge
     d = tmp_path / "m"
     shutil.copytree(folder, d)
     eot = hf_llama.write_tokenizer_json(hf_gpt2.read_ranks(str(d))[0], d / "tokenizer.json")
-    model, given = pretrained.load(str(d))
+    src = pretrained.read(str(d))
+    model, given = pretrained.load(src), src.tokenizer
     assert given.kind == "hf" and given.eot == eot == VOCAB - 1
-    enc = hf_folder.HFTokenizer(d / "tokenizer.json", given.eot)
+    enc = tokenizer.HFTokenizer(d / "tokenizer.json", given.eot)
     text = "def f(x):\n    return x + 1  # ünïcode\n" + tokenizer.EOT
     ids = enc.encode(text)
     assert enc.decode(ids) == text and ids[-1] == eot and len(ids) < len(text)
@@ -335,7 +337,7 @@ def pipeline(folder, corpus, tmp_path_factory):
 def test_every_drafter_trains_for_the_folders_model_and_decodes_exactly(pipeline, folder,
                                                                         tmp_path, mode):
     target, ckpt = load_target(str(pipeline / "target.pt"))
-    want, _ = pretrained.load(str(folder), target.config.sequence_len)
+    want = pretrained.load(pretrained.read(str(folder)), target.config.sequence_len)
     assert isinstance(target, Llama) and ckpt["init_from"] == str(folder)
     assert all(torch.equal(want.state_dict()[k], v) for k, v in target.state_dict().items())
     res = bench.main(["--out-dir", str(pipeline), "--n-prompts", "2", "--max-new-tokens", "10",
@@ -353,11 +355,11 @@ def test_a_vocabulary_beyond_uint16_is_stored_in_four_bytes(corpus, tmp_path):
     ranks.update({a + b: 256 + i for i, (a, b) in enumerate(merges)})
     path = tmp_path / "tokenizer.json"
     eot = hf_llama.write_tokenizer_json(ranks, path)
-    given = pretrained.Given(str(tmp_path), json=path.read_bytes(), eot=eot)
+    given = tokenizer.Given(str(tmp_path), json=path.read_bytes(), eot=eot)
     info = data.prepare_data(tmp_path / "out", corpus, tokenizer="hf", verbose=False, given=given)
     assert info["vocab_size"] == 70000 and eot == 69999
     assert os.path.getsize(info["val_bin"]) == 4 * info["n_val_tokens"]
-    enc = data.encoding_of(data.load_build(tmp_path / "out"))
+    enc = tokenizer.encoding_of(data.load_build(tmp_path / "out"))
     ids = np.fromfile(info["val_bin"], dtype=np.uint32)
     _, val_docs = data.load_documents(corpus)
     assert enc.decode(ids) == "".join(doc + tokenizer.EOT for doc in val_docs)
@@ -390,7 +392,7 @@ def test_the_gpu_small_preset_sizes_the_drafters_for_the_folder(tmp_path, shape,
                               "--device", "cpu"])
     dflash, shape = run.settings["dflash"], run.settings["target"]
     assert (shape.n_layer, shape.n_embd) == (fields["n_layer"], fields["n_embd"])
-    assert stages_dflash.network_config(dflash, pretrained.read_config(str(tmp_path))).n_head == heads
+    assert stages_dflash.network_config(dflash, pretrained.read(str(tmp_path)).config).n_head == heads
     assert dflash.layers == 4 and run.batch_size == 16  # the gpt2 preset's
     run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
                               "--device", "cpu", "--dflash-heads", "8"])
@@ -468,7 +470,7 @@ def test_a_folder_with_a_tokenizer_json_trains_and_decodes_exactly(merges, corpu
     info = data.load_build(out)
     assert info["kind"] == "hf" and (out / "tokenizer.json").read_bytes() == (
         d / "tokenizer.json").read_bytes()
-    enc = data.encoding_of(info)
+    enc = tokenizer.encoding_of(info)
     _, val_docs = data.load_documents(corpus)
     ids = np.fromfile(info["val_bin"], dtype=info["token_dtype"])
     assert enc.decode(ids) == "".join(doc + tokenizer.EOT for doc in val_docs)
@@ -507,7 +509,7 @@ def test_transformers_4s_config_layout_loads_the_same_model(family, tmp_path, me
     if rope.get("rope_type", "default") != "default":
         c["rope_scaling"] = rope
     (tmp_path / "config.json").write_text(json.dumps(c))
-    model, _ = pretrained.load(str(tmp_path))
+    model = pretrained.load(pretrained.read(str(tmp_path)))
     idx = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(model(idx)[0], theirs(idx).logits, atol=1e-5, rtol=0)
@@ -525,7 +527,7 @@ def test_a_tokenizer_json_adds_what_its_post_processor_adds(folder, tmp_path):
     tok.post_processor = tokenizers.processors.TemplateProcessing(
         single=f"{tokenizer.EOT} $A", special_tokens=[(tokenizer.EOT, bos)])
     tok.save(str(d / "tokenizer.json"))
-    enc = hf_folder.HFTokenizer(d / "tokenizer.json", bos)
+    enc = tokenizer.HFTokenizer(d / "tokenizer.json", bos)
     ids = enc.encode("def f(x):")
     assert ids[0] == bos and ids[1:] == tok.encode("def f(x):", add_special_tokens=False).ids
     assert enc.encode_batch(["def f(x):"]) == [ids]
@@ -561,7 +563,7 @@ def test_a_run_that_forgot_init_from_keeps_a_tokenizer_json_build(corpus, tmp_pa
     path = tmp_path / "tokenizer.json"
     eot = hf_llama.write_tokenizer_json(ranks, path)
     data.prepare_data(out, corpus, tokenizer="hf", verbose=False,
-                      given=pretrained.Given(str(tmp_path), json=path.read_bytes(), eot=eot))
+                      given=tokenizer.Given(str(tmp_path), json=path.read_bytes(), eot=eot))
     with pytest.raises(SystemExit) as e:
         train.cli(tiny_args(corpus, out, "--force"))
     assert "pass --init-from" in str(e.value) and str(e.value).startswith("error: ")

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import bench
 from registry import drafters as registry
 from training import data
-from training import tokenizer
-from formats import hf_folder, hf_gpt2, pretrained
+from training import tokenizer as bpe
+from formats import hf_folder, hf_gpt2, pretrained, tokenizer
 import train
 from runtime.target import load_target
 from gpt import GPT, GPTConfig
@@ -36,7 +36,7 @@ VOCAB = 384
 @pytest.fixture(scope="module")
 def merges(corpus):
     train_docs, _ = data.load_documents(corpus)
-    return hf_gpt2.merges_of(tokenizer.train_bpe(train_docs, VOCAB))
+    return hf_gpt2.merges_of(bpe.train_bpe(train_docs, VOCAB))
 
 
 def tiny_model(activation="gelu_new", seed=0):
@@ -95,7 +95,8 @@ def test_the_folder_loads_with_gpt2s_own_logits(merges, tmp_path, weights):
     hf_gpt2.write_folder(tiny_model(), merges, tmp_path, weights)
     assert os.listdir(tmp_path).count("pytorch_model.bin" if weights == "bin"
                                       else "model.safetensors") == 1
-    model, given = pretrained.load(str(tmp_path))
+    src = pretrained.read(str(tmp_path))
+    model, given = pretrained.load(src), src.tokenizer
     assert model.config.activation == "gelu_new" and len(given.ranks) + 1 == VOCAB
     hf = {k: v.double() for k, v in hf_folder.read_weights(str(tmp_path)).items()}
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -107,7 +108,7 @@ def test_the_folder_loads_with_gpt2s_own_logits(merges, tmp_path, weights):
 def test_transformers_computes_the_same_logits_on_the_folder(folder):
     transformers = pytest.importorskip("transformers")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
-    model, _ = pretrained.load(str(folder))
+    model = pretrained.load(pretrained.read(str(folder)))
     idx = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(idx)[0] - theirs(idx).logits).abs().max().item()
@@ -144,8 +145,8 @@ def test_the_activation_is_the_configs_and_an_old_checkpoints_config_is_refused(
 
 
 def test_a_shorter_context_keeps_the_first_positions(folder):
-    full, _ = pretrained.load(str(folder))
-    short, _ = pretrained.load(str(folder), sequence_len=32)
+    full = pretrained.load(pretrained.read(str(folder)))
+    short = pretrained.load(pretrained.read(str(folder)), sequence_len=32)
     idx = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(full(idx)[0], short(idx)[0])
@@ -252,7 +253,7 @@ def test_every_drafter_trains_for_the_folders_target_and_decodes_exactly(pipelin
                                                                           tmp_path):
     target, ckpt = load_target(str(pipeline / "target.pt"))
     assert ckpt["init_from"] == str(folder) and target.config.activation == "gelu_new"
-    want, _ = pretrained.load(str(folder))
+    want = pretrained.load(pretrained.read(str(folder)))
     assert all(torch.equal(want.state_dict()[k], v) for k, v in target.state_dict().items())
     info = data.load_build(pipeline)
     assert info["vocab_size"] == VOCAB and info["pattern"] == hf_gpt2.GPT2_PAT

@@ -1,6 +1,7 @@
 """
-training/data.py -- the corpus, a tokenizer trained on it (training/tokenizer.py), and the token
-streams train.py reads (as random training windows: Batches). Every command reads the build.
+training/data.py -- the corpus, a tokenizer trained on it (training/tokenizer.py; formats/tokenizer.py
+reads it back), and the token streams train.py reads (as random training windows: Batches). Every
+command reads the build.
 
 By default the corpus is the Python standard library that ships with the running interpreter
 (no download needed); --data PATH swaps in a text file or a folder. prepare_data() writes four
@@ -34,7 +35,6 @@ import sysconfig
 import time
 
 import numpy as np
-import tiktoken
 import torch
 
 if not __package__:  # run by its path (python path/to/it.py): find the project as -m does
@@ -43,9 +43,9 @@ if not __package__:  # run by its path (python path/to/it.py): find the project 
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.command import atomic_write, run
 from runtime.settings import DEFAULT_VOCAB, ArgumentParser, number, path_arg
-from formats.hf_folder import HFTokenizer
-from training.tokenizer import (EOT, PAT, DataError, file_sha256, get_encoding, load_tokenizer,
-                                rank_file, train_bpe)
+from formats.tokenizer import (EOT, PAT, DataError, HFTokenizer, get_encoding, load_tokenizer,
+                               rank_file)
+from training.tokenizer import file_sha256, train_bpe
 
 FORMAT = 2  # bump when anything below changes what gets written, to invalidate old builds
 
@@ -181,7 +181,7 @@ BUILT = ("tokenizer.tiktoken", "tokenizer.json", "train.bin", "val.bin", "data_m
 # tokenizer kinds: trained here (bpe), tiktoken's own GPT-2 (gpt2), the ranks of a pretrained
 # GPT-2 folder (pretrained), or a Llama or Qwen folder's tokenizer.json (hf): train.py --init-from
 KINDS = ("bpe", "gpt2", "pretrained", "hf")
-FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model gives (pretrained.Given.kind)
+FOLDER_KINDS = ("pretrained", "hf")  # the kinds a pretrained model gives (formats.tokenizer.Given.kind)
 # how a build was made, as a target records it: enough for remake() to name the command that
 # makes that build again
 RECIPE = ("source", "tokenizer", "requested_vocab_size", "tokenizer_source")
@@ -189,14 +189,8 @@ _META_INTS = ("vocab_size", "eot_id", "n_train_tokens", "n_val_tokens", "val_doc
 
 
 def _expected(meta: dict) -> dict:
-    """file name -> (bytes, sha256) it must have. Builds before format 2 recorded only the token
-    counts and the tokenizer's hash: those are checked (bench.py can still read such a build)."""
-    if "files" in meta:
-        return {name: (r["bytes"], r["sha256"]) for name, r in meta["files"].items()}
-    files = {f"{s}.bin": (2 * meta[f"n_{s}_tokens"], None) for s in ("train", "val")}
-    if meta["tokenizer"] == "bpe":
-        files["tokenizer.tiktoken"] = (None, meta["tokenizer_hash"])
-    return files
+    """file name -> (bytes, sha256) it must have (a build without that record is damaged)."""
+    return {name: (r["bytes"], r["sha256"]) for name, r in meta["files"].items()}
 
 
 def read_meta(out: pathlib.Path) -> dict:
@@ -211,8 +205,7 @@ def read_meta(out: pathlib.Path) -> dict:
         ok = (all(type(meta[k]) is int for k in _META_INTS)
               and meta["tokenizer"] in KINDS
               and need <= set(files)
-              and all(type(n) in (int, type(None)) and type(h) in (str, type(None))
-                      for n, h in files.values()))
+              and all(type(n) is int and type(h) is str for n, h in files.values()))
     except (ValueError, KeyError, TypeError, AttributeError):
         # not JSON, not a dict, fields missing
         ok = False
@@ -228,9 +221,9 @@ def _damage(out: pathlib.Path, meta: dict) -> str | None:
         f = out / name
         if not f.is_file():
             return f"{f} is {'a folder (move it away)' if f.is_dir() else 'missing'}"
-        if size is not None and f.stat().st_size != size:
+        if f.stat().st_size != size:
             return f"{f} is {f.stat().st_size:,} bytes, not {size:,} (truncated or damaged)"
-        if sha is not None and file_sha256(f) != sha:
+        if file_sha256(f) != sha:
             return f"{f} does not match its sha256 in data_meta.json (modified or damaged)"
     return None
 
@@ -265,14 +258,6 @@ def load_build(out_dir) -> dict:
     if problem:
         raise DataError(f"{problem}: {remake(out, meta)}")
     return _result(out, meta)
-
-
-def encoding_of(info: dict) -> tiktoken.Encoding:
-    """The tokenizer of a build (prepare_data's or load_build's result; gpt2's has no file)."""
-    path = info["tokenizer_path"]
-    if info.get("kind") == "hf":
-        return HFTokenizer(path, info["eot_id"])
-    return get_encoding("gpt2") if path == "gpt2" else load_tokenizer(path, info["pattern"])
 
 
 def _wanted(data, vocab_size, tokenizer, given) -> dict:
@@ -383,7 +368,7 @@ def _reusable(out: pathlib.Path, want: dict, log) -> dict | None:
 
 def prepare_data(out_dir="out", data=None, vocab_size=DEFAULT_VOCAB, tokenizer="bpe",
                  verbose=True, given=None, force=False) -> dict:
-    """given: for tokenizer 'pretrained' or 'hf', the model's tokenizer (formats.pretrained.Given).
+    """given: for tokenizer 'pretrained' or 'hf', the model's tokenizer (formats.tokenizer.Given).
     force: rebuild even where a trained target would be left behind."""
     log = print if verbose else (lambda *a, **k: None)
     if tokenizer not in KINDS or (tokenizer in FOLDER_KINDS) != (given is not None):

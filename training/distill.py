@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from formats import tokenizer
 from formats.chat import Chat
 from training import chat_set, ddp
 from training import data as datamod
@@ -114,7 +115,7 @@ class DistillationSet:
         packed into (N, block_size) windows."""
         a, (target, ckpt) = self.run, self.target()
         chat = Chat.of_target(ckpt, os.path.join(a.out_dir, "target.pt"), "--gen-prompts chat")
-        enc = datamod.encoding_of(datamod.load_build(a.out_dir))
+        enc = tokenizer.encoding_of(datamod.load_build(a.out_dir))
         dtype = torch.bfloat16 if a.use_bf16 and self.device == "cpu" else torch.float32
         t0 = time.time()
         convs = chat_set.write(target, chat, enc, a.gen_seqs, a.gen_tokens, a.seed,

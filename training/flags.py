@@ -165,7 +165,7 @@ def cpu_hours(run, stages):
     """An estimate of the run's hours on this CPU: its steps counted in target steps (each
     stage's step_cost; the distillation set's sequences), a target step as 6 x its parameters x
     the batch's tokens in FLOPs, at the float32 matmul speed timed here."""
-    cfg = pretrained.read_config(run.init_from) if run.init_from else GPTConfig(
+    cfg = run.source.config if run.init_from else GPTConfig(
         sequence_len=run.block_size, vocab_size=run.vocab_size, **{
             n: getattr(run.settings["target"], n) for n in ("n_layer", "n_head", "n_embd")})
     with torch.device("meta"):  # counted, not allocated
@@ -235,8 +235,11 @@ def refuse_folder_flags(given):
 
 def take_shape(args):
     """With --init-from the target's shape and family are the folder's (config.json): the
-    drafters' settings are checked against them, and the context window may only shrink."""
-    cfg = pretrained.read_config(args.init_from)
+    drafters' settings are checked against them, and the context window may only shrink. The
+    folder or GGUF is opened here, once (args.source: formats/pretrained.py's Source), and handed
+    on to the data build and the target's stage."""
+    args.source = pretrained.read(args.init_from)
+    cfg = args.source.config
     for name in ("n_layer", "n_head", "n_embd"):
         setattr(args, name, getattr(cfg, name))
     args.target_family = getattr(cfg, "family", "gpt2")  # llama.LlamaConfig's; GPT-2's has none

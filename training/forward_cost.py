@@ -93,14 +93,14 @@ def report_cost(models, context, sizes, repeats):
                   f"a round of it pays above tau = {(ms[k + 1] + draft) / one:.2f}")
 
 
-def cost_models(model, toy_path, source=""):
+def cost_models(model, toy_path, gguf_file=None):
     """{name: (target, {drafter name: drafter})}: the folder's target with block drafters of the
     gpt2 preset's shape (a GGUF's also in its own int4 codes, formats/gguf_int4.py), and the toy
     target with its trained ones where they exist."""
     cpu_speed.speed_up(model)
     models = {f"this folder ({model.num_params() / 1e6:.0f}M)": (model, block_drafters(model))}
-    if source.endswith(".gguf") and gguf_int4.int4_mm is not None:
-        q = gguf_int4.quantized(model, source)[0]
+    if gguf_file is not None and gguf_int4.int4_mm is not None:
+        q = gguf_int4.quantized(model, gguf_file)[0]
         models["the same, int4 (its GGUF's codes)"] = (q, block_drafters(q))
     if os.path.exists(toy_path):
         try:
@@ -154,8 +154,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    source = pretrained.resolve(a.source)
-    cfg = pretrained.read_config(source)
+    src = pretrained.read(pretrained.resolve(a.source))
+    cfg = src.config
     need = a.context + max(a.sizes)  # the cached context and the widest forward
     if need > cfg.sequence_len:
         p.error(f"argument --context: {a.context} cached positions and a forward of "
@@ -163,11 +163,11 @@ def main(argv=None):
                 f"{cfg.sequence_len}")
     # a Llama's cache is as long as its context (tens of thousands of positions for Qwen3):
     # 64 more than the timing needs leaves room for a block drafter's verify
-    model, _ = pretrained.load(source, min(cfg.sequence_len, need + 64)
-                               if isinstance(cfg, LlamaConfig) else None)
-    print(f"{source}: {pretrained.describe(model, cfg)}")
+    model = pretrained.load(src, min(cfg.sequence_len, need + 64)
+                            if isinstance(cfg, LlamaConfig) else None)
+    print(f"{src.path}: {pretrained.describe(model, cfg)}")
     with torch.no_grad():
-        report_cost(cost_models(model, a.toy, source), a.context, a.sizes, a.repeats)
+        report_cost(cost_models(model, a.toy, src.gguf_file), a.context, a.sizes, a.repeats)
 
 
 if __name__ == "__main__":

@@ -117,9 +117,9 @@ def import_target(tr):
     on the corpus's validation windows printed."""
     run = tr.run
     # the token files are the model's tokenizer's: prepare() rebuilds them when it changes
-    model, given = pretrained.load(run.init_from, run.block_size)
+    model = pretrained.load(run.source, run.block_size)
     try:
-        chat = pretrained.chat_of(run.init_from, given)
+        chat = pretrained.chat_of(run.source)
     except CheckpointError as e:  # the model still reads text: imported, without a chat format
         print(f"target: {e}; imported without a chat format (sample.py --chat and bench.py's "
               "chat prompts need one)")
@@ -139,7 +139,7 @@ def import_target(tr):
                      "model_hash": state_hash(sd), "tokenizer_hash": tr.info["tokenizer_hash"],
                      "data": tr.info["recipe"], "step": 0, "val_loss": val, "tokens_seen": 0,
                      "init_from": os.path.abspath(run.init_from),
-                     "source": pretrained.served_as(run.init_from),
+                     "source": pretrained.served_as(run.source),
                      "settings": tr.recorded("target"),
                      "chat": chat.to_dict() if chat else None},
                     tr.path("target"))

@@ -1,12 +1,12 @@
 """
-tokenizer.py -- a byte-level BPE (byte-pair encoding) tokenizer: trained on the corpus
-(train_bpe), kept in tiktoken's rank-file format, and encoding and decoding through tiktoken.
+training/tokenizer.py -- a byte-level BPE (byte-pair encoding) tokenizer trained on the corpus
+(train_bpe): its ranks, kept in tiktoken's rank-file format and encoded through tiktoken
+(formats/tokenizer.py reads and writes them).
 
-The split regex is written so that Python's `re` (training) and tiktoken's Rust engine
-(encoding) cut text identically; the rank file is checked before tiktoken sees it (its core
-crashes on a malformed one). training/data.py builds the token streams with it.
+The split pattern (formats/tokenizer.py's PAT) is written so that Python's `re` (training here)
+and tiktoken's Rust engine (encoding) cut text identically. training/data.py builds the token
+streams with it.
 """
-import base64
 import hashlib
 import heapq
 import pathlib
@@ -14,32 +14,10 @@ import re
 import time
 from collections import Counter, defaultdict
 
-import tiktoken
-
-from formats.hf_gpt2 import EOT  # noqa: F401 -- the end-of-text mark: GPT-2's, and ours
-from runtime.command import atomic_write
+from formats.tokenizer import PAT, DataError
 from runtime.settings import DEFAULT_VOCAB
 
-# Pre-tokenisation regex, cl100k-style: words keep one leading space or symbol, numbers
-# come in runs of <= 3 digits, symbol runs keep trailing newlines, and whitespace leaves
-# its last space for the next word. It only uses explicit ASCII classes because it must
-# split identically in Python's `re` (training) and tiktoken's Rust engine (encoding):
-# the two disagree on what \s and \w mean for rare characters, and `re` has no \p{L}.
-# Everything non-ASCII counts as a symbol. No English contraction rules: on code they
-# would split 'self' into 's + elf.
-_WS = r" \t\n\r\f\v"
-PAT = (r"[^\r\nA-Za-z0-9]?[A-Za-z]+"
-       r"|[0-9]{1,3}"
-       rf"| ?[^{_WS}A-Za-z0-9]+[\r\n]*"
-       rf"|[{_WS}]*[\r\n]+"
-       rf"|[{_WS}]+(?![^{_WS}])"
-       rf"|[{_WS}]+")
 _SPLIT = re.compile(PAT)
-
-
-class DataError(ValueError):
-    """A problem with the user's data or options, phrased so the user can fix it."""
-
 
 # -----------------------------------------------------------------------------
 # byte-level BPE training, with incremental pair counts
@@ -114,74 +92,6 @@ def train_bpe(texts: list[str], vocab_size: int = DEFAULT_VOCAB, verbose=False) 
 
 
 # -----------------------------------------------------------------------------
-# tokenizer files and encoding helpers
 
 def file_sha256(path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-
-
-def rank_file(ranks: dict[bytes, int]) -> bytes:
-    """The rank file's bytes (tiktoken's format), as save_tokenizer writes them."""
-    return "".join(f"{base64.b64encode(t).decode()} {r}\n"
-                   for t, r in sorted(ranks.items(), key=lambda kv: kv[1])).encode()
-
-
-def save_tokenizer(ranks: dict[bytes, int], path):
-    atomic_write(path, rank_file(ranks))
-
-
-def read_ranks(path) -> dict[bytes, int]:
-    """The rank file at path (tiktoken's format), checked: tiktoken's Rust core *panics* -- a
-    crash, not an exception -- on ranks with gaps or repeats or without all 256 bytes, so those
-    stop here."""
-    try:
-        lines = pathlib.Path(path).read_bytes().splitlines()
-    except OSError as e:
-        raise DataError(f"cannot read the tokenizer {path} ({e.strerror})") from None
-    ranks = {}
-    for i, line in enumerate(lines, 1):
-        try:
-            if line:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError:  # incl. binascii.Error
-            raise DataError(
-                f"{path} line {i} is not 'base64-token rank': not a tokenizer file") from None
-    if (sorted(ranks.values()) != list(range(len(ranks)))
-            or any(bytes([b]) not in ranks for b in range(256))):
-        raise DataError(f"{path} is not a byte-level BPE tokenizer (ranks must be 0..n-1 and cover "
-                        "all 256 bytes)")
-    return ranks
-
-
-def load_tokenizer(path, pattern=PAT) -> tiktoken.Encoding:
-    """A rank file as an Encoding: nanospec's split pattern, or a pretrained model's (GPT-2's)."""
-    # read here, not with tiktoken.load: that caches files by *path* and would serve a stale copy
-    return encoding_from(read_ranks(path), pattern)
-
-
-def encoding_from(ranks: dict[bytes, int], pattern=PAT) -> tiktoken.Encoding:
-    """Mergeable ranks and a split pattern as an Encoding, end-of-text right after the ranks."""
-    return tiktoken.Encoding(name="nanospec", pat_str=pattern, mergeable_ranks=ranks,
-                             special_tokens={EOT: len(ranks)})
-
-
-def get_encoding(tokenizer_path_or_kind) -> tiktoken.Encoding:
-    """'gpt2', or a tokenizer file. (A build's tokenizer, checked against its data_meta.json, is
-    encoding_of(load_build(out_dir)).)"""
-    if str(tokenizer_path_or_kind) != "gpt2":
-        return load_tokenizer(tokenizer_path_or_kind)
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # offline, tiktoken cannot download the GPT-2 ranks
-        raise DataError(f"tiktoken could not load the GPT-2 tokenizer ({type(e).__name__}), "
-                        "probably because it is not cached and there is no internet; use the "
-                        "default tokenizer, bpe.") from e
-
-
-def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
-    return enc.encode(text, allowed_special={EOT})
-
-
-def decode(enc: tiktoken.Encoding, ids) -> str:
-    return enc.decode([int(i) for i in ids])

@@ -30,7 +30,6 @@ from runtime import cpu_speed
 from runtime.checkpoint import CheckpointError, cpu_tree, load_checkpoint, save_checkpoint
 from runtime.settings import DEFAULT_VOCAB, number, setting, settings_of
 from training import data as datamod
-from formats import pretrained
 from training import chat_set, ddp, distill
 from training.stage import usual_record
 from runtime.target import load_target
@@ -279,7 +278,7 @@ def prepare(run, stages):
     gpt2)."""
     given = None
     if run.init_from:
-        given = pretrained.tokenizer_of(run.init_from, pretrained.read_config(run.init_from))
+        given = run.source.tokenizer
     else:
         keep_pretrained_build(run.out_dir)
     keep_trained_target(run, stages)
