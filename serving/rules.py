@@ -122,8 +122,9 @@ def best_single_k(survival, base, t_fixed, cost):
 # -----------------------------------------------------------------------------
 # the measured rule: one width a round for every row, or plain batches, by what the loop measures
 
-# the widths it chooses among (at most the drafter's max_k): the whole block never beat 8 drafts in
-# a serving sweep on the CPU (docs/experiments.md), and each width it may choose costs exploring
+# the widths it chooses among (at most the drafter's max_k): few, because each width it may choose
+# costs exploring, and wider ones did not pay in the serving sweep (docs/experiments.md: Batched:
+# the measured rule)
 WIDTHS = (1, 2, 4, 8)
 # every 12th round starts two rounds at one width wider than the best, the next time one narrower,
 # to keep their numbers fresh (a profile can be far off the loop: docs/experiments.md); two,
