@@ -42,7 +42,6 @@ from torch.nn import functional as F
 from llama import rotate, rotation
 from dflash_layers import FAMILIES, alibi_bias
 from draft_small import total_variation
-from registry.declaration import Declaration
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -473,7 +472,7 @@ def widen(net, state_dict):
 # declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
 # in train.py, its stage, is training/stages_dflash.py)
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="dflash",
     network=lambda config, target: DFlash(DFlashConfig.from_dict(config), target),
     drafter=lambda net, target: DFlashDrafter(net),

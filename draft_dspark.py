@@ -53,7 +53,6 @@ from torch.nn import functional as F
 from draft_small import total_variation
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, position_weights, soft_labels,
                           training_states)
-from registry.declaration import Declaration
 from tree import pays
 
 # -----------------------------------------------------------------------------
@@ -508,7 +507,7 @@ def from_config(config, target):
                   target)
 
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="dspark",
     network=from_config,
     drafter=lambda spark, target: DSparkDrafter(spark),

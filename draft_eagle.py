@@ -42,7 +42,6 @@ import torch
 import torch.nn as nn
 
 from draft_mtp import MTPConfig, MTPDrafter, MTPModule, gpt2_init, recursion_loss
-from registry.declaration import Declaration
 
 # -----------------------------------------------------------------------------
 # config and network
@@ -154,7 +153,7 @@ def eagle_loss(net, target, w, t_logits, hid, anchors, steps=UNROLL, beta=BETA, 
 # declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
 # in train.py, its stage, is training/stages_eagle.py)
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="eagle",
     network=lambda config, target: Eagle(EagleConfig.from_dict(config).fitted(target.config)),
     drafter=EagleDrafter,

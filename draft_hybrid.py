@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from draft_lookup import LookupDrafter
-from registry.declaration import Declaration
 from speculative import Drafter, k_for
 from tree import agreed
 
@@ -338,4 +337,4 @@ class HybridDrafter(Drafter):
 # its own: it is built around a learned drafter, DSpark unless told (--hybrid-with), and loads
 # that one's checkpoint.
 
-DRAFTER = Declaration(name="hybrid", drafter=HybridDrafter, partner="dspark")
+DRAFTER = dict(name="hybrid", drafter=HybridDrafter, partner="dspark")

@@ -27,7 +27,6 @@ a follower, so a lookup and an update cost microseconds whatever the length of t
 import torch
 import torch.nn.functional as F
 
-from registry.declaration import Declaration
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -135,7 +134,7 @@ class LookupDrafter(Drafter):
 # declared once: what the house reads of this file (registry/drafters.py lists it). No network,
 # so no checkpoint and no stage: it is built for the target's vocabulary.
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="lookup",
     drafter=lambda network, target: LookupDrafter(target.config.vocab_size),
     # the text lives on the host: the prompt read at begin, the new tokens at commit, the draft

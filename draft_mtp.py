@@ -49,7 +49,6 @@ from torch.nn import functional as F
 
 from gpt import Layer, GPTConfig, KVCache, attention, chunk_mask
 from draft_small import total_variation
-from registry.declaration import Declaration
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -424,7 +423,7 @@ class MTPDrafter(Drafter):
 # declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
 # in train.py, its stage, is training/stages_mtp.py)
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="mtp",
     network=lambda config, target: MTP(MTPConfig.from_dict(config).fitted(target.config)),
     drafter=MTPDrafter,

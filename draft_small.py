@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig
-from registry.declaration import Declaration
 from speculative import Drafter
 
 # -----------------------------------------------------------------------------
@@ -127,7 +126,7 @@ def total_variation(logq, p):
 # declared once: what the house reads of this file (registry/drafters.py lists it; how it learns
 # in train.py, its stage, is training/stages_small.py)
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="small",
     network=lambda config, target: GPT(GPTConfig.from_dict(config)),  # a GPT of its own
     drafter=lambda model, target: DraftModel(model),

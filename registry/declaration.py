@@ -1,10 +1,11 @@
 """
 registry/declaration.py -- what a drafter declares of itself, once, at the end of its lesson file:
 
-    DRAFTER = Declaration(name="small", network=..., drafter=..., pairs=True)
+    DRAFTER = dict(name="small", network=..., drafter=..., pairs=True)
 
-The one piece of the registry a lesson file imports: registry/drafters.py lists the files, and the
-commands' names, the loader, train.py's stages and the tests' lists of drafters derive from it.
+A plain dict, so that the lesson imports nothing of the machinery: registry/drafters.py reads it
+as a Declaration (a field it does not know is one error line) and lists the files; the commands'
+names, the loader, train.py's stages and the tests' lists of drafters derive from it.
 """
 
 from dataclasses import dataclass

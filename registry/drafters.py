@@ -53,11 +53,7 @@ class Entry:
     readies it on the device in use, where it weighs seconds."""
 
     def __init__(self, lesson, stages=None, batched=PerRow, ready=None):
-        self.declared = getattr(lesson, "DRAFTER", None)
-        if not isinstance(self.declared, Declaration):
-            raise RegistryError(f"{lesson.__name__}.py declares no DRAFTER: end it with DRAFTER = "
-                                "Declaration(name=..., drafter=..., ...) (README: Adding a "
-                                "drafter of your own)")
+        self.declared = declared(lesson)
         self.stage = None if stages is None else getattr(stages, "STAGE", None)
         where = None if stages is None else stages.__name__.replace(".", "/") + ".py"
         if stages is not None and not isinstance(self.stage, Stage):
@@ -76,6 +72,21 @@ class Entry:
     @property
     def name(self):
         return self.declared.name
+
+
+def declared(lesson):
+    """A lesson file's DRAFTER = dict(name=..., drafter=..., ...), as a Declaration (what each
+    field means: registry/declaration.py)."""
+    fields = getattr(lesson, "DRAFTER", None)
+    if not isinstance(fields, dict):
+        raise RegistryError(f"{lesson.__name__}.py declares no DRAFTER: end it with DRAFTER = "
+                            "dict(name=..., drafter=..., ...) (README: Adding a drafter of your "
+                            "own)")
+    try:
+        return Declaration(**fields)
+    except TypeError as e:  # a field it does not know, or one it lacks
+        raise RegistryError(f"{lesson.__name__}.py's DRAFTER: {str(e).replace('__init__()', 'it')} "
+                            "(registry/declaration.py says what it holds)") from None
 
 
 def check_settings(where, cls):

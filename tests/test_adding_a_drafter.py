@@ -117,7 +117,7 @@ def changed(path, old, new):
 
 # (file, what the README's steps write, the slip, words the one line must hold)
 SLIPS = [
-    ("draft_toy.py", "DRAFTER = Declaration(", "DRAFT = Declaration(",
+    ("draft_toy.py", "DRAFTER = dict(", "DRAFT = dict(",
      ["draft_toy.py declares no DRAFTER"]),
     ("training/stages_toy.py", "STAGE = Stage(", "STAGES = Stage(",
      ["training/stages_toy.py declares no STAGE"]),

@@ -174,7 +174,7 @@ def counting_calls(obj, name):
 
 def own_syncs(name):
     """What a drafter itself reads back or uploads per call, {call: (reads, uploads)}, as its
-    declaration says (Declaration(syncs=...)): DSpark's scheduler reads its confidences in a
+    declaration says (its DRAFTER's syncs): DSpark's scheduler reads its confidences in a
     round it scores; prompt lookup keeps the text on the host."""
     return registry.entry(name).declared.syncs or {}
 
@@ -217,7 +217,7 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     counted = (syncs.reads, syncs.uploads)
     assert counted == (reads, uploads), (
         f"{kind} read back {syncs.reads} and uploaded {syncs.uploads} times in {stats.rounds} "
-        f"rounds, where the loop's and its declaration's (Declaration(syncs=...)) make {reads} "
+        f"rounds, where the loop's and its declaration's (its DRAFTER's syncs) make {reads} "
         f"and {uploads}: declare what it syncs itself, or keep it on the device")
 
 

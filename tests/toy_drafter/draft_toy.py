@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from registry.declaration import Declaration
 from speculative import Drafter
 
 
@@ -100,7 +99,7 @@ def toy_loss(net, x, t_logits, hidden, layer):
     return loss / net.config.heads
 
 
-DRAFTER = Declaration(
+DRAFTER = dict(
     name="toy",
     network=lambda config, target: ToyHeads(ToyConfig(**config), target),
     drafter=ToyDrafter,
