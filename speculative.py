@@ -79,6 +79,14 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
     return -torch.log(-torch.log(u))
 
 
+def counts_on(counts, K, device):
+    """Each row's number of drafts as a (B,) tensor on the device: filled there where every row
+    drafted all K (one request: nothing uploaded), else uploaded (a ragged batch)."""
+    if all(c == K for c in counts):
+        return torch.full((len(counts),), K, device=device)
+    return torch.tensor(counts, device=device)
+
+
 NOISE_CHUNK = 32  # positions whose keyed noise one keyed_gumbel call makes (see Sampler.noise)
 
 
@@ -226,7 +234,7 @@ class Sampler:
             return self.verify_rejection(logits, drafts, counts, q)
         t = self.pick(logits, start)  # (B, T) what the target itself would emit
         K = drafts.size(1)
-        live = torch.arange(K, device=t.device) < torch.tensor(counts, device=t.device)[:, None]
+        live = torch.arange(K, device=t.device) < counts_on(counts, K, t.device)[:, None]
         # n[r]: row r's drafts that match the target's picks before the first that does not
         n = ((drafts == t[:, :K]) & live).int().cumprod(1).sum(1)
         # the surviving drafts equal the target's picks, so `t` serves as both: no upload
@@ -240,7 +248,7 @@ class Sampler:
         own drafts, then its token)."""
         p = self.probs(logits)  # (B, T, V)
         (B, T, V), K, dev = p.shape, drafts.size(1), p.device
-        c = n = torch.tensor(counts, device=dev)
+        c = n = counts_on(counts, K, dev)
         rows = p.gather(1, n.view(B, 1, 1).expand(B, 1, V))[:, 0]  # (B, V): p after every draft
         if K > 0:
             pd = p[:, :K].gather(2, drafts[..., None])[..., 0]  # (B, K) p(d_i)

@@ -51,9 +51,9 @@ class Forced(Sampler):
         super().__init__("greedy")
         self.seq, self.logits = seq, []
 
-    def draft(self, logits, positions):
+    def draft(self, logits, start):
         self.logits.append(logits.view(-1))
-        return self.seq[positions[0]].view(1), None
+        return self.seq[start].view(1), None
 
 
 def drafter_of(kind, target):
