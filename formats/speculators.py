@@ -2,8 +2,7 @@
 formats/speculators.py -- a DFlash or DSpark drafter as the serving engines read one:
 speculators' folder (vLLM's library), and such a folder read back as a drafter of this project.
 
-speculators writes a drafter as two files, which vLLM serves beside its target with
---speculative-config:
+speculators writes a drafter as two files, served by vLLM beside its target (--speculative-config):
 
     config.json        speculators_model_type (dflash | dspark), the draft layers' shape as a
                        Qwen3 config (transformer_layer_config), block_size, the target layers it
@@ -42,12 +41,13 @@ import draft_dspark
 from draft_dflash import DFlashConfig
 from runtime.checkpoint import CheckpointError, load_drafter_checkpoint, save_checkpoint
 from runtime.command import atomic_write, run
+from runtime.declaration import Declaration
 from runtime.settings import ArgumentParser, expand
 from formats import hf_folder, hf_llama
 from formats.hf_folder import read_json, read_safetensors, write_safetensors
 from runtime.target import load_target
 
-KINDS = {"dflash": draft_dflash.DRAFTER, "dspark": draft_dspark.DRAFTER}
+KINDS = {m.DRAFTER["name"]: Declaration(**m.DRAFTER) for m in (draft_dflash, draft_dspark)}
 VERSION = "0.9.0"  # the speculators release whose layout this writes (and was checked against)
 
 # this project's module names -> speculators' (two where this project stacks two matrices in one:

@@ -2,7 +2,7 @@
 registry/drafters.py -- every drafter of the house, one line each, and what derives from the list.
 
 A drafter declares itself once, in its own files. Its lesson file (draft_<name>.py) ends with
-DRAFTER, a registry.declaration.Declaration: its name, what it builds from its checkpoint, the
+DRAFTER, a runtime.declaration.Declaration: its name, what it builds from its checkpoint, the
 Drafter that runs it. If it has a checkpoint, its stage file (training/stages_<name>.py) ends with
 STAGE, a training.stage.Stage: its settings and their defaults, its phases, how it trains, what a
 step costs. The list below pairs the two, with the batched twin that drafts for many requests at
@@ -29,7 +29,7 @@ import draft_hybrid
 import draft_lookup
 import draft_mtp
 import draft_small
-from registry.declaration import Declaration
+from runtime.declaration import Declaration
 from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
@@ -76,7 +76,7 @@ class Entry:
 
 def declared(lesson):
     """A lesson file's DRAFTER = dict(name=..., drafter=..., ...), as a Declaration (what each
-    field means: registry/declaration.py)."""
+    field means: runtime/declaration.py)."""
     fields = getattr(lesson, "DRAFTER", None)
     if not isinstance(fields, dict):
         raise RegistryError(f"{lesson.__name__}.py declares no DRAFTER: end it with DRAFTER = "
@@ -86,7 +86,7 @@ def declared(lesson):
         return Declaration(**fields)
     except TypeError as e:  # a field it does not know, or one it lacks
         raise RegistryError(f"{lesson.__name__}.py's DRAFTER: {str(e).replace('__init__()', 'it')} "
-                            "(registry/declaration.py says what it holds)") from None
+                            "(runtime/declaration.py says what it holds)") from None
 
 
 def check_settings(where, cls):

@@ -4,7 +4,7 @@ runtime/checkpoint.py -- checkpoints: written atomically, loaded safely.
 Every checkpoint is a dict {kind, config, state_dict, hashes, step, ...} written by train.py.
 This file writes and reads them (torch.load with weights_only=True: a file crafted to run code
 when unpickled is refused, not run), and reads a drafter's back, checked to belong to the very
-target and tokenizer it is loaded for, as the Drafter its declaration (registry/declaration.py)
+target and tokenizer it is loaded for, as the Drafter its declaration (runtime/declaration.py)
 builds. Which drafters there are is not its business: registry/drafters.py lists them and loads
 each by name; the target comes back in runtime/target.py.
 """
@@ -111,7 +111,7 @@ def load_drafter_checkpoint(path, name, target_ckpt, sampling="greedy"):
 def load_trained(declared, path, target, target_ckpt, device="cpu", dtype=torch.float32,
                  sampling="greedy"):
     """A trained drafter back from its checkpoint at `path`: the network its declaration
-    (registry/declaration.py) builds from the checkpoint's config, the weights, on `device` in
+    (runtime/declaration.py) builds from the checkpoint's config, the weights, on `device` in
     `dtype`, and the Drafter around it, its training's cost in drafter.budget."""
     ckpt, budget = load_drafter_checkpoint(path, declared.name, target_ckpt, sampling)
     try:

@@ -28,6 +28,7 @@ from draft_dspark import DSpark, DSparkConfig, DSparkDrafter
 from runtime import cpu_speed
 from formats import gguf_int4
 from runtime.checkpoint import CheckpointError, load_trained
+from runtime.declaration import Declaration
 from runtime.profiling import profile_dspark, profile_propose
 from formats import pretrained
 from llama import LlamaConfig
@@ -116,7 +117,7 @@ def trained(toy, ckpt, out):
     """{name: drafter}: the toy target's trained DFlash and DSpark where out/ holds them, loaded
     as the registry loads them (the CPU's kernels; DSpark's scheduler profiled on this device)."""
     drafters = {}
-    for declared in (draft_dflash.DRAFTER, draft_dspark.DRAFTER):
+    for declared in (Declaration(**draft_dflash.DRAFTER), Declaration(**draft_dspark.DRAFTER)):
         path = os.path.join(out, f"{declared.name}.pt")
         if os.path.exists(path):
             d = drafters[declared.name] = cpu_speed.speed_up(load_trained(declared, path, toy,

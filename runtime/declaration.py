@@ -1,5 +1,5 @@
 """
-registry/declaration.py -- what a drafter declares of itself, once, at the end of its lesson file:
+runtime/declaration.py -- what a drafter declares of itself, once, at the end of its lesson file:
 
     DRAFTER = dict(name="small", network=..., drafter=..., pairs=True)
 
