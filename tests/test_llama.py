@@ -388,6 +388,8 @@ def test_the_gpu_small_preset_sizes_the_drafters_for_the_folder(tmp_path, shape,
     family, fields = hf_llama.LLAMA_SHAPES[shape]
     cfg = hf_llama.config_json(types.SimpleNamespace(config=LlamaConfig(**fields)), family, 0)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # the folder is read whole where the flags are resolved: its tokenizer too (bytes will do)
+    hf_llama.write_tokenizer_json({bytes([b]): b for b in range(256)}, tmp_path / "tokenizer.json")
     run = train.resolve_args(["--preset", "gpu-small", "--init-from", str(tmp_path),
                               "--device", "cpu"])
     dflash, shape = run.settings["dflash"], run.settings["target"]
