@@ -304,6 +304,8 @@ def test_the_gpt2_preset_resolves_against_gpt2_smalls_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "activation_function": "gelu_new", "vocab_size": 50257,
         **shape}))
+    # the folder is read whole where the flags are resolved: its tokenizer too, GPT-2's size
+    hf_gpt2.write_tokenizer_files(hf_gpt2.synthetic_merges(50257 - 257), str(tmp_path))
     run = train.resolve_args(["--preset", "gpt2", "--init-from", str(tmp_path),
                               "--device", "cpu"])
     shape = run.settings["target"]
