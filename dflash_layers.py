@@ -8,12 +8,13 @@ before the anchor, projected into its own keys and values ("KV injection"). Whic
 are made of follows the target's family, and is chosen once, where the network is built (FAMILIES,
 by the config's `arch`); each family is the same set of parts under the same names:
 
-    layer          a draft layer: layer(x, cs, kv, start, mask) -> the block's states, x (B, T, d)
+    layer          a draft layer: layer(x, cs, kv, rows, mask) -> the block's states
     norm           the norm of the context (and of the layers' input to their attention and MLP)
     inv_freq       the RoPE angle of each pair of dimensions, per position
     build(net)     the network's own modules of this family, in their order
     masks          what fills the block's mask slots
     final_norm     the norm before the target's LM head
+    features       the state a head on the block reads (DSpark's confidence head, draft_dspark.py)
     norm_keys      the context's keys through each layer's per-head norm, if the family has one
 
 GPT2Layers, for the lesson's GPT-2 target: gpt.py's LayerNorm and GELU MLP with biases, RoPE with
@@ -85,21 +86,26 @@ class InjectedAttention(nn.Module):
         k, v = self.heads(kv).chunk(2, dim=1)
         return turn(k, cs), v
 
-    def forward(self, x, cs, kv, start=None, mask=None):
-        """kv = (context keys, context values). Training: start None, the block's K/V are appended
-        to them. Inference (gpt-fast style): kv is a static cache whose first `start` positions
-        hold the context; the block's K/V are written at start.. (overwritten next round)."""
-        B, T, _ = x.shape
-        q = self.queries(self.c_q(x), cs)  # (B, nh, T, hs)
-        k, v = self.keys_values(self.c_kv(x), cs)
-        if start is None:
+    def forward(self, x, cs, kv, rows=None, mask=None):
+        """kv = (context keys, context values). Training (rows None): x (B, T, d), the block's K/V
+        appended to them. Inference (gpt-fast style), rows a ragged.Ragged: kv is a static cache
+        whose first positions of each row hold its context; each row's block K/V are written at
+        its positions after them (overwritten next round), and x is every row's real slots
+        packed, (N, d), so that the projections run on those only.
+        mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted."""
+        if rows is None:
+            B, T, _ = x.shape
+            q = self.queries(self.c_q(x), cs)  # (B, nh, T, hs)
+            k, v = self.keys_values(self.c_kv(x), cs)
             k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # (B, nkv, Tc+T, hs)
-        else:
-            kv[0][:, :, start:start + T], kv[1][:, :, start:start + T] = k, v
-            k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]
-        # mask: the ALiBi bias and/or which keys are visible; None: every key, unweighted
-        y = attention(q, k, v, mask)  # (B, nh, T, hs)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+            y = attention(q, k, v, mask)  # (B, nh, T, hs)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        q = self.queries(rows.unpack(self.c_q(x)), cs)  # (B, nh, T, hs)
+        k, v = self.keys_values(rows.unpack(self.c_kv(x)), cs)  # (B, nkv, T, hs)
+        k, v = rows.write(kv[0], k), rows.write(kv[1], v)  # (B, nkv, L, hs): context and block
+        y = attention(q, k, v, mask)
+        B, nh, T, hs = y.shape
+        return self.c_proj(rows.pack(y.transpose(1, 2).reshape(B, T, nh * hs)))
 
 
 # -----------------------------------------------------------------------------
@@ -117,8 +123,8 @@ class DraftLayer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cs, kv, start=None, mask=None):
-        x = x + self.attn(self.ln_1(x), cs, kv, start, mask)
+    def forward(self, x, cs, kv, rows=None, mask=None):
+        x = x + self.attn(self.ln_1(x), cs, kv, rows, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -156,6 +162,10 @@ class GPT2Layers:
 
     def final_norm(self, net, h):
         return net.target.transformer.ln_f(h)
+
+    def features(self, net, h):
+        """h as the layers leave it."""
+        return h
 
     def norm_keys(self, net, k):
         """The stacked context keys k (n_layer, ..., hs), as they are: no per-head norm."""
@@ -234,6 +244,10 @@ class Qwen3Layers:
         return net.target.transformer.wte(torch.full((n,), net.mask_token, device=device))
 
     def final_norm(self, net, h):
+        return net.norm(h)
+
+    def features(self, net, h):
+        """h after the final norm, as speculators' DSpark reads it."""
         return net.norm(h)
 
     def norm_keys(self, net, k):

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import ragged
 from llama import rotate, rotation
 from dflash_layers import FAMILIES, alibi_bias
 from draft_small import total_variation
@@ -196,19 +197,6 @@ class DFlash(nn.Module):
             x = layer(x, cs, ckv, None, mask)
         return x
 
-    def forward_cached(self, x, start, kv_caches):
-        """Inference: one block of T slots at positions start.. over a context of `start` cached
-        positions; every slot sees every key (bidirectional block, whole context), with the
-        ALiBi bias, when on, down-weighting the distant ones."""
-        T = x.size(1)
-        cos, sin, bias = self.tables(x.device, x.dtype)
-        cs = (cos[start:start + T], sin[start:start + T])
-        # (1, nh, T, start + T) ALiBi slice; None (no ALiBi): every key visible, unweighted
-        mask = bias[:, :, start:start + T, :start + T] if bias is not None else None
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cs, kv, start, mask)
-        return x
-
     def final_norm(self, h):
         """The norm before the LM head: the target's own ln_f, or ("qwen3") the drafter's."""
         return self.family.final_norm(self, h)
@@ -263,7 +251,12 @@ class DFlashDrafter(Drafter):
     """propose(k): anchor + k masks at positions S-1 .. S-1+k -> k drafts in one forward. Any
     k <= block-1 works (a smaller block is just fewer masks); more than trained is an error.
     Each draft layer keeps a static K/V cache: positions 0..n_ctx-1 hold the context; a round
-    writes its block's K/V after them, where the next commit overwrites them.
+    writes its block's K/V after them, where the next round's context overwrites them.
+
+    It drafts for many requests at once (speculative.Drafter's batch calls), one block forward a
+    round for every row, each row at its own length (ragged.py); one request is a batch of one.
+    A commit only keeps the target's states (stash); they become context, through the context
+    projection, when the next block needs them (flush).
 
     A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
     a tiny random target in float64, whose two layers it reads, and a block of 8.
@@ -291,9 +284,8 @@ class DFlashDrafter(Drafter):
         # sampling: acceptance falls fast by position, so a short draft pays; how short, a coupled
         # sweep chose (docs/experiments.md: DFlash: k)
         self.sampled_k = min(3, self.max_k)
-        self.new_caches()
         p = net.fc.weight
-        # every layer's c_kv stacked into one Linear, for the commit's single product (_extend). A
+        # every layer's c_kv stacked into one Linear, for the context's single product (flush). A
         # copy, taken here: a drafter is built after training, never trained itself
         c_kvs = [layer.attn.c_kv for layer in net.layers]
         self.ctx_kv = nn.Linear(cfg.n_embd, cfg.n_layer * c_kvs[0].out_features, bias=cfg.bias,
@@ -302,48 +294,79 @@ class DFlashDrafter(Drafter):
             self.ctx_kv.weight.copy_(torch.cat([c.weight for c in c_kvs]))
             if cfg.bias:
                 self.ctx_kv.bias.copy_(torch.cat([c.bias for c in c_kvs]))
-
-    def new_caches(self):
-        """Its own static K/V caches, (n_layer, 1, nkv, Tmax, hs): Tmax = the target's context
-        window plus one block."""
-        cfg, p = self.net.config, self.net.fc.weight
-        Tmax = self.net.target.config.sequence_len + cfg.block
-        shape = (cfg.n_layer, 1, cfg.n_kv_head, Tmax, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
-        self.n_ctx = 0
+        self.states = None  # its caches: made at the first begin (and for each new batch size)
 
     def fresh(self):
         c = copy.copy(self)
-        c.new_caches()  # caches of its own; the weights, and the stacked ctx_kv, are shared
+        c.states = None  # caches of its own; the weights, and the stacked ctx_kv, are shared
         return c
 
-    def _extend(self, hidden):
-        """Append the context K/V of the positions whose target states just arrived: every draft
-        layer's keys and values from ONE product with the layers' c_kv weights stacked (a commit
-        is a few dozen tiny ops on a CPU, so it pays to do it in one pass, not one per layer)."""
-        ctx = self.net.context({t: hidden[t] for t in self.hidden_layers})[0]  # (m, d)
-        n, m = self.n_ctx, ctx.size(0)
-        n_layer, _, nkv, _, hs = self.k_cache.shape
-        kv = self.ctx_kv(ctx).view(m, n_layer, 2, nkv, hs).permute(1, 2, 3, 0, 4)  # (L,2,nkv,m,hs)
-        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
-        self.k_cache[:, 0, :, n:n + m] = rotate(self.net.norm_keys(kv[:, 0]), cos[n:n + m],
-                                                sin[n:n + m])
-        self.v_cache[:, 0, :, n:n + m] = kv[:, 1]
-        self.n_ctx += m
+    def new_caches(self, B):
+        """Its static buffers for B rows, (.., B, .., width, ..): width = the target's context
+        window plus room for a block and a row's padding past it (stale, never read)."""
+        cfg, p = self.net.config, self.net.fc.weight
+        width = self.net.target.config.sequence_len + cfg.block + 64
+        shape = (cfg.n_layer, B, cfg.n_kv_head, width, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
+        # the target's tap states of every confirmed position, concatenated: (B, width, taps*d)
+        self.states = torch.zeros(B, width, len(self.hidden_layers) * cfg.n_embd,
+                                  device=p.device, dtype=p.dtype)
 
     @torch.inference_mode()
-    def begin(self, tokens, hidden):
-        self.seq = tokens.view(-1).clone()
-        self.n_ctx = 0
-        self._extend(hidden)
+    def begin_batch(self, seqs, hidden):
+        B = len(seqs)
+        if self.states is None or self.states.size(0) != B:
+            self.new_caches(B)  # else reused: everything past a row's valid length is stale
+        self.n_ctx = [0] * B  # row r's context: positions 0..n_ctx[r]-1 of its caches
+        self.n_states = [0] * B  # ... and the target states kept for it so far
+        self.rows = ragged.Confirmed(seqs, self.states.size(1))
+        self.stash(hidden, [s.numel() - 1 for s in seqs])
 
-    def block_states(self, n_slots):
-        """The anchor + (n_slots - 1) masks through the draft layers -> (n_slots, d). The anchor
-        sits at position n_ctx (== S - 1: the context is every confirmed token before it)."""
-        x = self.net.block_input(self.seq[-1:].view(1, 1), n_slots)
-        return self.net.forward_cached(x, self.n_ctx, self.kv_caches)[0]
+    @property
+    def seq(self):
+        """One request's confirmed tokens (a batch of one row)."""
+        (S,) = self.rows.lengths
+        return self.rows.toks[0, :S]
+
+    def stash(self, hidden, kept):
+        """Keep row r's first kept[r] target states (at its positions n_states[r]..). They become
+        context only when the next block needs them (flush): a round that drafts nothing (a
+        scheduler may choose that) then costs one copy, not the context projection."""
+        h = torch.cat([hidden[t] for t in self.hidden_layers], dim=-1)  # (B, T, taps * d)
+        pos = ragged.offsets(self.n_states, h.size(1), h.device)
+        self.states[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
+        self.n_states = [n + m for n, m in zip(self.n_states, kept)]
+
+    def flush(self):
+        """Every stashed state not yet in the context, through the context projection in one
+        pass, every draft layer's keys and values from ONE product with the layers' c_kv weights
+        stacked (a round is a few dozen tiny ops on a CPU, so it pays to do it in one pass, not
+        one per layer): row r's new context at positions n_ctx[r].. (its other slots are
+        written past its end: stale)."""
+        kept = [s - n for s, n in zip(self.n_states, self.n_ctx)]
+        T = max(kept)
+        if T == 0:
+            return
+        B, dev = len(kept), self.states.device
+        pos = ragged.offsets(self.n_ctx, T, dev)  # (B, T)
+        if len(set(kept)) > 1:  # a row with fewer: its extra slots go to the buffers' last
+            # position, past every valid one (a row near the window's end would run off them)
+            live = torch.arange(T, device=dev) < torch.tensor(kept, device=dev)[:, None]
+            pos = torch.where(live, pos, self.states.size(1) - 1)
+        rows = torch.arange(B, device=dev)[:, None]
+        ctx = self.net.ctx_norm(self.net.fc(self.states[rows, pos]))  # (B, T, d)
+        n_layer, _, nh, _, hs = self.k_cache.shape
+        kv = self.ctx_kv(ctx).view(B, T, n_layer, 2, nh, hs).permute(2, 3, 0, 4, 1, 5)
+        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
+        turn = pos.clamp_max(cos.size(0) - 1)
+        at = (slice(None), rows[:, :, None], torch.arange(nh, device=dev)[None, :, None],
+              pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
+        self.k_cache[at] = rotate(self.net.norm_keys(kv[:, 0]), cos[turn][:, None],
+                                  sin[turn][:, None])
+        self.v_cache[at] = kv[:, 1]
+        self.n_ctx = list(self.n_states)
 
     def check_block(self, k):
         if not 1 <= k <= self.max_k:
@@ -351,23 +374,54 @@ class DFlashDrafter(Drafter):
                              f"{self.net.config.block} and drafts 1..{self.max_k} tokens per "
                              f"round, not k={k}")
 
-    def draft_states(self, k):
-        """The k block states that draft the next k tokens: slots 1..k (shift 0), or the anchor
-        slot and slots 1..k-1 (shift 1) -> (k, d)."""
-        shift = self.net.config.shift
-        return self.block_states(k + 1 - shift)[1 - shift:]
+    def draft_states(self, ks):
+        """Every row's anchor + masks through the draft layers at once -> (B, K, d): the states
+        that draft each row's next K = max(ks) tokens, slots 1..k (shift 0) or the anchor slot
+        and slots 1..k-1 (shift 1); row r's first ks[r] are its own, zeros after. A row drafting
+        nothing has no slot at all: the Linears run on real slots only. The anchor sits at
+        position n_ctx[r] (== S - 1: the context is every confirmed token before it); every slot
+        sees its row's whole context and its own block (bidirectional), with the ALiBi bias,
+        when on, down-weighting the distant keys."""
+        self.check_block(max(ks))
+        self.flush()
+        shift, K = self.net.config.shift, max(ks)
+        slots = K + 1 - shift
+        x = self.net.block_input(self.rows.last()[:, None], slots)  # (B, slots, d)
+        real = [k + 1 - shift if k > 0 else 0 for k in ks]
+        rag = ragged.Ragged(self.n_ctx, real, slots, x.device)
+        # row r's query sees its context and its own real slots: keys < n_ctx[r] + real[r] (at
+        # least one key, so that a row with no slot has no empty softmax); a padding slot is
+        # masked as a key too, or it would change the real slots' drafts
+        ends = [max(n + m, 1) for n, m in zip(self.n_ctx, real)]
+        mask = None  # every row sees every key (always so for one request)
+        if any(e != rag.L for e in ends):
+            ends = torch.tensor(ends, device=x.device)
+            mask = (torch.arange(rag.L, device=x.device) < ends[:, None])[:, None, None]
+        _, _, bias = self.net.tables(x.device, x.dtype)
+        if bias is not None:  # the ALiBi rows of these positions: (B, nh, slots, L)
+            alibi = bias[0][:, rag.pos, :rag.L].transpose(0, 1)
+            mask = alibi if mask is None else alibi.masked_fill(~mask, float("-inf"))
+        cs = self.net.cs(rag.pos, x.dtype)
+        x = rag.pack(x)
+        for layer, kv in zip(self.net.layers, self.kv_caches):
+            x = layer(x, cs, kv, rag, mask)
+        return rag.unpack(x)[:, 1 - shift:1 - shift + K]
+
+    def head(self, h, ks):
+        """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
+        pk = ragged.Packing(ks, h.size(1), h.device)
+        return pk.unpack(self.net.target_logits(pk.pack(h)))
 
     @torch.inference_mode()
-    def propose(self, k, sampler):
-        self.check_block(k)
-        h = self.draft_states(k)  # (k, d)
-        S = self.seq.numel()
-        return sampler.draft(self.net.target_logits(h), S)
+    def propose_batch(self, ks, sampler):
+        h = self.draft_states(ks)  # (B, K, d)
+        toks, q = sampler.draft(self.head(h, ks), self.rows.lengths, ks)
+        return toks, list(ks), q
 
     @torch.inference_mode()
-    def commit(self, n, new, hidden):
-        self._extend(hidden)
-        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+    def commit_batch(self, kept, new, hidden):
+        self.stash(hidden, kept)
+        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------

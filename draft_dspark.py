@@ -53,6 +53,7 @@ from torch.nn import functional as F
 from draft_small import total_variation
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, position_weights, soft_labels,
                           training_states)
+from speculative import Drafter
 from tree import pays
 
 # -----------------------------------------------------------------------------
@@ -106,9 +107,8 @@ class DSpark(nn.Module):
         return self.w1.weight @ self.w2
 
     def features(self, h):
-        """The backbone state the confidence head reads: h as the layers leave it, or, for
-        "qwen3" layers, after the backbone's final norm, as speculators' DSpark reads it."""
-        return h if self.backbone.config.arch == "gpt2" else self.backbone.final_norm(h)
+        """The backbone state the confidence head reads (its layer family's choice)."""
+        return self.backbone.family.features(self.backbone, h)
 
     def confidence_logit(self, h, prev):
         """w . [h_j; W1[x_{j-1}]] (before the sigmoid): h (..., d) the features, prev (...) ->
@@ -399,9 +399,18 @@ class DSparkDrafter(DFlashDrafter):
     def mean_verify_len(self):
         return self.verified / max(1, self.rounds)
 
+    # DSpark's scheduler decides for one request, by its own clock: a batch drafts one copy a row
+    # here (speculative.Drafter's default), or in one pass under the batch's own rules
+    # (serving/dflash.py). One request is DFlash's batch of one row underneath.
+    begin_batch, propose_batch = Drafter.begin_batch, Drafter.propose_batch
+    commit_batch = Drafter.commit_batch
+
     def begin(self, tokens, hidden):
         self._last = None  # (start time, verified drafts) of this generation's previous round
-        super().begin(tokens, hidden)
+        DFlashDrafter.begin_batch(self, [tokens.view(-1)], hidden)
+
+    def commit(self, n, new, hidden):
+        DFlashDrafter.commit_batch(self, [n + 1], new.view(1, -1), hidden)
 
     def measure_round(self):
         """Called as a round starts: the time since the previous one started, less the profiled
@@ -416,8 +425,7 @@ class DSparkDrafter(DFlashDrafter):
     @torch.inference_mode()
     def propose(self, k, sampler):
         now = self.measure_round()
-        self.check_block(k)
-        h = self.draft_states(k)  # (k, d): the states that draft the next k tokens
+        h = self.draft_states([k])[0]  # (k, d): the states that draft the next k tokens
         # (k, V) base logits, all slots in one product (row by row was slower)
         base_logits = self.net.logits(h)
         if sampler.mode == "greedy" and self.markov and self.greedy_chain is not None:
@@ -493,7 +501,7 @@ class DSparkDrafter(DFlashDrafter):
     def catch_up(self, new, hidden):
         # the rounds since its last were another drafter's: its next round starts the clock anew
         self._last = None
-        DFlashDrafter.commit(self, new.numel() - 1, new, hidden)
+        self.commit(new.numel() - 1, new, hidden)
 
 
 # -----------------------------------------------------------------------------

@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt import Layer, GPTConfig, KVCache, attention, chunk_mask
+import ragged
+from gpt import Layer, GPTConfig, attention, chunk_mask
 from draft_small import total_variation
 from speculative import Drafter
 
@@ -348,75 +349,84 @@ class MTPDrafter(Drafter):
     def __init__(self, mtp, target):
         self.mtp, self.target = mtp, target
         self.hidden_layers = (target.config.n_layer,)
-        p = target.lm_head.weight
-        cfg = mtp.config
-        D = cfg.n_modules
-        # one cache per module (module m's is caches[m-1]): the modules' exact extents differ
-        self.caches = [KVCache(cfg.layer_config(), 1, p.device, p.dtype) for _ in range(D)]
-        self.H = torch.zeros(D + 1, cfg.sequence_len, cfg.n_embd, device=p.device, dtype=p.dtype)
 
     def features(self, hidden):
         """What step 1 reads at each position, from the target's returned states: (B, T, d).
         For MTP the last layer's output h_i (draft_eagle.py fuses three layers instead)."""
         return hidden[self.hidden_layers[0]]
 
-    def begin(self, tokens, hidden):
-        self.seq = tokens.view(-1).clone()
-        S = self.seq.numel()
-        for c in self.caches:
-            c.reset()
-        self.H[0, :S - 1] = self.features(hidden)[0]
+    def begin_batch(self, seqs, hidden):
+        cfg, p, B, D = self.mtp.config, self.target.lm_head.weight, len(seqs), self.mtp.config.n_modules
+        # one cache per module (module m's is caches[m-1]): the modules' exact extents differ;
+        # every row at its own length (a request: one row)
+        self.caches = [ragged.RaggedCache(cfg.layer_config(), B, p.device, p.dtype)
+                       for _ in range(D)]
+        width = cfg.sequence_len + self.caches[0].slack
+        self.rows = ragged.Confirmed(seqs, width)  # its drafts go after each row's end
+        self.H = torch.zeros(D + 1, B, width, cfg.n_embd, device=p.device, dtype=p.dtype)
+        h = self.features(hidden)  # (B, P, d): row r's first S_r - 1 valid
+        self.H[0, :, :h.size(1)] = h
 
-    def _run(self, m, h, toks, cache):
-        """Feed module m the entries (h, toks) at indices cache.length.. -> its outputs (T, d)."""
-        start, T = cache.length, h.size(0)
-        # as in GPT.forward: a chunk after a cached prefix needs the rectangular causal mask; a
-        # chunk from index 0 (is_causal) or a single row (sees every key so far) needs none
-        mask = chunk_mask(start, T, h.device) if (start > 0 and T > 1) else None
-        emb = self.target.transformer.wte(toks).view(1, T, -1)
-        out = self.mtp.mods[m - 1](h.view(1, T, -1), emb, (cache.k[0], cache.v[0]), start, mask)
-        cache.length = start + T
-        return out[0]
+    def step(self, m, h, toks, counts):
+        """Module m over row r's counts[r] entries (h (B, T, d), toks (B, T)) at its next indices,
+        all rows in one forward (ragged.py) -> its outputs (B, T, d) and where they are."""
+        cache = self.caches[m - 1]
+        rag = ragged.Ragged(cache.lengths, counts, h.size(1), h.device)
+        mod = self.mtp.mods[m - 1]
+        x = mod.mix(rag.pack(h), rag.pack(self.target.transformer.wte(toks)))
+        out = ragged.layer(mod.layer, x, (cache.k[0], cache.v[0]), rag)
+        cache.lengths = [n + c for n, c in zip(cache.lengths, counts)]
+        return rag.unpack(out), rag
 
     @torch.inference_mode()
-    def propose(self, k, sampler):
-        S, D = self.seq.numel(), self.mtp.config.n_modules
-        toks = self.seq
+    def propose_batch(self, ks, sampler):
+        S, D, B = self.rows.lengths, self.mtp.config.n_modules, len(ks)
         drafts, qs = [], []
         # a propose before this one (no commit between): back to the exact entries, and each
         # module re-runs at least index S-2, whose output drafts (after a commit: no change)
         for j, c in enumerate(self.caches, start=1):
-            c.rollback(max(0, min(c.length, S - max(j, 2))))
+            c.rollback([max(0, min(n, s - max(j, 2))) for n, s in zip(c.lengths, S)])
 
-        def draft(out, position):
-            tok, q = sampler.draft(lm_logits(self.target, out), position)
+        def draft(h, j):  # h (B, 1, d) -> draft j (B, 1) at position S + j - 1, written after
+            live = [int(k >= j) for k in ks]  # each row's confirmed tokens (module j + 1 reads it)
+            tok, q = sampler.draft(lm_logits(self.target, h), [s + j - 1 for s in S], live)
+            self.rows.toks.scatter_(1, ragged.offsets([s + j - 1 for s in S], 1, tok.device),
+                                    tok)
             drafts.append(tok)
             qs.append(q)
             return tok
 
         # chained modules: module j over indices [cache length, S-2]; output at S-2 drafts S+j-1
-        for j in range(1, min(k, D) + 1):
-            first = self.caches[j - 1].length  # the first index module j has not seen yet
-            out = self._run(j, self.H[j - 1, first:S - 1], toks[first + j:S - 1 + j],
-                            self.caches[j - 1])  # (S-1-first, d)
-            self.H[j, first:S - 1] = out
-            toks = torch.cat([toks, draft(out[-1:], S + j - 1)])
+        for j in range(1, min(max(ks), D) + 1):
+            first = self.caches[j - 1].lengths  # the first index module j has not seen yet
+            chunk = [s - 1 - f if k >= j else 0 for s, f, k in zip(S, first, ks)]
+            T = max(max(chunk), 1)
+            pos = ragged.offsets(first, T, self.H.device).clamp_max(self.H.size(2) - 1)  # (B, T)
+            rows = torch.arange(B, device=pos.device)[:, None]
+            out, rag = self.step(j, self.H[j - 1, rows, pos], self.rows.at(
+                [f + j for f in first], T), chunk)  # (B, T, d)
+            self.H[j, rows, pos] = out  # module j + 1 reads it (padding slots: stale, past S-2)
+            h_last = rag.last(out)
+            draft(h_last, j)
         # recursion: module D again at index S-2+(j-D), fed its own last output and last draft
-        h_last = out[-1:]
-        for j in range(D + 1, k + 1):
-            h_last = self._run(D, h_last, drafts[-1], self.caches[D - 1])
-            draft(h_last, S + j - 1)
-        return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
+        for j in range(D + 1, max(ks) + 1):
+            h_last, _ = self.step(D, h_last, drafts[-1], [int(k >= j) for k in ks])
+            draft(h_last, j)
+        q = torch.cat(qs, 1) if qs[0] is not None else None
+        return torch.cat(drafts, 1), list(ks), q
+
+    def commit_batch(self, kept, new, hidden):
+        S = self.rows.lengths
+        for m, c in enumerate(self.caches, start=1):  # keep exact entries 0..S-1-m, drop the rest
+            c.rollback([max(0, min(n, s - m)) if kk else n
+                        for n, s, kk in zip(c.lengths, S, kept)])
+        h = self.features(hidden)  # (B, T, d): h_{S-1} .. of every row
+        pos = ragged.offsets([s - 1 for s in S], h.size(1), h.device)
+        self.H[0, torch.arange(h.size(0), device=h.device)[:, None], pos] = h
+        self.rows.extend(new, kept)
 
     def fresh(self):
         return type(self)(self.mtp, self.target)  # caches and states of its own
-
-    def commit(self, n, new, hidden):
-        S = self.seq.numel()
-        for m, c in enumerate(self.caches, start=1):
-            c.rollback(max(0, min(c.length, S - m)))  # keep exact entries 0..S-1-m, drop the rest
-        self.H[0, S - 1:S + n] = self.features(hidden)[0]  # h_{S-1} .. h_{S+n-1}
-        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
 
 
 # -----------------------------------------------------------------------------

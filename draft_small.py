@@ -21,6 +21,7 @@ first appears (total_variation: why).
 import torch
 import torch.nn.functional as F
 
+import ragged
 from gpt import GPT, GPTConfig
 from speculative import Drafter
 
@@ -59,33 +60,37 @@ class DraftModel(Drafter):
 
     def __init__(self, model):
         self.model = model
-        self.cache = model.new_cache()
 
-    def begin(self, tokens, hidden):
-        self.cache.reset()
-        self.seq = tokens.view(-1).clone()
+    def begin_batch(self, seqs, hidden):
+        # every row's K/V at its own length (a request: one row), and its confirmed tokens
+        self.cache = ragged.new_cache(self.model, len(seqs))
+        self.rows = ragged.Confirmed(seqs, self.model.config.sequence_len + self.cache.slack)
 
     @torch.inference_mode()
-    def propose(self, k, sampler):
-        S = self.seq.numel()
-        self.cache.rollback(min(self.cache.length, S - 1))  # a propose before this one: undo it
-        # the confirmed tokens not yet in the cache (at least one)
-        pending = self.seq[self.cache.length:].view(1, -1)
+    def propose_batch(self, ks, sampler):
+        S = self.rows.lengths
+        # a propose before this one: undo it (the cache keeps the confirmed tokens but the last)
+        self.cache.rollback([min(n, s - 1) for n, s in zip(self.cache.lengths, S)])
+        pending = [s - n for s, n in zip(S, self.cache.lengths)]  # not yet in the cache (>= 1)
+        x = self.rows.at(self.cache.lengths, max(pending))  # (B, max pending)
+        counts = [p if k > 0 else 0 for p, k in zip(pending, ks)]  # a row drafting nothing: none
         drafts, qs = [], []
-        for j in range(k):
-            logits = self.model(pending, cache=self.cache, last_only=True)[0][0]  # (1, V)
-            tok, q = sampler.draft(logits, S + j)
-            drafts.append(tok)
+        for j in range(max(ks)):
+            logits = ragged.forward(self.model, x, self.cache, counts, last_only=True)[0]  # (B,1,V)
+            x, q = sampler.draft(logits, [s + j for s in S], [int(k > j) for k in ks])  # (B, 1)
+            drafts.append(x)
             qs.append(q)
-            if j + 1 < k:
-                pending = tok.view(1, 1)
-        return torch.cat(drafts), (torch.cat(qs) if qs[0] is not None else None)
+            counts = [1 if k > j + 1 else 0 for k in ks]  # the last draft is never fed
+        q = torch.cat(qs, 1) if qs[0] is not None else None
+        return torch.cat(drafts, 1), list(ks), q
 
-    def commit(self, n, new, hidden):
-        S = self.seq.numel()
-        k_minus_1 = self.cache.length - S  # how many drafts were fed
-        self.cache.rollback(S + min(n, k_minus_1))
-        self.seq = torch.cat([self.seq, new.to(self.seq.device)])
+    def commit_batch(self, kept, new, hidden):
+        S = self.rows.lengths
+        # row r keeps its confirmed prefix plus the surviving drafts it was fed (cache.lengths[r]
+        # - S[r] of them); a row that has finished keeps what it has
+        self.cache.rollback([min(n, s + m - 1) if m else n
+                             for n, s, m in zip(self.cache.lengths, S, kept)])
+        self.rows.extend(new, kept)
 
     def fresh(self):
         return DraftModel(self.model)  # a cache of its own

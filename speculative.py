@@ -80,8 +80,7 @@ def keyed_gumbel(seed, positions, vocab_size, device, dtype=torch.float64):
 
 
 def counts_on(counts, K, device):
-    """Each row's number of drafts as a (B,) tensor on the device: filled there where every row
-    drafted all K (one request: nothing uploaded), else uploaded (a ragged batch)."""
+    """Each row's number of drafts, (B,) on the device (one request: nothing uploaded)."""
     if all(c == K for c in counts):
         return torch.full((len(counts),), K, device=device)
     return torch.tensor(counts, device=device)
@@ -120,7 +119,7 @@ class Sampler:
     def seed_of(self, r):
         if not isinstance(self.seed, (list, tuple)):
             return self.seed
-        if r >= len(self.seed):
+        if r >= len(self.seed):  # a seed a row
             raise ValueError(f"{len(self.seed)} seeds for a batch of more rows: give one a row")
         return self.seed[r]
 
@@ -358,6 +357,13 @@ class Drafter:
     catch_up(new, hidden)       the sequence grew by `new` (m,) on rounds another drafter drafted
                                 (draft_hybrid.py); hidden (1, m, d) as in commit. By default a
                                 commit: every drafter here reads n only as len(new) - 1.
+
+    Many requests at once (serving/batched.py's loop), B rows each at its own length:
+    begin_batch(seqs, hidden)   seqs: B token tensors (n_r,); hidden (B, P, d), row r's first n_r-1
+    propose_batch(ks, sampler)  up to ks[r] for row r -> (drafts (B, K), counts, q (B, K, V) / None)
+    commit_batch(kept, new, hidden)  row r keeps new[r, :kept[r]] (0: it has finished)
+    A drafter that drafts every row in one pass (draft_small.py's) writes these, a request being a
+    batch of one; any other writes the one-request calls, and a batch runs a copy a row (fresh()).
     """
     name = "drafter"
     hidden_layers = NoLayers()  # which target hidden states this drafter reads
@@ -366,22 +372,50 @@ class Drafter:
     sampled_k = None    # the same when sampling (None: default_k); see k_for
 
     def begin(self, tokens, hidden):
-        raise NotImplementedError
+        self.begin_batch([tokens.view(-1)], hidden)
 
     def propose(self, k, sampler):
-        raise NotImplementedError
+        drafts, counts, q = self.propose_batch([k], sampler)
+        return drafts[0, :counts[0]], None if q is None else q[0, :counts[0]]
 
     def commit(self, n, new, hidden):
-        raise NotImplementedError
+        self.commit_batch([n + 1], new.view(1, -1), hidden)
 
     def catch_up(self, new, hidden):
         self.commit(new.numel() - 1, new, hidden)
 
     def fresh(self):
-        """A copy with state of its own and the same weights: one per row where a batch runs this
-        drafter row by row (serving/drafters.py). A shallow copy, as begin() makes every piece of
-        its state anew; a drafter whose buffers outlive begin() (caches) makes new ones."""
+        """A copy with state of its own and the same weights (a shallow copy: begin() makes its
+        state anew; a drafter whose buffers outlive begin() makes new ones)."""
         return copy.copy(self)
+
+    # a batch, one copy a row: the default of a drafter that writes only the one-request calls
+    def begin_batch(self, seqs, hidden):
+        if type(self).begin is Drafter.begin:
+            raise DrafterError(f"the {self.name} drafter writes neither begin() nor "
+                               "begin_batch(): write one of the two sets (speculative.Drafter)")
+        self.copies, self.device = [self.fresh() for _ in seqs], seqs[0].device
+        for r, (d, s) in enumerate(zip(self.copies, seqs)):
+            d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})
+
+    def propose_batch(self, ks, sampler):
+        got = [d.propose(k, sampler.row(r)) if k > 0 else (None, None)
+               for r, (d, k) in enumerate(zip(self.copies, ks))]
+        counts = [0 if t is None else t.numel() for t, _ in got]
+        real = [(r, t, q) for r, ((t, q), c) in enumerate(zip(got, counts)) if c]
+        drafts = torch.zeros(len(ks), max(counts), dtype=torch.long, device=self.device)
+        q = None if sampler.mode != "rejection" or not real else real[0][2].new_zeros(
+            len(ks), max(counts), real[0][2].size(-1))
+        for r, t, qr in real:
+            drafts[r, :t.numel()] = t
+            if q is not None:
+                q[r, :t.numel()] = qr
+        return drafts, counts, q
+
+    def commit_batch(self, kept, new, hidden):
+        for r, (d, m) in enumerate(zip(self.copies, kept)):
+            if m:
+                d.commit(m - 1, new[r, :m], {k: h[r:r + 1, :m] for k, h in hidden.items()})
 
 
 class DrafterError(Exception):

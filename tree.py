@@ -338,7 +338,8 @@ class BlockTree(TreeDrafter):
             return self.own_chain(depth, sampler)
         d = self.drafter
         self.started()
-        base = d.net.target_logits(d.draft_states(depth))  # (depth, V): one pass drafts every depth
+        # (depth, V): one pass drafts every depth (a request: a batch of one row)
+        base = d.net.target_logits(d.draft_states([depth])[0])
         S, root = d.seq.numel(), int(d.seq[-1])
         noise = (sampler.noise(S, depth, base.size(-1), base.device)
                  if sampler.mode == "coupled" else None)  # every depth's row at once

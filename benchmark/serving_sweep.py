@@ -29,7 +29,7 @@ from benchmark.report import Progress
 from registry.drafters import batched
 from serving.batched import generate_batched, generate_plain_batched
 from runtime.profiling import timed
-from serving.ragged import new_cache
+from ragged import new_cache
 from speculative import Sampler, generate_plain
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat

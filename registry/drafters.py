@@ -6,11 +6,12 @@ DRAFTER, a runtime.declaration.Declaration: its name, what it builds from its ch
 Drafter that runs it. If it has a checkpoint, its stage file (training/stages_<name>.py) ends with
 STAGE, a training.stage.Stage: its settings and their defaults, its phases, how it trains, what a
 step costs. The list below pairs the two, with the batched twin that drafts for many requests at
-once where serving/ has one, and the start-up profile that readies it where it weighs seconds.
+once where serving/ still has one, and the start-up profile that readies it where it weighs
+seconds.
 
 From the list come train.py's stages (and --only, and their flags), bench.py's --methods,
-sample.py's --method, --hybrid-with, the one loader of every drafter's checkpoint, the batched
-twin or its fallback, and the tests' lists of drafters. The list is built and checked when a
+sample.py's --method, --hybrid-with, the one loader of every drafter's checkpoint, what drafts a
+batch, and the tests' lists of drafters. The list is built and checked when a
 command first asks for it (drafters()): a line that misses a piece is one `error:` line there.
 Adding a drafter: its lesson file, its stage file if it has a checkpoint, its line below (with its
 import), and its own test (README: Adding a drafter of your own).
@@ -34,8 +35,7 @@ from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
 from runtime.settings import settings_of
-from serving.dflash import BatchDFlash, BatchDSpark
-from serving.drafters import BatchMTP, BatchSmall, PerRow
+from serving.dflash import BatchDSpark
 from training import (stages_dflash, stages_dspark, stages_eagle, stages_mtp, stages_small,
                       stages_target)
 from training.stage import Stage
@@ -48,11 +48,12 @@ class RegistryError(ValueError):
 
 class Entry:
     """One drafter of the house: its lesson file, its stage file (None: it has no checkpoint to
-    write), its batched twin (serving/: PerRow, one copy of it a row, unless it has its own;
-    None: it drafts for one request at a time) and ready(drafter), the start-up profile that
-    readies it on the device in use, where it weighs seconds."""
+    write), its batched twin (serving/; None: the drafter drafts a batch itself, in one pass or one
+    copy a row: speculative.Drafter's batch calls), whether it batches at all (False: it drafts
+    for one request at a time) and ready(drafter), the start-up profile that readies it on the
+    device in use, where it weighs seconds."""
 
-    def __init__(self, lesson, stages=None, batched=PerRow, ready=None):
+    def __init__(self, lesson, stages=None, twin=None, batched=True, ready=None):
         self.declared = declared(lesson)
         self.stage = None if stages is None else getattr(stages, "STAGE", None)
         where = None if stages is None else stages.__name__.replace(".", "/") + ".py"
@@ -67,7 +68,7 @@ class Entry:
                                 "neither")
         if self.stage is not None:
             check_settings(where, self.stage.settings)
-        self.lesson, self.batched, self.ready = lesson, batched, ready
+        self.lesson, self.twin, self.batched, self.ready = lesson, twin, batched, ready
 
     @property
     def name(self):
@@ -106,13 +107,13 @@ def listed():
     """Every drafter of the house, one line each, in reading order: train.py trains them, and
     bench.py shows them, in this order."""
     return [
-        Entry(draft_small, stages_small, BatchSmall),
-        Entry(draft_mtp, stages_mtp, BatchMTP),
-        Entry(draft_eagle, stages_eagle, BatchMTP),
-        Entry(draft_dflash, stages_dflash, BatchDFlash),
+        Entry(draft_small, stages_small),
+        Entry(draft_mtp, stages_mtp),
+        Entry(draft_eagle, stages_eagle),
+        Entry(draft_dflash, stages_dflash),
         Entry(draft_dspark, stages_dspark, BatchDSpark, ready=profile_dspark),
         Entry(draft_lookup),
-        Entry(draft_hybrid, batched=None, ready=profile_hybrid),
+        Entry(draft_hybrid, batched=False, ready=profile_hybrid),
     ]
 
 
@@ -220,13 +221,12 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
 
 
 def batched(drafter, **options):
-    """The batched twin of a batch-1 drafter (serving/batched.py runs it): its line's, where that
-    twin takes this drafter, with the twin's own options (BatchDSpark's schedule), else one copy
-    of it per row (PerRow)."""
+    """What drafts a batch for this drafter (serving/batched.py runs it): its line's twin, where
+    that twin takes this drafter, with the twin's own options (BatchDSpark's schedule), else the
+    drafter itself (speculative.Drafter's batch calls)."""
     e = next((e for e in drafters() if e.name == drafter.name), None)
-    twin = e.batched if e is not None else PerRow
-    if twin is None:
+    if e is not None and not e.batched:
         raise NotImplementedError(f"the {e.name} drafts one request at a time (batch 1)")
-    if twin is not PerRow and twin.takes(drafter):
-        return twin(drafter, **options)
-    return PerRow(drafter)
+    if e is not None and e.twin is not None and e.twin.takes(drafter):
+        return e.twin(drafter, **options)
+    return drafter

@@ -110,14 +110,18 @@ def load_drafter_checkpoint(path, name, target_ckpt, sampling="greedy"):
 
 def load_trained(declared, path, target, target_ckpt, device="cpu", dtype=torch.float32,
                  sampling="greedy"):
-    """A trained drafter back from its checkpoint at `path`: the network its declaration
-    (runtime/declaration.py) builds from the checkpoint's config, the weights, on `device` in
-    `dtype`, and the Drafter around it, its training's cost in drafter.budget."""
+    """A trained drafter back from its checkpoint at `path`: what its declaration
+    (runtime/declaration.py) builds from the checkpoint's config, its state loaded in (a network:
+    its weights, moved to `device` in `dtype`, in eval mode; anything else with a
+    load_state_dict, a datastore say, as it is), and the Drafter around it, its training's cost
+    in drafter.budget."""
     ckpt, budget = load_drafter_checkpoint(path, declared.name, target_ckpt, sampling)
     try:
-        net = declared.network(ckpt["config"], target)
-        net.load_state_dict(ckpt["state_dict"])
-        drafter = declared.drafter(net.to(device=device, dtype=dtype).eval(), target)
+        built = declared.network(ckpt["config"], target)
+        built.load_state_dict(ckpt["state_dict"])
+        if isinstance(built, torch.nn.Module):
+            built = built.to(device=device, dtype=dtype).eval()
+        drafter = declared.drafter(built, target)
     except (RuntimeError, ValueError, TypeError) as e:  # another layout: names, config fields
         raise CheckpointError(f"{path} does not fit its config ({str(e).splitlines()[0][:120]}); "
                               f"run `python train.py --only {declared.name} --force`") from None

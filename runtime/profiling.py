@@ -89,7 +89,8 @@ def profile_dspark(drafter, reps=9):
     scoring_all = drafter.scoring_every_draft()
     t_draft = profile_propose(scoring_all, target, k, reps)
     t_verify = profile_verify(
-        target, k + 1, between=lambda: scoring_all.net.target_logits(scoring_all.draft_states(k)))
+        target, k + 1,
+        between=lambda: scoring_all.net.target_logits(scoring_all.draft_states([k])[0]))
     drafter.use_costs(t_draft, t_verify, sync=lambda: synchronize(target.lm_head.weight.device))
     return drafter
 

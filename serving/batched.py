@@ -14,7 +14,8 @@ What changes with load: at batch 1 a 16-token verify costs little more than a 1-
 drafting long always pays. At batch 32 the same verify is a 512-token forward and costs several
 times a plain batched step: a fixed draft length turns into a slowdown. DSpark's scheduler
 (serving.dflash.BatchDSpark, with serving/rules.py) spends one verify budget over the whole batch
-instead. The drafters' batched twins are in serving/drafters.py.
+instead. A drafter drafts a batch itself (speculative.Drafter's batch calls), or through a
+twin (serving/dflash.py).
 
 Rows are exact one by one: greedy and coupled sampling give each row the tokens its own batch-1
 decoding gives (the coupled noise is keyed on the row's own seed and absolute positions);
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from serving import ragged
+import ragged
 from speculative import (Stats, check_k, generate_plain, generate_speculative,
                          tokens_allowed, until_stop)
 
@@ -115,20 +116,15 @@ def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None, stop=
 
 
 class BatchDrafter:
-    """What the batched loop needs from a drafter: speculative.Drafter, one more axis.
+    """A batched twin: a lesson drafter's batch calls (speculative.Drafter's begin_batch,
+    propose_batch, commit_batch), written here until its lesson file drafts a batch itself, and
+    what a serving rule adds:
 
     plain_batch(B)             asked before each batch of B rows: True decodes it on plain
                                decoding's own path, start to end (BatchDSpark's measured rule,
                                where no draft pays); the drafter then sees nothing of it but
                                timed_plain(B, steps, seconds), the plain steps' time.
-    begin(seqs, hidden)        B new sequences: seqs, a list of (n_r,) token tensors; hidden
-                               {layer: (B, P, d)}, row r's first n_r - 1 slots valid.
-    propose(ks, sampler)       draft up to ks[r] tokens for row r (0: none) -> (drafts (B, K),
-                               counts, q (B, K, V) or None): row r's first counts[r] <= ks[r]
-                               slots are real. A scheduler may give a row fewer, or none.
-    commit(kept, new, hidden)  row r keeps kept[r] tokens, new[r, :kept[r]] (its surviving
-                               drafts and the target's own; 0 for a row that has finished), and
-                               hidden {layer: (B, T, d)}: the target's states at those slots.
+    one_request()              the drafter that decodes a batch of one: the lesson's own.
     """
     name = "drafter"
     hidden_layers = ()
@@ -140,7 +136,7 @@ class BatchDrafter:
     @classmethod
     def takes(cls, drafter):
         """Whether this twin batches that batch-1 drafter (registry.drafters.batched asks; where
-        it does not, the drafter runs row by row, serving.drafters.PerRow)."""
+        it does not, the drafter batches itself, one copy a row)."""
         return True
 
     def __init__(self, drafter):
@@ -152,7 +148,6 @@ class BatchDrafter:
         self.single = drafter
 
     def one_request(self):
-        """The batch-1 drafter that decodes a batch of one (generate_batched)."""
         return self.single
 
     def plain_batch(self, B):
@@ -160,44 +155,6 @@ class BatchDrafter:
 
     def timed_plain(self, B, steps, seconds):
         pass
-
-    def begin(self, seqs, hidden):
-        raise NotImplementedError
-
-    def propose(self, ks, sampler):
-        raise NotImplementedError
-
-    def commit(self, kept, new, hidden):
-        raise NotImplementedError
-
-
-class Confirmed:
-    """Each row's confirmed tokens, kept on the device as one (B, width) buffer with the lengths
-    on the host: what a native batched drafter reads its anchors and pending tokens from."""
-
-    def __init__(self, seqs, width):
-        self.lengths = [s.numel() for s in seqs]
-        self.toks = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].device)
-        for r, s in enumerate(seqs):
-            self.toks[r, :s.numel()] = s
-
-    def at(self, starts, T):
-        """(B, T): row r's tokens at starts[r] .. starts[r] + T - 1 (past its end: whatever)."""
-        idx = torch.tensor(starts, device=self.toks.device)[:, None] + torch.arange(
-            T, device=self.toks.device)
-        return self.toks.gather(1, idx.clamp_max(self.toks.size(1) - 1))
-
-    def last(self):
-        """(B,) each row's last confirmed token."""
-        return self.at([n - 1 for n in self.lengths], 1)[:, 0]
-
-    def extend(self, new, kept):
-        """Row r appends new[r, :kept[r]] (the slots after them land past its end: stale)."""
-        T = new.size(1)
-        idx = torch.tensor(self.lengths, device=new.device)[:, None] + torch.arange(
-            T, device=new.device)
-        self.toks.scatter_(1, idx, new)
-        self.lengths = [n + m for n, m in zip(self.lengths, kept)]
 
 
 # -----------------------------------------------------------------------------
@@ -216,16 +173,17 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     check_k(drafter, k, target.config.sequence_len)
     dev = target.lm_head.weight.device
     allowed = check_prompts(target, prompts, max_new_tokens)
+    twin = isinstance(drafter, BatchDrafter)
     if len(prompts) == 1:
         # one request: the batch-1 loop itself, with the drafter the twin was made from. The
         # ragged cache, the packing and the batch rule's bookkeeping only cost there (measured:
         # docs/experiments.md, "Batched: ragged cache and packed verify"); plain decoding too
-        out, one = generate_speculative(target, drafter.one_request(), prompts[0], max_new_tokens,
-                                        k, sampler.row(0), stop=stop)
+        out, one = generate_speculative(target, drafter.one_request() if twin else drafter,
+                                        prompts[0], max_new_tokens, k, sampler.row(0), stop=stop)
         return [out], BatchStats.of_one(one, k)
     B, P, layers = len(prompts), [len(p) for p in prompts], drafter.hidden_layers
     stats = BatchStats(B, k)
-    plain = drafter.plain_batch(B)  # the drafter's rule: no draft pays at this batch size
+    plain = twin and drafter.plain_batch(B)  # the drafter's rule: no draft pays at this batch size
     cache = cache or ragged.new_cache(target, B)
     cache.reset()
     x = padded(prompts, dev)
@@ -236,7 +194,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
     allowed = [1 if o[0] in stop else a for o, a in zip(out, allowed)]  # ended at its first
     if plain:
         return plainly(target, drafter, cache, last, out, allowed, P, sampler, stats, stop)
-    drafter.begin([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
+    drafter.begin_batch([torch.cat([x[r, :p], last[r:r + 1]]) for r, p in enumerate(P)], hid)
     while True:
         active = [len(o) < a for o, a in zip(out, allowed)]
         if not any(active):
@@ -244,7 +202,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         ks = [min(k, a - len(o) - 1) if on else 0 for o, a, on in zip(out, allowed, active)]
         t0 = time.perf_counter()
         if any(ks):
-            drafts, counts, q = drafter.propose(ks, sampler)
+            drafts, counts, q = drafter.propose_batch(ks, sampler)
         else:
             drafts, counts, q = last.new_zeros(B, 0), [0] * B, None
         t1 = time.perf_counter()
@@ -256,7 +214,7 @@ def generate_batched(target, drafter, prompts, max_new_tokens, k, sampler, cache
         kept = [until_stop(i, stop) if on else 0 for i, on in zip(ids, active)]  # n + 1, or fewer
         n = [max(m - 1, 0) for m in kept]
         cache.rollback([s + m for s, m in zip(starts, kept)])  # keep [last, d1..dn] per row
-        drafter.commit(kept, new, hid)
+        drafter.commit_batch(kept, new, hid)
         # each row's last token (a finished row's is never read again)
         last = new.gather(1, torch.tensor([max(m - 1, 0) for m in kept], device=dev)[:, None])[:, 0]
         for r, on in enumerate(active):

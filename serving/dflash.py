@@ -1,14 +1,12 @@
 """
-serving/dflash.py -- DFlash and DSpark over a batch of requests: one block forward a round for
-every row, and DSpark's Markov chain and verify budget over the whole batch.
+serving/dflash.py -- DSpark over a batch of requests: DFlash's block for every row in one
+forward (draft_dflash.py drafts a batch itself), then DSpark's Markov chain and one verify budget
+for the whole batch.
 
-draft_dflash.py and draft_dspark.py draft for one request; serving/batched.py runs the loop over B
-requests, each at its own length. BatchDFlash keeps one static K/V cache per draft layer with a
-context length per row and runs every row's block in one forward (the same weights and the same
-bookkeeping as DFlashDrafter, one more axis). BatchDSpark adds the Markov chain for every row at
-once and a verify budget over the whole batch: the paper's scheduler, and the measured rule the
-serving sweep runs (one width a round, or whole batches decoded plainly); the rules and what
-they read are serving/rules.py's.
+draft_dspark.py's scheduler decides for one request, by its own clock. Over a batch the budget is
+the batch's verify: BatchDSpark adds the Markov chain for every row at once and the rules that
+spend the budget, the paper's scheduler and the measured rule the serving sweep runs (one width a
+round, or whole batches decoded plainly); the rules and what they read are serving/rules.py's.
 """
 
 import copy
@@ -17,144 +15,12 @@ import time
 import numpy as np
 import torch
 
-from serving import ragged
+import ragged
 from serving.rules import CostTable, Widths, best_single_k, interpolate, time_plain
-from serving.batched import BatchDrafter, Confirmed
+from serving.batched import BatchDrafter
 from runtime.devices import synchronize
+from draft_dflash import DFlashDrafter
 from draft_dspark import admit, markov_chain
-from gpt import attention
-from llama import rotate
-
-
-# -----------------------------------------------------------------------------
-# DFlash: one block forward a round
-
-
-def injected_attention(attn, x, cs, kv, rag, mask):
-    """dflash_layers.InjectedAttention over a ragged batch. x: the real slots packed (N, C), or
-    (B, T, C) with no padding. The projections run on the packed rows, the attention on the padded
-    (B, nh, T, hs); K/V written per row."""
-    q = attn.queries(rag.unpack(attn.c_q(x)), cs)  # (B, nh, T, hs)
-    k, v = attn.keys_values(rag.unpack(attn.c_kv(x)), cs)  # (B, nkv, T, hs)
-    k, v = rag.write(kv[0], k), rag.write(kv[1], v)
-    y = attention(q, k, v, mask)  # (B, nh, T, hs)
-    B, nh, T, hs = y.shape
-    return attn.c_proj(rag.pack(y.transpose(1, 2).reshape(B, T, nh * hs)))
-
-
-def draft_layer(layer, x, cs, kv, rag, mask):
-    """dflash_layers.DraftLayer over a ragged batch: the same two residual steps."""
-    x = x + injected_attention(layer.attn, layer.ln_1(x), cs, kv, rag, mask)
-    return x + layer.mlp(layer.ln_2(x))
-
-
-class BatchDFlash(BatchDrafter):
-    """DFlashDrafter over B rows: one static K/V cache per draft layer with a context length per
-    row, and one block forward a round for every row. Row r's block (anchor + ks[r] masks at its
-    own positions) sees its own context and its own real slots only: the block is bidirectional,
-    so a padding slot is masked as a key too, or it would change the real slots' drafts."""
-
-    def __init__(self, drafter):
-        super().__init__(drafter)
-        self.one = drafter  # the batch-1 drafter: its network and stacked context projection
-        self.net = drafter.net
-
-    @torch.inference_mode()
-    def begin(self, seqs, hidden):
-        cfg, p, B = self.net.config, self.net.fc.weight, len(seqs)
-        self.slack = cfg.block + 64  # room for a row near the end of the window to write padding
-        width = self.net.target.config.sequence_len + self.slack
-        if getattr(self, "states", None) is None or self.states.size(0) != B:
-            # made once per batch size: everything past a row's valid length is stale, never read
-            shape = (cfg.n_layer, B, cfg.n_kv_head, width, cfg.head_dim)
-            self.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            self.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.n_layer)]
-            # the target's tap states of every confirmed position, concatenated: (B, width, taps*d)
-            self.states = torch.zeros(B, width, len(self.hidden_layers) * cfg.n_embd,
-                                      device=p.device, dtype=p.dtype)
-        self.n_ctx = [0] * B
-        self.rows = Confirmed(seqs, width)
-        self.n_states = [0] * B
-        self.stash(hidden, [s.numel() - 1 for s in seqs])
-
-    def stash(self, hidden, kept):
-        """Keep row r's first kept[r] target states (at its positions n_states[r]..). They become
-        context only when the next block needs them (flush): a round that drafts nothing (a
-        scheduler may choose that) then costs one copy, not the context projection."""
-        h = torch.cat([hidden[t] for t in self.hidden_layers], dim=-1)  # (B, T, taps * d)
-        pos = torch.tensor(self.n_states, device=h.device)[:, None] + torch.arange(
-            h.size(1), device=h.device)
-        self.states[torch.arange(h.size(0), device=h.device)[:, None], pos] = h
-        self.n_states = [n + m for n, m in zip(self.n_states, kept)]
-
-    def flush(self):
-        """Every stashed state not yet in the context, through the context projection in one
-        pass: DFlashDrafter._extend per row, row r's new context at positions n_ctx[r].. (the
-        other slots are written past its end: stale)."""
-        kept = [s - n for s, n in zip(self.n_states, self.n_ctx)]
-        T = max(kept)
-        if T == 0:
-            return
-        B, dev = len(kept), self.states.device
-        t = torch.arange(T, device=dev)
-        pos = torch.tensor(self.n_ctx, device=dev)[:, None] + t  # (B, T)
-        # a row with fewer pending states than T: its extra slots go to the buffers' last
-        # position, past every valid one (a row near the window's end would run off them)
-        pos = torch.where(t < torch.tensor(kept, device=dev)[:, None], pos, self.states.size(1) - 1)
-        rows = torch.arange(B, device=dev)[:, None]
-        ctx = self.net.ctx_norm(self.net.fc(self.states[rows, pos]))  # (B, T, d)
-        n_layer, _, nh, _, hs = self.k_cache.shape
-        kv = self.one.ctx_kv(ctx).view(B, T, n_layer, 2, nh, hs).permute(2, 3, 0, 4, 1, 5)
-        cos, sin, _ = self.net.tables(ctx.device, ctx.dtype)
-        pos_rope = pos.clamp_max(cos.size(0) - 1)
-        at = (slice(None), rows[:, :, None], torch.arange(nh, device=pos.device)[None, :, None],
-              pos[:, None, :])  # (n_layer, B, nh, T) -> each row's positions
-        self.k_cache[at] = rotate(self.net.norm_keys(kv[:, 0]), cos[pos_rope][:, None],
-                                  sin[pos_rope][:, None])
-        self.v_cache[at] = kv[:, 1]
-        self.n_ctx = list(self.n_states)
-
-    def draft_states(self, ks):
-        """Every row's anchor + masks through the draft layers at once -> (B, K, d): the states
-        that draft each row's next K = max(ks) tokens (row r's first ks[r] are its own; zeros
-        after). A row drafting nothing has no slot at all: the Linears run on real slots only."""
-        self.flush()
-        shift, K = self.net.config.shift, max(ks)
-        slots = K + 1 - shift
-        x = self.net.block_input(self.rows.last()[:, None], slots)  # (B, slots, d)
-        real = [k + 1 - shift if k > 0 else 0 for k in ks]
-        rag = ragged.Ragged(self.n_ctx, real, slots, x.device)
-        # row r's query sees its context and its own real slots: keys < n_ctx[r] + real[r] (at
-        # least one key, so that a row with no slot has no empty softmax)
-        ends = torch.tensor([max(n + m, 1) for n, m in zip(self.n_ctx, real)], device=x.device)
-        visible = (torch.arange(rag.L, device=x.device) < ends[:, None])[:, None, None]
-        _, _, bias = self.net.tables(x.device, x.dtype)
-        if bias is not None:  # the ALiBi rows of these positions: (B, nh, slots, L)
-            mask = bias[0][:, rag.pos, :rag.L].transpose(0, 1).masked_fill(~visible, float("-inf"))
-        else:
-            mask = visible
-        cs = self.net.cs(rag.pos, x.dtype)
-        x = rag.pack(x)
-        for layer, kv in zip(self.net.layers, self.kv_caches):
-            x = draft_layer(layer, x, cs, kv, rag, mask)
-        return rag.unpack(x)[:, 1 - shift:1 - shift + K]
-
-    def head(self, h, ks):
-        """The target's ln_f and LM head on each row's real draft states only -> (B, K, V)."""
-        pk = ragged.Packing(ks, h.size(1), h.device)
-        return pk.unpack(self.net.target_logits(pk.pack(h)))
-
-    @torch.inference_mode()
-    def propose(self, ks, sampler):
-        h = self.draft_states(ks)  # (B, K, d)
-        toks, q = sampler.draft(self.head(h, ks), self.rows.lengths, ks)
-        return toks, list(ks), q
-
-    @torch.inference_mode()
-    def commit(self, kept, new, hidden):
-        self.stash(hidden, kept)
-        self.rows.extend(new, kept)
 
 
 # -----------------------------------------------------------------------------
@@ -166,7 +32,7 @@ CALIBRATION_PRIOR = 5.0  # pseudo-rounds at the confidence head's own estimate (
 BATCH_SCHEDULES = ("measured", "auto", "goodput", "full")
 
 
-class BatchDSpark(BatchDFlash):
+class BatchDSpark(BatchDrafter):
     """DSparkDrafter over B rows: the batched DFlash block, then the Markov chain for every row at
     once, then one choice of how many drafts each row verifies:
       measured  one width a round for every row, the one with the most tokens per second by what
@@ -188,7 +54,9 @@ class BatchDSpark(BatchDFlash):
         if schedule not in BATCH_SCHEDULES:
             raise ValueError(f"unknown batch schedule {schedule!r}: use {', '.join(BATCH_SCHEDULES)}")
         super().__init__(drafter)
-        self.spark, self.schedule = drafter.spark, schedule
+        self.net, self.spark, self.schedule = drafter.net, drafter.spark, schedule
+        self.block = DFlashDrafter(drafter.net)  # DFlash's drafting, for every row at once
+        self.block.ctx_kv = drafter.ctx_kv  # the stacked context projection, as loaded
         self.markov_table = drafter.markov_table
         self.conf_h, self.conf_code = drafter.conf_h, drafter.conf_code
         self.conf_temp = drafter.spark.conf_temp.to(self.conf_h.dtype)
@@ -214,9 +82,9 @@ class BatchDSpark(BatchDFlash):
         self._scored, self._round, self._ks, self.cap = None, None, None, None
 
     @torch.inference_mode()
-    def begin(self, seqs, hidden):
+    def begin_batch(self, seqs, hidden):
         t0 = time.perf_counter()
-        super().begin(seqs, hidden)
+        self.block.begin_batch(seqs, hidden)
         B, t1 = len(seqs), time.perf_counter()
         if self.schedule != "full" and B not in self.costs:
             target = self.net.target
@@ -261,7 +129,7 @@ class BatchDSpark(BatchDFlash):
         target forward, as a draft does in the loop: timed back to back, the drafter's weights
         stay in the cache and a draft looks several times cheaper than it is. Proposing writes
         only past every row's context, so it runs on the state begin() made."""
-        target, dev = self.net.target, self.k_cache.device
+        target, dev = self.net.target, self.block.k_cache.device
         scratch = ragged.new_cache(target, B)
         x = torch.zeros(B, 1, dtype=torch.long, device=dev)
 
@@ -282,15 +150,15 @@ class BatchDSpark(BatchDFlash):
     def draft(self, ks, sampler):
         """The block for every row, then the Markov chain left to right, every row at once ->
         (tokens (B, K), q or None, block states (B, K, d)). sampler None: greedy (profiling)."""
-        h = self.draft_states(ks)  # (B, K, d)
-        S = self.rows.lengths
+        h = self.block.draft_states(ks)  # (B, K, d)
+        S = self.block.rows.lengths
 
         def draw(logits, j):
             if sampler is None:
                 return logits.argmax(-1), None
             tok, q = sampler.draft(logits[:, None], [s + j for s in S], [int(k > j) for k in ks])
             return tok[:, 0], (q[:, 0] if q is not None else None)
-        toks, q = markov_chain(self.spark, self.head(h, ks), self.rows.last(), draw,
+        toks, q = markov_chain(self.spark, self.block.head(h, ks), self.block.rows.last(), draw,
                                self.markov_table)
         return toks, q, h
 
@@ -298,7 +166,7 @@ class BatchDSpark(BatchDFlash):
         """Every row's prefix survivals a_{r,j} = prod_{i<=j} c_{r,i}, capped at ks[r]: one
         product and one host read for the whole batch (as the head gives them: choose() scales
         them by what verification has shown, recalibrate)."""
-        prev = torch.cat([self.rows.last()[:, None], toks[:, :-1]], 1)
+        prev = torch.cat([self.block.rows.last()[:, None], toks[:, :-1]], 1)
         z = self.spark.features(h) @ self.conf_h + self.conf_code[prev]  # (B, K) logits
         surv = torch.sigmoid(z / self.conf_temp[:z.size(1)]).cumprod(1)
         return surv.to("cpu", torch.float64).numpy(), np.array(ks)  # host sync
@@ -331,7 +199,7 @@ class BatchDSpark(BatchDFlash):
         cal[1] += (A * verified).sum(0)
 
     @torch.inference_mode()
-    def propose(self, ks, sampler):
+    def propose_batch(self, ks, sampler):
         B = len(ks)
         if self.schedule == "measured":
             w = self.measured_width(ks)
@@ -378,11 +246,11 @@ class BatchDSpark(BatchDFlash):
         return lengths
 
     @torch.inference_mode()
-    def commit(self, kept, new, hidden):
+    def commit_batch(self, kept, new, hidden):
         if self._scored is not None:
             self.observe(self._scored[1], self._scored[0], kept)
             self._scored = None
-        super().commit(kept, new, hidden)
+        self.block.commit_batch(kept, new, hidden)
         if self._ks is not None:  # measured: what this round's width showed, and when it ended
             self.widths.verified(len(kept), self._round[2],
                                  [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m],

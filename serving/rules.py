@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from serving import ragged
+import ragged
 from serving.batched import plain_steps
 from speculative import Sampler
 from runtime.devices import synchronize

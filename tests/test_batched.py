@@ -11,18 +11,17 @@ import pytest
 import torch
 
 from serving import batched
-from serving import ragged
+import ragged
 from draft_dspark import admit
 from serving.rules import CostTable, Widths, best_single_k, interpolate
 from serving.batched import generate_batched, generate_plain_batched
-from serving.drafters import PerRow
 from conftest import make, within
 from draft_dspark import DSparkDrafter
 from draft_mtp import MTPDrafter
 from registry import drafters as registry
 from registry.drafters import batched as batched_twin
-from serving.ragged import RaggedCache
-from speculative import Sampler, generate_plain, generate_speculative
+from ragged import RaggedCache
+from speculative import Drafter, Sampler, generate_plain, generate_speculative
 from test_mtp import fit_mtp
 
 
@@ -51,7 +50,7 @@ def fixed_costs(drafter, B):
 
 def batches(name):
     """Whether the registered drafter `name` (or a variant of it) has a batched form."""
-    return registry.entry(name.split("-")[0]).batched is not None
+    return registry.entry(name.split("-")[0]).batched
 
 
 def batched_drafter(name, target, B):
@@ -159,24 +158,40 @@ def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode
     assert stats.tokens == sum(len(o) for o in out)
 
 
+class PerRow(Drafter):
+    """The reference a batch drafted in one pass is checked against: one batch-1 copy of `one` a
+    row, asked in turn (speculative.Drafter's own batch calls)."""
+
+    def __init__(self, one):
+        self.one, self.name, self.hidden_layers = one, one.name, one.hidden_layers
+
+    def fresh(self):
+        return self.one.fresh()
+
+    def begin(self, tokens, hidden):
+        raise AssertionError("only its copies draft")
+
+
 def natively_batched(target):
-    """(name, batch-1 drafter) of every registered drafter whose line names a batched twin of its
-    own, as the shared tests build it (DSpark verifying its whole block, the rule its batch-1
-    self shares with its twin), and the one-module MTP head BatchMTP batches (the shared
-    tests' has two)."""
+    """(name, batch-1 drafter) of every registered drafter that drafts a batch in one pass, itself
+    (its batch calls its own) or through its line's twin, as the shared tests build it (DSpark
+    verifying its whole block, the rule its batch-1 self shares with its twin), and a one-module
+    MTP head (the shared tests' has two)."""
     for e in registry.drafters():
-        if e.batched not in (PerRow, None):
-            one = make(e.name, target)
-            if isinstance(one, DSparkDrafter):
-                one.schedule = "full"
-            if e.batched.takes(one):
-                yield e.name, one
+        if not e.batched:
+            continue
+        one = make(e.name, target)
+        if isinstance(one, DSparkDrafter):
+            one.schedule = "full"
+        if (e.twin is not None and e.twin.takes(one)
+                or type(one).propose_batch is not Drafter.propose_batch):
+            yield e.name, one
     yield "mtp1", MTPDrafter(fit_mtp(target, n_modules=1), target)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
 def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
-    """The batched twins draft exactly what one batch-1 copy per row drafts: same tokens, same
+    """A batch drafted in one pass drafts exactly what one batch-1 copy per row drafts: same tokens, same
     draft lengths, in rejection mode too (each row's generator moves as in its own run)."""
     prompts = ragged_prompts(4, target.config.vocab_size, seed=5)
     for name, one in natively_batched(target):
@@ -321,12 +336,12 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
     d = BatchDSpark(make("dspark", target), "measured")
     d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)
-    propose = d.propose
+    propose = d.propose_batch
 
     def slow_propose(ks, sampler):
         time.sleep(0.02)
         return propose(ks, sampler)
-    d.propose = slow_propose
+    d.propose_batch = slow_propose
     ref = [generate_plain(target, p, 40, Sampler("greedy")) for p in prompts]
     drafted = []
     for _ in range(6):
@@ -361,8 +376,8 @@ def test_bad_batches_are_one_clear_error(target):
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
-    """One request is decoded by the batch-1 loop itself, with the drafter its twin was made
-    from (and plain decoding by plain decoding's): the same tokens, the same rounds, and the
+    """One request is decoded by the batch-1 loop itself, with the drafter itself or the one its
+    twin was made from (and plain decoding by plain decoding's): the same tokens, the same rounds, and the
     batch's counts of them."""
     p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
     ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
@@ -371,8 +386,8 @@ def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
         d = batched_drafter(name, target, 1)
         k = within(d, 4)
         out, st = generate_batched(target, d, [p], 30, k, Sampler(mode, 0.9, None, 3))
-        _, one = generate_speculative(target, d.one_request(), p, 30, k,
-                                      Sampler(mode, 0.9, None, 3))
+        single = d.one_request() if isinstance(d, batched.BatchDrafter) else d
+        _, one = generate_speculative(target, single, p, 30, k, Sampler(mode, 0.9, None, 3))
         assert out == [ref], name
         assert (st.rounds, st.tau, st.accepted_at) == (one.rounds, one.tau, one.accepted_at)
         assert sum(st.given) == st.rounds == st.batches and st.padding == 0.0

@@ -163,7 +163,7 @@ def test_markov_head_probabilities_are_exact_softmaxes(target, table):
     sampler = Sampler("rejection", 1.0, None, 7)
     draft, q = d.propose(6, sampler)
     assert torch.allclose(q.sum(-1), torch.ones(6, dtype=q.dtype), atol=1e-12, rtol=0)
-    base_logits = net.backbone.logits(d.draft_states(6))  # (6, V) base logits
+    base_logits = net.backbone.logits(d.draft_states([6])[0])  # (6, V) base logits
     prev = torch.cat([seq[0, -1:], draft[:-1]])
     assert torch.allclose(q, torch.softmax(base_logits + net.markov(prev), -1), atol=1e-12, rtol=0)
     # the bias really depends on the previous token
@@ -184,7 +184,7 @@ def test_greedy_drafting_on_the_host_picks_what_the_torch_chain_picks(target):
     for _ in range(20):
         seq = torch.randint(0, target.config.vocab_size, (1, 12), generator=g)
         d.begin(seq, target(seq[:, :-1], hidden_layers=d.hidden_layers)[2])
-        base_logits = d.net.logits(d.draft_states(d.max_k))
+        base_logits = d.net.logits(d.draft_states([d.max_k])[0])
         S = d.seq.numel()
         chain, _ = markov_chain(d.spark, base_logits[None], d.seq[-1:],
                                 lambda logits, j: sampler.draft(logits, S + j),

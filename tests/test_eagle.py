@@ -51,8 +51,10 @@ class Forced(Sampler):
         super().__init__("greedy")
         self.seq, self.logits = seq, []
 
-    def draft(self, logits, start):
+    def draft(self, logits, start, ks=None):
         self.logits.append(logits.view(-1))
+        if isinstance(start, list):  # a batch (of one): (1, 1)
+            return self.seq[start[0]].view(1, 1), None
         return self.seq[start].view(1), None
 
 

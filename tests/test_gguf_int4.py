@@ -14,7 +14,7 @@ from conftest import make, within
 from formats import gguf, gguf_int4, pretrained
 from gpt import BUCKET, Rows, attention_by_row, chunk_mask
 from registry import drafters as registry
-from serving import ragged
+import ragged
 from serving.batched import generate_batched, padded
 from speculative import Sampler, generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts

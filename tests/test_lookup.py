@@ -106,3 +106,67 @@ def test_transformers_gpt2_holds_the_same_model():
     assert hf_generate(hf, p, 20, set()) == generate_plain(target, p, 20, Sampler("greedy"))
     assert hf_generate(hf, p, 20, set(), lookup=5) == generate_plain(target, p, 20,
                                                                      Sampler("greedy"))
+
+
+# -----------------------------------------------------------------------------
+# a drafter that is not a network fits as it is: a datastore saved and loaded, no nn.Module
+
+
+class BigramStore:
+    """A retrieval drafter's datastore (REST's idea, tiny): for each token, the token that most
+    often followed it in the text it was built from. Plain tensors, no nn.Module, no parameters."""
+
+    def __init__(self, config, target):
+        self.next = torch.zeros(config["vocab"], dtype=torch.long)
+
+    @classmethod
+    def built_from(cls, ids, vocab):
+        store = cls({"vocab": vocab}, None)
+        counts = torch.zeros(vocab, vocab, dtype=torch.long)
+        counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1, dtype=torch.long),
+                          accumulate=True)
+        store.next = counts.argmax(1)
+        return store
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"].clone()
+
+
+class BigramDrafter(LookupDrafter):
+    """Chains the store from the last confirmed token: k tokens, each the likeliest successor."""
+    name = "bigram"
+
+    def __init__(self, store, target):
+        super().__init__(target.config.vocab_size)
+        self.store = store
+
+    def propose(self, k, sampler):
+        toks, t = [], self.seq[-1]
+        for _ in range(k):
+            t = int(self.store.next[t])
+            toks.append(t)
+        return self.as_draft(toks, sampler)
+
+
+def test_a_datastore_drafter_saves_and_loads_without_being_a_network(target, tmp_path):
+    from runtime.checkpoint import load_trained, save_checkpoint
+    from runtime.declaration import Declaration
+    V = target.config.vocab_size
+    prompts = ([4, 5, 6], [7, 1, 7, 1])
+    # built from the target's own text on these prompts (a datastore of what it says)
+    text = [t for p in prompts for t in p + generate_plain(target, p, 30, Sampler("greedy"))]
+    store = BigramStore.built_from(torch.tensor(text), V)
+    ckpt = {"model_hash": "m", "tokenizer_hash": "t"}
+    save_checkpoint({"kind": "bigram", "config": {"vocab": V}, "state_dict": store.state_dict(),
+                     "target_hash": "m", "tokenizer_hash": "t"}, tmp_path / "bigram.pt")
+    declared = Declaration(name="bigram", network=BigramStore, drafter=BigramDrafter)
+    drafter = load_trained(declared, tmp_path / "bigram.pt", target, ckpt)
+    assert not isinstance(drafter.store, torch.nn.Module)
+    assert torch.equal(drafter.store.next, store.next)
+    for prompt in prompts:
+        out, stats = generate_speculative(target, drafter, prompt, 30, 4, Sampler("greedy"))
+        assert out == generate_plain(target, prompt, 30, Sampler("greedy"))
+        assert sum(stats.accepted_at) > 0  # the store drafts what the target says

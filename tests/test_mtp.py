@@ -129,9 +129,10 @@ class Spy(Sampler):
         super().__init__("greedy")
         self.positions = []
 
-    def draft(self, logits, start):
-        self.positions.append(list(range(start, start + logits.size(-2))))
-        return super().draft(logits, start)
+    def draft(self, logits, start, ks=None):
+        first = start[0] if isinstance(start, list) else start  # a batch's (of one) row 0
+        self.positions.append(list(range(first, first + logits.size(-2))))
+        return super().draft(logits, start, ks)
 
 
 @pytest.mark.parametrize("D", [1, 2])
@@ -152,7 +153,7 @@ def test_drafts_are_keyed_on_their_absolute_positions(target, D):
 @pytest.mark.parametrize("D", [1, 2])
 @torch.inference_mode()
 def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
-    """Drive propose/commit with made-up verdicts (full acceptance, partial, none, k=0) and the
+    """One request (a batch of one row). Drive propose/commit with made-up verdicts (full acceptance, partial, none, k=0) and the
     target's true hidden states. After each commit every module's cache holds exactly its exact
     entries (module j: indices < S_old - j) and they equal a fresh drafter's built in one go."""
     mtp = fit_mtp(target, n_modules=D)
@@ -172,7 +173,7 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
             # module j ran up to index S-2; D recursed once per step past D
             for j, c in enumerate(d.caches, start=1):
                 if j <= k:
-                    assert c.length == S - 1 + (k - D if j == D and k > D else 0), (rnd, j)
+                    assert c.lengths[0] == S - 1 + (k - D if j == D and k > D else 0), (rnd, j)
         new = torch.cat([draft[:n], torch.tensor([(rnd * 7) % V])])
         full = torch.cat([seq, new])
         hid = hidden_of(target, full[:-1].view(1, -1))
@@ -180,13 +181,13 @@ def test_cache_after_commits_equals_recomputing_from_scratch(target, D):
         seq = full
         for j, c in enumerate(d.caches, start=1):
             if j <= k:
-                assert c.length == S - j, (rnd, j)  # every speculative entry is gone
-        assert torch.allclose(d.H[0, :seq.numel() - 1], hid[0], atol=1e-12, rtol=0)
+                assert c.lengths[0] == S - j, (rnd, j)  # every speculative entry is gone
+        assert torch.allclose(d.H[0, 0, :seq.numel() - 1], hid[0], atol=1e-12, rtol=0)
         fresh = MTPDrafter(mtp, target)
         fresh.begin(seq.view(1, -1), {last: hid})
         fresh.propose(D, Sampler("greedy"))  # catches up every module in one chunk from index 0
         for c, f in zip(d.caches, fresh.caches):
-            n_ok = c.length
+            (n_ok,) = c.lengths
             assert torch.allclose(c.k[:, :, :, :n_ok], f.k[:, :, :, :n_ok], atol=1e-10, rtol=0)
             assert torch.allclose(c.v[:, :, :, :n_ok], f.v[:, :, :, :n_ok], atol=1e-10, rtol=0)
 

@@ -28,19 +28,19 @@ def test_small_drafter_cache_bookkeeping(target):
     drafter.begin(seq, {})
     saw_full, saw_reject = False, False
     for rnd in range(20):
-        S = drafter.seq.numel()
+        (S,) = drafter.rows.lengths  # one request: one row
         draft, _ = drafter.propose(4, sampler)
-        assert drafter.cache.length == S + 3
+        assert drafter.cache.lengths == [S + 3]
         n = [4, 0, 2, 1][rnd % 4]  # pretend verdicts: full acceptance and rejections
         new = torch.cat([draft[:n], torch.tensor([rnd % target.config.vocab_size])])
         drafter.commit(n, new, {})
-        assert drafter.cache.length == S + min(n, 3)
+        assert drafter.cache.lengths == [S + min(n, 3)]
         saw_full |= n == 4
         saw_reject |= n < 4
-        n_cached = drafter.cache.length
+        (n_cached,) = drafter.cache.lengths
         fresh = drafter.model.new_cache()
         with torch.no_grad():
-            drafter.model(drafter.seq[:n_cached].view(1, -1), cache=fresh)
+            drafter.model(drafter.rows.toks[:, :n_cached], cache=fresh)
         cached = drafter.cache.k[:, :, :, :n_cached]
         assert torch.allclose(cached, fresh.k[:, :, :, :n_cached], atol=1e-10, rtol=0)
     assert saw_full and saw_reject

@@ -1,14 +1,20 @@
 """
-serving/ragged.py -- many requests in one forward: a KV cache with a length per row, and the
-target's forward over it, applied to gpt.py's model from outside.
+ragged.py -- many requests at once: a KV cache with a length per row, the model's forward over it,
+and each row's confirmed tokens.
 
-gpt.py runs one sequence (or B of the same length) at one start position. Serving B requests at
-once (serving/batched.py) needs each row at its own position, with its own number of new tokens:
+gpt.py runs one sequence (or B of the same length) at one start position, and speculative.py's
+loop one request. A server decodes many requests together, so that every weight read from memory
+serves all of them, and requests are never the same length: each row sits at its own position and
+gets its own number of new tokens a forward (a verify of 5, a plain step of 1, a finished row 0).
+This file gives gpt.py's model (and llama.py's) that layout, from outside, with the same weights
+and, row by row, the same arithmetic:
   RaggedCache  gpt.KVCache with a length per row, and per-row O(1) rollback
-  Ragged       where a forward's real tokens are: positions, the mask built from them, and
-               the packing that runs the Linears and MLPs on the real tokens only (Packing)
-  forward()    gpt.GPT.forward over a RaggedCache, the same weights and the same arithmetic
-               per row (the attention padded, everything else packed)
+  Ragged       where a forward's real tokens are: positions, the mask built from them, and the
+               packing that runs the Linears and MLPs on the real tokens only (Packing)
+  forward()    gpt.GPT.forward over a RaggedCache (the attention padded, everything else packed)
+  Confirmed    each row's confirmed tokens on the device: what a drafter reads its inputs from
+The drafters that draft for many rows in one pass (draft_small.py's, and serving/'s twins) and
+serving/batched.py's loop are built on it.
 """
 
 import torch
@@ -44,6 +50,15 @@ class RaggedCache:
 
     def reset(self):
         self.lengths = [0] * len(self.lengths)
+
+
+def offsets(starts, T, device):
+    """(B, T): starts[r] + t for t < T, on the device. Where every row starts alike (always so for
+    one request) made there, with nothing uploaded: an upload a forward would be a host round
+    trip on a GPU."""
+    if len(set(starts)) == 1:
+        return torch.arange(starts[0], starts[0] + T, device=device).expand(len(starts), T)
+    return torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
 
 
 def bucket(n):
@@ -84,8 +99,8 @@ class Packing:
 
     def last(self, x):
         """x (B, T, ...) -> (B, 1, ...): each row's last real slot (slot 0 for a row with none)."""
-        idx = torch.tensor([max(c - 1, 0) for c in self.counts], device=x.device)
-        return x[torch.arange(self.B, device=x.device), idx][:, None]
+        idx = offsets([max(c - 1, 0) for c in self.counts], 1, x.device)  # (B, 1)
+        return x[torch.arange(self.B, device=x.device)[:, None], idx]
 
 
 class Ragged(Packing):
@@ -100,7 +115,7 @@ class Ragged(Packing):
 
     def __init__(self, starts, counts, T, device):
         super().__init__(counts, T, device)
-        self.pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        self.pos = offsets(starts, T, device)
         self.L = max(starts) + T  # keys to attend over: through the last slot written
         # every row at one position (always so at batch 1): the batch-1 path's slice writes and
         # masks, which cost less than per-row indexing
@@ -189,3 +204,33 @@ def forward(model, idx, cache, counts=None, hidden_layers=(), last_only=False):
         x = rag.last(x)
     return model.lm_head(x), None, hiddens
 
+
+# -----------------------------------------------------------------------------
+# each row's confirmed tokens
+
+
+class Confirmed:
+    """Each row's confirmed tokens, kept on the device as one (B, width) buffer with the lengths
+    on the host: what a native batched drafter reads its anchors and pending tokens from."""
+
+    def __init__(self, seqs, width):
+        self.lengths = [s.numel() for s in seqs]
+        self.toks = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].device)
+        for r, s in enumerate(seqs):
+            self.toks[r, :s.numel()] = s
+
+    def at(self, starts, T):
+        """(B, T): row r's tokens at starts[r] .. starts[r] + T - 1 (past its end: whatever)."""
+        idx = offsets(starts, T, self.toks.device)
+        return self.toks.gather(1, idx.clamp_max(self.toks.size(1) - 1))
+
+    def last(self):
+        """(B,) each row's last confirmed token."""
+        return self.at([n - 1 for n in self.lengths], 1)[:, 0]
+
+    def extend(self, new, kept):
+        """Row r appends new[r, :kept[r]] (the slots after them land past its end: stale)."""
+        T = new.size(1)
+        idx = offsets(self.lengths, T, new.device)
+        self.toks.scatter_(1, idx, new)
+        self.lengths = [n + m for n, m in zip(self.lengths, kept)]
