@@ -377,7 +377,7 @@ class DFlashDrafter(Drafter):
     def draft_states(self, ks):
         """Every row's anchor + masks through the draft layers at once -> (B, K, d): the states
         that draft each row's next K = max(ks) tokens, slots 1..k (shift 0) or the anchor slot
-        and slots 1..k-1 (shift 1); row r's first ks[r] are its own, zeros after. A row drafting
+        and slots 1..k-1 (shift 1); row r's first ks[r] are its own (the rest padding). A row drafting
         nothing has no slot at all: the Linears run on real slots only. The anchor sits at
         position n_ctx[r] (== S - 1: the context is every confirmed token before it); every slot
         sees its row's whole context and its own block (bidirectional), with the ALiBi bias,

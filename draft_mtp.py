@@ -320,7 +320,9 @@ class MTPDrafter(Drafter):
       - commit: every cache is cut back to its exact entries (module m: indices < S-m, with
         S the length before the commit), and the target's states of the n+1 positions that
         just became 'all but the last' go into H[0], to be eaten by the next propose.
-    H[m][i] keeps module m's output at index i (H[0] = the target's states): module m+1 reads it.
+    H[m, r, i] keeps module m's output at index i of row r (H[0] = the target's states): module
+    m+1 reads it. Every row of a batch keeps its own caches' lengths (ragged.py); one request is
+    a batch of one row.
 
     A round on its own, run as written (tests/test_layout.py runs every example of the lesson):
     two chained modules, so that k = 4 drafts with both and then recursively, on a tiny random
@@ -390,8 +392,8 @@ class MTPDrafter(Drafter):
         def draft(h, j):  # h (B, 1, d) -> draft j (B, 1) at position S + j - 1, written after
             live = [int(k >= j) for k in ks]  # each row's confirmed tokens (module j + 1 reads it)
             tok, q = sampler.draft(lm_logits(self.target, h), [s + j - 1 for s in S], live)
-            self.rows.toks.scatter_(1, ragged.offsets([s + j - 1 for s in S], 1, tok.device),
-                                    tok)
+            at = ragged.offsets([s + j - 1 for s in S], 1, tok.device)
+            self.rows.toks.scatter_(1, at.clamp_max(self.rows.toks.size(1) - 1), tok)
             drafts.append(tok)
             qs.append(q)
             return tok

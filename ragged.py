@@ -13,8 +13,8 @@ and, row by row, the same arithmetic:
                packing that runs the Linears and MLPs on the real tokens only (Packing)
   forward()    gpt.GPT.forward over a RaggedCache (the attention padded, everything else packed)
   Confirmed    each row's confirmed tokens on the device: what a drafter reads its inputs from
-The drafters that draft for many rows in one pass (draft_small.py's, and serving/'s twins) and
-serving/batched.py's loop are built on it.
+The drafters that draft for many rows in one pass (draft_small.py's, draft_mtp.py's,
+draft_dflash.py's) and serving/batched.py's loop are built on it.
 """
 
 import torch
@@ -231,6 +231,6 @@ class Confirmed:
     def extend(self, new, kept):
         """Row r appends new[r, :kept[r]] (the slots after them land past its end: stale)."""
         T = new.size(1)
-        idx = offsets(self.lengths, T, new.device)
+        idx = offsets(self.lengths, T, new.device).clamp_max(self.toks.size(1) - 1)
         self.toks.scatter_(1, idx, new)
         self.lengths = [n + m for n, m in zip(self.lengths, kept)]

@@ -394,6 +394,7 @@ class Drafter:
         if type(self).begin is Drafter.begin:
             raise DrafterError(f"the {self.name} drafter writes neither begin() nor "
                                "begin_batch(): write one of the two sets (speculative.Drafter)")
+        self.copies = None  # or each copy would carry the copies of the batch before
         self.copies, self.device = [self.fresh() for _ in seqs], seqs[0].device
         for r, (d, s) in enumerate(zip(self.copies, seqs)):
             d.begin(s.view(1, -1), {k: h[r:r + 1, :s.numel() - 1] for k, h in hidden.items()})

@@ -135,8 +135,8 @@ class BatchDrafter:
 
     @classmethod
     def takes(cls, drafter):
-        """Whether this twin batches that batch-1 drafter (registry.drafters.batched asks; where
-        it does not, the drafter batches itself, one copy a row)."""
+        """Whether this twin batches that drafter (registry.drafters.batched asks; where it does
+        not, the drafter's own batch calls run)."""
         return True
 
     def __init__(self, drafter):

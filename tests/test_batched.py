@@ -391,3 +391,13 @@ def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
         assert out == [ref], name
         assert (st.rounds, st.tau, st.accepted_at) == (one.rounds, one.tau, one.accepted_at)
         assert sum(st.given) == st.rounds == st.batches and st.padding == 0.0
+
+
+def test_one_copy_a_row_keeps_nothing_of_the_batch_before(target):
+    """speculative.Drafter's default batch calls make a copy a row per batch; a copy must not hold
+    the copies of an earlier batch (a server runs batch after batch: memory would grow)."""
+    d = make("lookup", target)
+    prompts = ragged_prompts(3, target.config.vocab_size, seed=2)
+    for _ in range(3):
+        generate_batched(target, d, prompts, 8, 3, Sampler("greedy"))
+    assert all(c.__dict__.get("copies") is None for c in d.copies)
