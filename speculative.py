@@ -392,8 +392,7 @@ class Drafter:
     # a batch, one copy a row: the default of a drafter that writes only the one-request calls
     def begin_batch(self, seqs, hidden):
         if type(self).begin is Drafter.begin:
-            raise DrafterError(f"the {self.name} drafter writes neither begin() nor "
-                               "begin_batch(): write one of the two sets (speculative.Drafter)")
+            raise DrafterError(f"the {self.name} drafter writes neither begin() nor begin_batch()")
         self.copies = None  # or each copy would carry the copies of the batch before
         self.copies, self.device = [self.fresh() for _ in seqs], seqs[0].device
         for r, (d, s) in enumerate(zip(self.copies, seqs)):

@@ -401,3 +401,14 @@ def test_one_copy_a_row_keeps_nothing_of_the_batch_before(target):
     for _ in range(3):
         generate_batched(target, d, prompts, 8, 3, Sampler("greedy"))
     assert all(c.__dict__.get("copies") is None for c in d.copies)
+
+
+def test_a_drafter_that_writes_neither_set_of_calls_is_one_clear_error():
+    """A Drafter writes its one-request calls or its batch calls; neither is an error naming it,
+    not an endless loop between the two defaults."""
+    from speculative import DrafterError
+
+    class Nothing(Drafter):
+        name = "nothing"
+    with pytest.raises(DrafterError, match="nothing drafter writes neither begin"):
+        Nothing().begin(torch.tensor([[1, 2]]), {})
