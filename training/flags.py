@@ -257,6 +257,7 @@ def check_sizes(run, stages):
     want = getattr(run, "gen_prompts", "corpus")
     if want == "chat" or (want == "auto" and run.init_from):
         chat_set.check_room(run.gen_tokens, run.block_size)
+        chat_set.check_source(run.gen_requests, run.gen_answers)
 
 
 def check_out_dir(run, stages):
