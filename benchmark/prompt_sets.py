@@ -52,12 +52,7 @@ def read_requests(path):
     """[(kind, text)] of a JSONL file, kind "question" or "prompt"; blank lines are skipped."""
     if not os.path.exists(path):
         raise ValueError(f"--prompts file {path} not found")
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is allowed
-            lines = f.readlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts file {path} is not UTF-8 text (byte {e.start}): "
-                         "save it as UTF-8 JSONL") from None
+    lines = data.jsonl_lines(path, f"--prompts file {path}")
     requests = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

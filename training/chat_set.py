@@ -160,13 +160,7 @@ def sharegpt_exchanges(path):
 def jsonl_exchanges(path):
     """Every conversation's first exchange in a .jsonl file (CONVERSATIONS)."""
     out = []
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is allowed
-            lines = f.readlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--gen-requests {path} is not UTF-8 text (byte {e.start}): save it as "
-                         "UTF-8 JSONL") from None
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(data.jsonl_lines(path, f"--gen-requests {path}"), 1):
         if not line.strip():
             continue
         try:

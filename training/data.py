@@ -86,6 +86,17 @@ def _read_text(path: pathlib.Path) -> str | None:
         return None
 
 
+def jsonl_lines(path, what: str) -> list[str]:
+    """The lines of a user's JSONL file (a byte-order mark allowed); `what` names it in the one
+    error line a file that is not UTF-8 gets (bench.py's --prompts, train.py's --gen-requests)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
+                         "JSONL") from None
+
+
 def load_documents(data: str | None = None) -> tuple[list[str], list[str]]:
     """(train_docs, val_docs); about 5% of the documents go to validation."""
     root, files = _source(data)
