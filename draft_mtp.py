@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import ragged
-from gpt import Layer, GPTConfig, attention, chunk_mask
+from gpt import Layer, GPTConfig, attention
 from draft_small import total_variation
 from speculative import Drafter
 
@@ -113,8 +113,10 @@ class MTPModule(nn.Module):
         """M · [RMSNorm(h) ; RMSNorm(e)]: the layer's input, (B, T, d)."""
         return self.proj(torch.cat([self.norm_h(h), self.norm_e(e)], dim=-1))
 
-    def forward(self, h, e, kv=None, start=0, attn_mask=None):
-        return self.layer(self.mix(h, e), kv, start, attn_mask)
+    def forward(self, h, e):
+        """Training's pass: plain causal attention over the T entries (drafting runs mix() and
+        its layer over a ragged cache: MTPDrafter.step)."""
+        return self.layer(self.mix(h, e))
 
 
 def gpt2_init(module):

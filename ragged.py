@@ -140,7 +140,6 @@ class Ragged(Packing):
         return cache[:, :, :self.L]
 
 
-
 def new_cache(model, batch_size, device=None, dtype=None):
     """A RaggedCache for `model` (a gpt.GPT), on its device and in its dtype unless told."""
     p = model.lm_head.weight

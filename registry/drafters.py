@@ -221,12 +221,12 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
 
 
 def batched(drafter, **options):
-    """What drafts a batch for this drafter (serving/batched.py runs it): its line's twin, where
-    that twin takes this drafter, with the twin's own options (BatchDSpark's schedule), else the
-    drafter itself (speculative.Drafter's batch calls)."""
+    """What drafts a batch for this drafter (serving/batched.py runs it): its line's twin, with
+    the twin's own options (BatchDSpark's schedule), else the drafter itself
+    (speculative.Drafter's batch calls)."""
     e = next((e for e in drafters() if e.name == drafter.name), None)
     if e is not None and not e.batched:
         raise NotImplementedError(f"the {e.name} drafts one request at a time (batch 1)")
-    if e is not None and e.twin is not None and e.twin.takes(drafter):
+    if e is not None and e.twin is not None:
         return e.twin(drafter, **options)
     return drafter

@@ -133,12 +133,6 @@ class BatchDrafter:
     sampled_k = None
     budget = []
 
-    @classmethod
-    def takes(cls, drafter):
-        """Whether this twin batches that drafter (registry.drafters.batched asks; where it does
-        not, the drafter's own batch calls run)."""
-        return True
-
     def __init__(self, drafter):
         """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
         its name, the target layers it reads, its k and its training record."""

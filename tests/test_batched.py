@@ -183,8 +183,7 @@ def natively_batched(target):
         one = make(e.name, target)
         if isinstance(one, DSparkDrafter):
             one.schedule = "full"
-        if (e.twin is not None and e.twin.takes(one)
-                or type(one).propose_batch is not Drafter.propose_batch):
+        if e.twin is not None or type(one).propose_batch is not Drafter.propose_batch:
             yield e.name, one
     yield "mtp1", MTPDrafter(fit_mtp(target, n_modules=1), target)
 
