@@ -83,6 +83,7 @@ from benchmark.flags import (MAX_NEW_TOKENS, build_parser, check_pairings, fit_n
                              fit_sweep, sized)
 from benchmark.report import Progress, check_outputs, commit, machine, print_report, write
 from benchmark.serving_sweep import margin_at
+from ragged import new_cache
 from formats.chat import Chat
 from registry import drafters as registry
 from formats import gguf_int4, tokenizer
@@ -91,7 +92,8 @@ from runtime.checkpoint import CheckpointError
 from runtime.devices import pick_device, synchronize
 from runtime.profiling import add_stats, profile_verify, timed
 from runtime.settings import parse_args
-from speculative import Sampler, Stats, generate_plain, generate_speculative, k_for
+from sampler import Sampler
+from speculative import Stats, generate_plain, generate_speculative, k_for
 from training import data
 from runtime.target import load_target
 from tree import TreeDrafter, generate_tree
@@ -102,16 +104,25 @@ TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prin
 # running one method over all prompts
 
 
-def run_ar(target, prompts, args, cache):
+class Caches:
+    """The caches every method of a one-request run shares, made once (each is as long as the
+    context window): plain decoding's and a tree's gpt.KVCache, the loop's one-row
+    ragged.RaggedCache."""
+
+    def __init__(self, target):
+        self.kv, self.ragged = target.new_cache(), new_cache(target, 1)
+
+
+def run_ar(target, prompts, args, caches):
     """Plain decoding, with the Stats it implies: one target forward per token, nothing drafted
     (tau 1, no acceptance, no draft time), so every method is summarized alike."""
-    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), cache,
+    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), caches.kv,
                            stop=args.stop) for p in prompts]
     n = sum(len(o) for o in outs)
     return outs, Stats(tokens=n, target_forwards=n)
 
 
-def run_spec(target, drafter, k, prompts, args, cache):
+def run_spec(target, drafter, k, prompts, args, caches):
     # On a GPU the draft/verify split needs a wait between the two: one more sync a round, a
     # small handicap for the speculative methods, never in their favour. A CPU runs nothing
     # asynchronously.
@@ -121,10 +132,10 @@ def run_spec(target, drafter, k, prompts, args, cache):
     for p in prompts:
         if isinstance(drafter, TreeDrafter):  # its depth is its own max_k, its size its nodes
             out, stats = generate_tree(target, drafter, p, args.max_new_tokens,
-                                       make_sampler(args, target), cache, stop=args.stop)
+                                       make_sampler(args, target), caches.kv, stop=args.stop)
         else:
             out, stats = generate_speculative(target, drafter, p, args.max_new_tokens, k,
-                                              make_sampler(args, target), cache, sync=sync,
+                                              make_sampler(args, target), caches.ragged, sync=sync,
                                               stop=args.stop)
         outs.append(out)
         add_stats(total, stats)
@@ -201,23 +212,23 @@ def load_drafters(wanted, args, target, target_ckpt, device, dtype):
     return drafters
 
 
-def run_method(name, target, drafters, prompts, args, cache):
+def run_method(name, target, drafters, prompts, args, caches):
     """(outputs, Stats) of one method ("ar" or a drafter's name) over `prompts`."""
     if name == "ar":
-        return run_ar(target, prompts, args, cache)
+        return run_ar(target, prompts, args, caches)
     d, k = drafters[name]
-    return run_spec(target, d, k, prompts, args, cache)
+    return run_spec(target, d, k, prompts, args, caches)
 
 
-def warm_up(names, target, drafters, prompts, args, cache, device):
+def warm_up(names, target, drafters, prompts, args, caches, device):
     """Each method once over the first two prompts (first calls allocate and pick kernels) ->
     {name: seconds per prompt}, the weights of the progress estimate."""
     warm = prompts[:2]
-    return {name: timed(lambda: run_method(name, target, drafters, warm, args, cache),
+    return {name: timed(lambda: run_method(name, target, drafters, warm, args, caches),
                         device)[0] / len(warm) for name in names}
 
 
-def run(target, prompts, drafters, args, device, cache, progress):
+def run(target, prompts, drafters, args, device, caches, progress):
     """Every method over every prompt, `repeats` times -> (res, divergences, plain decoding's
     outputs). Interleaved prompt by prompt: each prompt runs under every method before the next
     one starts, so the drift of a shared machine (its speed moves over seconds) hits every
@@ -237,7 +248,7 @@ def run(target, prompts, drafters, args, device, cache, progress):
             order = random.Random(rep * len(prompts) + i).sample(names, len(names))
             for name in order:
                 t, (out, st) = timed(
-                    lambda: run_method(name, target, drafters, [p], args, cache), device)
+                    lambda: run_method(name, target, drafters, [p], args, caches), device)
                 times[name][-1] += t
                 outs[name][i] = out[0]
                 add_stats(stats[name], st)
@@ -332,7 +343,7 @@ def at_k(swept, k):
     return [n for n, d in swept.items() if d.max_k is None or k <= d.max_k]
 
 
-def sweep_k(target, prompts, drafters, args, device, cache, progress):
+def sweep_k(target, prompts, drafters, args, device, caches, progress):
     """Draft and verify latency per round against k, for each drafter in swept(). One pass,
     interleaved like run(): at each k, prompt by prompt, plain decoding and every drafter that
     drafts that k run in a shuffled order, and each speedup is against plain decoding over those
@@ -349,8 +360,8 @@ def sweep_k(target, prompts, drafters, args, device, cache, progress):
         secs, stats = dict.fromkeys(["ar", *names], 0.0), {n: Stats() for n in names}
         for i, p in enumerate(sp):
             for name in random.Random(k * len(sp) + i).sample(list(secs), len(secs)):
-                t, (_, st) = timed(lambda: run_ar(target, [p], args, cache) if name == "ar"
-                                   else run_spec(target, sw[name], k, [p], args, cache), device)
+                t, (_, st) = timed(lambda: run_ar(target, [p], args, caches) if name == "ar"
+                                   else run_spec(target, sw[name], k, [p], args, caches), device)
                 secs[name] += t
                 if name != "ar":
                     add_stats(stats[name], st)
@@ -385,19 +396,19 @@ def main(argv=None):
               f"sampling {args.sampling}{temperature} | "
               f"{args.repeats} repeats" + (" | full" if args.full else ""))
     print(header)
-    cache = target.new_cache()
-    progress = plan(warm_up(["ar", *drafters], target, drafters, prompts, args, cache, device),
+    caches = Caches(target)
+    progress = plan(warm_up(["ar", *drafters], target, drafters, prompts, args, caches, device),
                     drafters, prompts, args)
-    res, divergences, ref = run(target, prompts, drafters, args, device, cache, progress)
+    res, divergences, ref = run(target, prompts, drafters, args, device, caches, progress)
     if oracle_runs(drafters, args):
         hybrid_oracle(res, target, prompts, ref, drafters, args)
         progress.did(["hybrid"], len(prompts))
         progress.line(f"hybrid oracle: tau {res['hybrid']['oracle']['tau']:.2f}")
-    sweep = sweep_k(target, prompts, drafters, args, device, cache, progress)
+    sweep = sweep_k(target, prompts, drafters, args, device, caches, progress)
     if args.peers:
         progress.line("the peer table: every engine over every prompt")
         peer_table = peers.table(target, args.float_target, args.target_ckpt, prompts, args,
-                                 device, peer_methods(target, drafters, args, cache))
+                                 device, peer_methods(target, drafters, args, caches))
     out = {"device": device, "machine": machine(device), "commit": commit(), "dtype": args.dtype,
            "arithmetic": args.arithmetic_ran,
            "threads": torch.get_num_threads(), "one_row_matmul": args.one_row,
@@ -419,10 +430,10 @@ def main(argv=None):
     return out
 
 
-def peer_methods(target, drafters, args, cache):
+def peer_methods(target, drafters, args, caches):
     """{row name: prompt -> ids} of every method of this run, for the peer table's nanospec rows."""
     def one(name):
-        return lambda p: run_method(name, target, drafters, [p], args, cache)[0][0]
+        return lambda p: run_method(name, target, drafters, [p], args, caches)[0][0]
     rows = {"plain": one("ar")}
     for name, (d, k) in drafters.items():
         rows[f"prompt lookup ({k})" if name == "lookup" else f"{name} (k={k})"] = one(name)

@@ -221,7 +221,7 @@ def ece(prob, outcome, bins=10):
 
 def admit(survival, base, t_fixed, cost):
     """DSpark's scheduler (paper §3.2.2, Algorithm 1): how many of its drafts each request
-    verifies, over a batch of requests (serving/batched.py) or one, a batch of one.
+    verifies, over a batch of requests (serving/dflash.py) or one, a batch of one.
     survival[r]: request r's prefix survivals a_{r,1}, a_{r,2}, ... (as many as it drafted);
     base: the requests verified this round, each with at least its last token; cost(N): seconds
     of one target forward over N tokens in all; t_fixed: the rest of a round's seconds. Start
@@ -334,7 +334,8 @@ class DSparkDrafter(DFlashDrafter):
 
         >>> from gpt import GPT, GPTConfig
         >>> from draft_dflash import DFlashConfig
-        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain, generate_speculative
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()

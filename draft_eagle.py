@@ -102,7 +102,8 @@ class EagleDrafter(MTPDrafter):
     on a tiny random target in float64 whose two layers it fuses (1, 2, 2):
 
         >>> from gpt import GPT, GPTConfig
-        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain, generate_speculative
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()

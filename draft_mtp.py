@@ -331,7 +331,8 @@ class MTPDrafter(Drafter):
     target in float64.
 
         >>> from gpt import GPT
-        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain, generate_speculative
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()

@@ -17,9 +17,9 @@ three things added, all of which speculative decoding needs:
 3. Hidden states of any requested layers come back with the logits (DFlash taps several
    layers, MTP needs the last one).
 
-That is all: many requests at once (ragged.py, serving/batched.py) and the CPU's faster
-kernels (runtime/cpu_speed.py) are applied to this model from outside, the way gpt-fast's tp.py and
-quantize.py change its model.py.
+That is all: many requests at once (ragged.py, which speculative.py's loop runs on) and the CPU's
+faster kernels (runtime/cpu_speed.py) are applied to this model from outside, the way gpt-fast's
+tp.py and quantize.py change its model.py.
 llama.py builds the other target, the Llama / Qwen family, on this file's classes: it replaces the
 norm, the attention's projections (heads()), the MLP and the input (embed()), and inherits the rest.
 

@@ -13,8 +13,8 @@ and, row by row, the same arithmetic:
                packing that runs the Linears and MLPs on the real tokens only (Packing)
   forward()    gpt.GPT.forward over a RaggedCache (the attention padded, everything else packed)
   Confirmed    each row's confirmed tokens on the device: what a drafter reads its inputs from
-The drafters that draft for many rows in one pass (draft_small.py's, draft_mtp.py's,
-draft_dflash.py's) and serving/batched.py's loop are built on it.
+speculative.py's loop runs on it (one request being a batch of one), and so do the drafters that
+draft for many rows in one pass (draft_small.py's, draft_mtp.py's, draft_dflash.py's).
 """
 
 import torch

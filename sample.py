@@ -32,7 +32,8 @@ from runtime.devices import pick_device, synchronize
 from runtime.profiling import most_tree_nodes, profile_tree
 from runtime.settings import (ArgumentParser, add_sampling_flags, number, parse_args, path_arg,
                               text_arg)
-from speculative import Sampler, generate_plain, generate_speculative, k_for
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative, k_for
 from training import data
 from runtime.target import load_target
 from tree import BlockTree, generate_tree

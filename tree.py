@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from speculative import Drafter, Stats, prefill, until_stop
+from speculative import Drafter, Stats, as_prompt, drafter_code, tokens_allowed, until_stop
 
 # -----------------------------------------------------------------------------
 # the tree's shape: a parent per node, and what that makes each node see
@@ -160,6 +160,21 @@ class TreeDrafter(Drafter):
         self.clock = ()
 
 
+def prefill(target, drafter, prompt, max_new_tokens, sampler, cache):
+    """The prompt through the target (a gpt.KVCache: a tree's round writes its nodes and compacts
+    the path it keeps), the drafter begun -> (confirmed tokens, [first token], tokens allowed,
+    cache). The LM head on the last row only, as in generate_plain. One host sync."""
+    x = as_prompt(prompt, target.lm_head.weight.device)
+    n_total = tokens_allowed(target, x.size(1), max_new_tokens)
+    cache = cache or target.new_cache()
+    cache.reset()
+    logits, _, hid = target(x, cache=cache, hidden_layers=drafter.hidden_layers, last_only=True)
+    seq = torch.cat([x[0], sampler.first_token(logits[0], x.size(1))])  # confirmed tokens
+    with drafter_code(drafter, "begin"):
+        drafter.begin(seq.view(1, -1), hid)
+    return seq, [seq[-1].item()], n_total, cache
+
+
 @torch.inference_mode()
 def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, trace=None,
                   stop=()):
@@ -173,7 +188,7 @@ def generate_tree(target, drafter, prompt, max_new_tokens, sampler, cache=None, 
     dev, layers = target.lm_head.weight.device, drafter.hidden_layers
     seq, out, n_total, cache = prefill(target, drafter, prompt, max_new_tokens, sampler, cache)
     k = drafter.max_k
-    stats = Stats(drafted_at=[0] * k, accepted_at=[0] * k, target_forwards=1)
+    stats = Stats.of(k)
     while len(out) < n_total and out[-1] not in stop:
         start = cache.length  # == len(seq) - 1
         depth = min(drafter.max_k, n_total - len(out) - 1)  # never past the tokens asked for
@@ -280,7 +295,8 @@ class BlockTree(TreeDrafter):
 
         >>> from gpt import GPT, GPTConfig
         >>> from draft_dflash import DFlash, DFlashConfig, DFlashDrafter
-        >>> from speculative import Sampler, generate_plain
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()
@@ -472,7 +488,8 @@ class Branches(TreeDrafter):
         >>> from gpt import GPT, GPTConfig
         >>> from draft_lookup import LookupDrafter
         >>> from draft_mtp import MTP, MTPConfig, MTPDrafter
-        >>> from speculative import Sampler, generate_plain
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()

@@ -27,7 +27,8 @@ from draft_lookup import LookupDrafter
 from formats import hf_llama
 from gpt import GPTConfig
 from runtime.profiling import timed
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 
 LOOKUP_TOKENS = 10  # every engine's prompt lookup drafts this many: transformers' documented value
 

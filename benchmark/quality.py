@@ -26,7 +26,8 @@ from runtime.checkpoint import CheckpointError
 from runtime.command import run
 from runtime.settings import ArgumentParser, number, path_arg
 from runtime.target import load_target
-from speculative import Sampler, generate_plain
+from sampler import Sampler
+from speculative import generate_plain
 from training import data
 
 

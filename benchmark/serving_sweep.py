@@ -4,7 +4,7 @@ benchmark/serving_sweep.py -- the serving sweep: every method over batches of 1,
 bench.py measured one request at a time; this file adds what a serving user asks: how much does
 speculation give when many requests share each target forward? For every batch size B it splits the
 same prompts (of different lengths) into batches of B, decodes each batch with batched plain
-decoding and with every method (serving/batched.py), interleaved batch by batch in a shuffled order,
+decoding and with every method (speculative.generate_batch, through serving/batched.serve), interleaved batch by batch in a shuffled order,
 and reports total and per-request tokens/s, the speedup over batched plain decoding AT THE SAME B,
 tau, the verify tokens a round spent per request, the padding the attention ran, what each request
 was given (its draft lengths), and whether every row is token-identical: to batched plain decoding
@@ -27,10 +27,11 @@ import torch
 from benchmark.ablations import batch_variants
 from benchmark.report import Progress
 from registry.drafters import batched
-from serving.batched import generate_batched, generate_plain_batched
+from serving.batched import generate_plain_batched, serve
 from runtime.profiling import timed
 from ragged import new_cache
-from speculative import Sampler, generate_plain
+from sampler import Sampler
+from speculative import generate_plain
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat
 NEW_TOKENS = 48  # tokens per request unless --max-new-tokens says otherwise: the sweep in minutes
@@ -69,7 +70,7 @@ def methods(drafters):
 
 
 def run_batch(name, entry, target, batch, args, cache):
-    """One method over one batch -> (token lists, BatchStats or None); a row ends at a stop token
+    """One method over one batch -> (token lists, Stats or None); a row ends at a stop token
     (a chat model's end of turn) or after args.max_new_tokens."""
     drafter, k = entry
     sampler = Sampler(args.sampling, args.temperature, args.top_k, args.seed,
@@ -77,8 +78,7 @@ def run_batch(name, entry, target, batch, args, cache):
     if drafter is None:
         return generate_plain_batched(target, batch, args.max_new_tokens, sampler, cache,
                                       stop=args.stop), None
-    return generate_batched(target, drafter, batch, args.max_new_tokens, k, sampler, cache,
-                            stop=args.stop)
+    return serve(target, drafter, batch, args.max_new_tokens, k, sampler, cache, stop=args.stop)
 
 
 def at_batch_size(B, target, prompts, table, args, device):

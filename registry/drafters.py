@@ -221,7 +221,7 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
 
 
 def batched(drafter, **options):
-    """What drafts a batch for this drafter (serving/batched.py runs it): its line's twin, with
+    """What drafts a batch for this drafter (serving/batched.serve runs it): its line's twin, with
     the twin's own options (BatchDSpark's schedule), else the drafter itself
     (speculative.Drafter's batch calls)."""
     e = next((e for e in drafters() if e.name == drafter.name), None)

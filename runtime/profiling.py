@@ -12,7 +12,7 @@ import time
 import torch
 
 from runtime.devices import synchronize
-from speculative import Sampler
+from sampler import Sampler
 
 
 def profile_verify(target, m_max, context=None, reps=9, between=None, as_tree=False):

@@ -18,7 +18,7 @@ import torch
 
 import ragged
 from serving.batched import plain_steps
-from speculative import Sampler
+from sampler import Sampler
 from runtime.devices import synchronize
 from runtime.profiling import timed
 

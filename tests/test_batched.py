@@ -14,14 +14,15 @@ from serving import batched
 import ragged
 from draft_dspark import admit
 from serving.rules import CostTable, Widths, best_single_k, interpolate
-from serving.batched import generate_batched, generate_plain_batched
+from serving.batched import generate_plain_batched, serve
 from conftest import make, within
 from draft_dspark import DSparkDrafter
 from draft_mtp import MTPDrafter
 from registry import drafters as registry
 from registry.drafters import batched as batched_twin
 from ragged import RaggedCache
-from speculative import Drafter, Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import Drafter, Stats, generate_plain, generate_speculative, padded
 from test_mtp import fit_mtp
 
 
@@ -75,14 +76,14 @@ def test_a_ragged_forward_equals_each_row_alone(target):
     P = [len(p) for p in prompts]
     cache = ragged.new_cache(target, 4)
     with torch.no_grad():
-        logits = ragged.forward(target, batched.padded(prompts, "cpu"), cache, P)[0]
+        logits = ragged.forward(target, padded(prompts, "cpu")[0], cache, P)[0]
         for r, p in enumerate(prompts):
             ref = target(torch.tensor([p]))[0][0]
             assert torch.allclose(logits[r, :len(p)], ref, atol=1e-12)
         # a ragged second chunk: rows of 3, 0, 5 and 1 new tokens, at their own positions
         new = [[1, 2, 3], [], [4, 5, 6, 7, 8], [9]]
-        logits = ragged.forward(target, batched.padded([n or [0] for n in new], "cpu", 5), cache,
-                                [len(n) for n in new])[0]
+        x = torch.tensor([n + [0] * (5 - len(n)) for n in new])  # (4, 5), zeros after each row
+        logits = ragged.forward(target, x, cache, [len(n) for n in new])[0]
         for r, (p, n) in enumerate(zip(prompts, new)):
             if n:
                 ref = target(torch.tensor([p + n]))[0][0][len(p):]
@@ -116,11 +117,13 @@ def test_plain_batched_equals_batch_one(target):
 
 
 def test_a_plain_step_is_counted_as_a_round_that_drafted_nothing():
-    """BatchStats.record_plain (one call a plain step, O(1)) counts what record() counts for a
-    round where no row drafted."""
-    each, at_once = batched.BatchStats(4, 6), batched.BatchStats(4, 6)
+    """Stats.record_plain (one call a plain step, O(1)) counts what record() counts for a round
+    where no row drafted, row by row."""
+    each, at_once = Stats.of(6, 4), Stats.of(6, 4)
     for active in ([1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 1, 0]):
-        each.record([0] * 4, [0] * 4, [a > 0 for a in active], 1, 0.0, 0.0)
+        each.batches += 1
+        for _ in range(sum(active)):
+            each.record(0, 0, 1)
         at_once.record_plain(sum(active))
     assert vars(each) == vars(at_once) and at_once.rounds == 8
 
@@ -132,7 +135,7 @@ def test_every_drafter_batched_is_token_identical(target, drafter_name, mode, k)
     prompts = ragged_prompts(5, target.config.vocab_size, seed=k, window=window)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11)) for p in prompts]
     d = batched_drafter(drafter_name, target, len(prompts))
-    out, stats = generate_batched(target, d, prompts, 30, within(d, k),
+    out, stats = serve(target, d, prompts, 30, within(d, k),
                                   Sampler(mode, 0.9, None, 11))
     for r, (o, want) in enumerate(zip(out, ref)):
         assert o == want, f"row {r} diverged"
@@ -152,7 +155,7 @@ def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode
     plain = generate_plain_batched(target, prompts, 30, Sampler(mode, 0.9, None, 11),
                                    stop=stop)
     d = batched_drafter(drafter_name, target, len(prompts))
-    out, stats = generate_batched(target, d, prompts, 30, within(d, 4),
+    out, stats = serve(target, d, prompts, 30, within(d, 4),
                                   Sampler(mode, 0.9, None, 11), stop=stop)
     assert plain == ref and out == ref
     assert stats.tokens == sum(len(o) for o in out)
@@ -196,7 +199,7 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
     for name, one in natively_batched(target):
         native = batched_twin(one, **({"schedule": "full"} if name == "dspark" else {}))
         assert not isinstance(native, PerRow), name
-        runs = [generate_batched(target, d, prompts, 24, 3, Sampler(mode, 0.9, None, 2))
+        runs = [serve(target, d, prompts, 24, 3, Sampler(mode, 0.9, None, 2))
                 for d in (native, PerRow(one))]
         assert runs[0][0] == runs[1][0], name
         assert runs[0][1].given == runs[1][1].given, name
@@ -207,7 +210,7 @@ def test_rows_that_finish_cost_nothing_and_keep_their_tokens(target):
     without it, and its output has exactly its allowed length."""
     prompts = ragged_prompts(3, target.config.vocab_size, seed=9, window=target.config.sequence_len)
     d = batched_drafter("dflash", target, 3)
-    out, stats = generate_batched(target, d, prompts, 40, 4, Sampler("greedy"))
+    out, stats = serve(target, d, prompts, 40, 4, Sampler("greedy"))
     assert [len(o) for o in out] == [40, 40, 6]
     assert stats.slots > stats.verify_tokens  # ragged rounds: the attention padded some slots
 
@@ -233,7 +236,7 @@ def test_rejection_sampling_per_row_has_the_targets_distribution(target, name):
     p1, p2 = exact_marginals(target, prompt, T)
     d = batched_drafter(name, target, rows)
     sampler = Sampler("rejection", T, None, seed=list(range(rows)))
-    out, stats = generate_batched(target, d, [prompt] * rows, 3, 2, sampler)
+    out, stats = serve(target, d, [prompt] * rows, 3, 2, sampler)
     assert sum(stats.drafted_at) > 0 and stats.accepted_at[0] < stats.drafted_at[0]  # both paths
     for pos, p in ((0, p1), (1, p2)):
         counts = torch.bincount(torch.tensor([o[pos] for o in out]), minlength=p.numel())
@@ -317,7 +320,7 @@ def test_every_batch_rule_is_exact(target, schedule, mode):
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.sequence_len)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
     d = fixed_costs(BatchDSpark(make("dspark", target), schedule), 4)
-    out, stats = generate_batched(target, d, prompts, 30, 6, Sampler(mode, 0.8, None, 5))
+    out, stats = serve(target, d, prompts, 30, 6, Sampler(mode, 0.8, None, 5))
     assert out == ref
     if schedule == "full":
         assert sum(stats.given[1:6]) <= 4 * 3  # only near the end does a row get fewer than 6
@@ -345,7 +348,7 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     drafted = []
     for _ in range(6):
         before = d.rounds
-        out, stats = generate_batched(target, d, prompts, 40, 6, Sampler("greedy"))
+        out, stats = serve(target, d, prompts, 40, 6, Sampler("greedy"))
         assert out == ref
         drafted.append(d.rounds > before)
         assert drafted[-1] or stats.given[0] == stats.rounds  # plain steps only
@@ -369,22 +372,22 @@ def test_bad_batches_are_one_clear_error(target):
         Sampler("coupled", seed=[1, 2]).pick(torch.zeros(3, 1, 5), [0, 0, 0])
     d = batched_twin(make("dflash", target))
     with pytest.raises(ValueError, match="prompt 1 of the batch"):
-        generate_batched(target, d, [[1, 2], []], 4, 2, s)
-    assert math.isfinite(generate_batched(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)
+        serve(target, d, [[1, 2], []], 4, 2, s)
+    assert math.isfinite(serve(target, d, [[1, 2], [3]], 4, 2, s)[1].tau)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
-def test_a_batch_of_one_runs_the_batch_one_loop(target, mode):
-    """One request is decoded by the batch-1 loop itself, with the drafter itself or the one its
-    twin was made from (and plain decoding by plain decoding's): the same tokens, the same rounds, and the
-    batch's counts of them."""
+def test_a_batch_of_one_is_the_one_request_loop(target, mode):
+    """A batch of one is one request: served with the drafter itself or the one its twin was made
+    from, it gives generate_speculative's tokens and rounds, and the batch's counts of them (and
+    plain decoding of a batch of one, plain decoding's tokens)."""
     p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
     ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
     assert generate_plain_batched(target, [p], 30, Sampler(mode, 0.9, None, 3)) == [ref]
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, target, 1)
         k = within(d, 4)
-        out, st = generate_batched(target, d, [p], 30, k, Sampler(mode, 0.9, None, 3))
+        out, st = serve(target, d, [p], 30, k, Sampler(mode, 0.9, None, 3))
         single = d.one_request() if isinstance(d, batched.BatchDrafter) else d
         _, one = generate_speculative(target, single, p, 30, k, Sampler(mode, 0.9, None, 3))
         assert out == [ref], name
@@ -398,7 +401,7 @@ def test_one_copy_a_row_keeps_nothing_of_the_batch_before(target):
     d = make("lookup", target)
     prompts = ragged_prompts(3, target.config.vocab_size, seed=2)
     for _ in range(3):
-        generate_batched(target, d, prompts, 8, 3, Sampler("greedy"))
+        serve(target, d, prompts, 8, 3, Sampler("greedy"))
     assert all(c.__dict__.get("copies") is None for c in d.copies)
 
 

@@ -27,8 +27,8 @@ from conftest import make, tiny_args, tiny_gpt, within
 from runtime.target import load_target
 from runtime.devices import check_dtype, pick_device, synchronize
 from draft_small import DraftModel
-from speculative import (Sampler, generate_plain, generate_speculative, keyed_gumbel,
-                         sampling_dtype)
+from sampler import Sampler, keyed_gumbel, sampling_dtype
+from speculative import generate_plain, generate_speculative
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_DEVICE = os.environ.get("NANOSPEC_TEST_DEVICE")

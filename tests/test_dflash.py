@@ -15,7 +15,8 @@ from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, dflash_loss, samp
                           training_mask, training_states)
 from draft_dspark import DSpark, DSparkConfig, dspark_loss
 from training.distill import target_continuations
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 
 _FITTED = {}
 

@@ -15,7 +15,8 @@ from benchmark.ablations import variants
 from draft_dspark import (SCORE_EVERY, DSparkDrafter, admit, calibrate, ece,
                           expected_saving, host_greedy_chain, markov_chain)
 from runtime.cpu_speed import speed_up
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 from test_dflash import drafter_for as make_dflash
 from test_dflash import fit_block_drafter
 

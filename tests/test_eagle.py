@@ -15,7 +15,7 @@ from draft_eagle import Eagle, EagleConfig, EagleDrafter, default_taps, eagle_lo
 from draft_mtp import MTPDrafter, lm_logits, mtp_loss, unroll_anchors, unrolled
 from registry.drafters import load_drafter
 from runtime.cpu_speed import speed_up
-from speculative import Sampler
+from sampler import Sampler
 from test_mtp import fit_mtp
 from training.stages_eagle import eagle_taps
 from runtime.target import load_target

@@ -15,8 +15,9 @@ from formats import gguf, gguf_int4, pretrained
 from gpt import BUCKET, Rows, attention_by_row, chunk_mask
 from registry import drafters as registry
 import ragged
-from serving.batched import generate_batched, padded
-from speculative import Sampler, generate_plain, generate_speculative
+from serving.batched import serve
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative, padded
 from test_batched import batched_drafter, batches, ragged_prompts
 from tree import BlockTree, depths, generate_tree, same_cost, tree_mask
 
@@ -175,8 +176,8 @@ def test_a_ragged_batch_row_is_its_own_decode(q4_1):
     new = [[1, 2, 3], [], [4, 5, 6, 7, 8], [9]]
     cache = ragged.new_cache(q, 4)
     with torch.inference_mode():
-        first = ragged.forward(q, padded(prompts, "cpu"), cache, [len(p) for p in prompts])[0]
-        second = ragged.forward(q, padded([n or [0] for n in new], "cpu", 5), cache,
+        first = ragged.forward(q, padded(prompts, "cpu")[0], cache, [len(p) for p in prompts])[0]
+        second = ragged.forward(q, torch.tensor([n + [0] * (5 - len(n)) for n in new]), cache,
                                 [len(n) for n in new])[0]
         for r, (p, n) in enumerate(zip(prompts, new)):
             alone = q.new_cache()
@@ -213,7 +214,7 @@ def test_trees_and_ragged_batches_are_plain_decoding_in_int4(q4_1):
             assert generate_tree(q, d, p, 30, Sampler("greedy"))[0] == ref
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, model, len(ps))
-        out, _ = generate_batched(q, d, ps, 30, within(d, 4), Sampler("greedy"))
+        out, _ = serve(q, d, ps, 30, within(d, 4), Sampler("greedy"))
         assert out == refs, name
 
 

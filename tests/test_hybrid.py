@@ -14,7 +14,8 @@ from draft_hybrid import (Costs, EDGES, HybridDrafter, LOOKUP_MAX, Record, best_
                           outcome)
 from registry import drafters as registry
 from runtime.profiling import profile_hybrid
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 
 LEARNED = registry.partners()  # every drafter the hybrid can pair with
 SWITCH = ["lookup", "learned", "learned", "lookup", "lookup", "learned"]

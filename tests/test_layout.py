@@ -26,7 +26,7 @@ from training.stage import Stage
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the lesson: the targets, the loop, the trees, DFlash's draft layers, and every registered
 # drafter's file
-LESSON = ["gpt", "llama", "speculative", "ragged", "tree", "dflash_layers",
+LESSON = ["gpt", "llama", "sampler", "ragged", "speculative", "tree", "dflash_layers",
           *(e.lesson.__name__ for e in registry.drafters())]
 COMMANDS = ["train", "bench", "sample"]
 PACKAGES = ["runtime", "formats", "serving", "training", "registry", "benchmark"]

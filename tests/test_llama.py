@@ -23,8 +23,9 @@ import train
 from conftest import LLAMAS, make, tiny_args, tiny_llama, within
 from llama import Llama, LlamaConfig, rope_frequencies
 from registry import drafters as registry
-from serving.batched import generate_batched
-from speculative import Sampler, generate_plain, generate_speculative
+from serving.batched import serve
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 from test_batched import batched_drafter, batches, ragged_prompts
 from test_pretrained import refused
 from tree import BlockTree, Branches, generate_tree, same_cost
@@ -90,7 +91,7 @@ def test_trees_and_ragged_batches_are_token_identical(target, mode):
             assert generate_tree(target, d, p, 30, Sampler(mode, 0.8, None, 7))[0] == ref
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, target, len(ps))
-        out, _ = generate_batched(target, d, ps, 30, within(d, 4),
+        out, _ = serve(target, d, ps, 30, within(d, 4),
                                   Sampler(mode, 0.8, None, 7))
         assert out == refs, name
 

@@ -12,7 +12,8 @@ import torch
 
 from conftest import tiny_gpt
 from draft_lookup import LookupDrafter
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 
 
 def drafter_for(target):

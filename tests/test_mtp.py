@@ -18,7 +18,7 @@ from conftest import adam_fit, fitted, target_text, tiny_args
 from draft_mtp import MTP, MTPConfig, MTPDrafter, lm_logits, mtp_loss
 from draft_small import total_variation
 from runtime.cpu_speed import speed_up
-from speculative import Sampler
+from sampler import Sampler
 from runtime.target import load_target
 
 _FITTED = {}

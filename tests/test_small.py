@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_gpt
 from draft_small import DraftModel
-from speculative import Sampler
+from sampler import Sampler
 
 
 def drafter_for(target):

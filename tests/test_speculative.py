@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 
+import ragged
+
 from conftest import make, tiny_gpt, within
 from registry import drafters as registry
 from runtime.profiling import add_stats
-from speculative import (NOISE_CHUNK, Drafter, DrafterError, Sampler, Stats, generate_plain,
-                         generate_speculative, k_for, keyed_gumbel)
+from sampler import NOISE_CHUNK, Sampler, keyed_gumbel
+from speculative import Drafter, DrafterError, Stats, generate_plain, generate_speculative, k_for
 
 
 def prompts(n, vocab, seed=0):
@@ -246,7 +248,7 @@ def test_statistical_test_catches_a_biased_rule(target8):
 
 def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name):
     drafter = make(drafter_name, target)
-    cache = target.new_cache()
+    cache = ragged.new_cache(target, 1)
     prompt = [3, 1, 4, 1, 5]
     out, _ = generate_speculative(target, drafter, prompt, 30, within(drafter, 4),
                                   Sampler("greedy"), cache=cache)
@@ -255,12 +257,13 @@ def test_target_cache_after_rejections_equals_fresh_prefill(target, drafter_name
 
 def assert_cache_is_a_fresh_prefill(target, cache, seq):
     """After a generation of seq: the cache holds the K/V of every token but the last (it has
-    none yet), as one prefill of them computes."""
-    assert cache.length == len(seq) - 1
+    none yet), as one prefill of them computes. cache: a gpt.KVCache or a one-row
+    ragged.RaggedCache (the same layout)."""
+    n = cache.lengths[0] if isinstance(cache, ragged.RaggedCache) else cache.length
+    assert n == len(seq) - 1
     fresh = target.new_cache()
     with torch.no_grad():
         target(torch.tensor([seq[:-1]]), cache=fresh)
-    n = cache.length
     assert torch.allclose(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-10, rtol=0)
     assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-10, rtol=0)
 
@@ -368,11 +371,15 @@ def test_the_prefill_computes_the_first_token_as_plain_decoding_does(monkeypatch
     may round differently and pick another token for no reason. The drafter still gets the
     hidden states of every prompt row."""
     target = tiny_gpt(0).float()
-    forward, calls, firsts = target.forward, [], []
+    forward, ragged_forward, calls, firsts = target.forward, ragged.forward, [], []
 
     def recording_forward(idx, **kw):
         calls.append((idx.tolist(), kw.get("last_only", False)))
         return forward(idx, **kw)
+
+    def recording_ragged(model, idx, cache, counts=None, **kw):  # the loop's forward
+        calls.append((idx.tolist(), kw.get("last_only", False)))
+        return ragged_forward(model, idx, cache, counts, **kw)
 
     class RecordingSampler(Sampler):
         def first_token(self, logits, position):
@@ -386,10 +393,11 @@ def test_the_prefill_computes_the_first_token_as_plain_decoding_does(monkeypatch
             self.hidden = hidden
 
     monkeypatch.setattr(target, "forward", recording_forward)
+    monkeypatch.setattr(ragged, "forward", recording_ragged)
     prompt, watcher = [5, 3, 9, 1, 4, 4, 2, 8, 6, 7, 0], Watcher()
     plain = generate_plain(target, prompt, 1, RecordingSampler("greedy"))
     spec, _ = generate_speculative(target, watcher, prompt, 1, 4, RecordingSampler("greedy"))
     assert calls == [([prompt], True)] * 2  # one prefill each, the head on the last row only
     assert firsts[0].shape == (1, target.config.vocab_size)
-    assert torch.equal(firsts[0], firsts[1]) and spec == plain  # bit for bit, in float32
+    assert torch.equal(firsts[0], firsts[1][0]) and spec == plain  # bit for bit, in float32
     assert all(h.shape == (1, len(prompt), 32) for h in watcher.hidden.values())

@@ -21,7 +21,8 @@ from registry import drafters as registry
 from commands import refused, run, snapshot, succeeded
 from conftest import tiny_args
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from speculative import Sampler, generate_plain, generate_speculative
+from sampler import Sampler
+from speculative import generate_plain, generate_speculative
 from test_llama import VOCAB, folder_model, their_folder
 from formats import hf_folder, hf_gpt2, hf_llama, speculators as sf
 from training import stages_dflash, trainer

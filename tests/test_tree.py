@@ -8,7 +8,8 @@ import torch
 
 from conftest import make
 from runtime.profiling import chain_as_tree
-from speculative import Sampler, generate_plain
+from sampler import Sampler
+from speculative import generate_plain
 from test_speculative import assert_cache_is_a_fresh_prefill, prompts
 from tree import (BlockTree, Branches, Calibration, TreeDrafter, accept, depths, generate_tree,
                   pays, same_cost, tree_mask, trie)

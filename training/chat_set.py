@@ -36,7 +36,7 @@ import torch
 
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from serving.batched import generate_plain_batched
-from speculative import Sampler
+from sampler import Sampler
 from training import data
 
 BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)

@@ -52,7 +52,8 @@ class ToyDrafter(Drafter):
     A round on its own, run as written (the project's tests run every example of the lesson):
 
         >>> from gpt import GPT, GPTConfig
-        >>> from speculative import Sampler, generate_plain, generate_speculative
+        >>> from sampler import Sampler
+        >>> from speculative import generate_plain, generate_speculative
         >>> _ = torch.manual_seed(0)
         >>> target = GPT(GPTConfig(sequence_len=64, vocab_size=97, n_layer=2, n_head=2,
         ...                        n_embd=32)).double().eval()
