@@ -233,3 +233,26 @@ def test_bad_batch_sizes_are_one_error_line(trained, value, why, capsys):
         except ValueError as err:  # what bench.py's __main__ turns into one error line
             raise SystemExit(f"error: {err}")
     assert why in str(e.value.code) + capsys.readouterr().err
+
+
+def test_the_data_curve_reads_each_out_dir_and_names_what_is_missing(tmp_path):
+    """benchmark/data_curve.py: a point per out-dir (its chat set's tokens, its drafter's steps,
+    τ per bench-<prompts>.json), sorted by tokens; an out-dir without a bench row is an error."""
+    import torch
+    from benchmark import data_curve
+    for name, windows, tau in (("big", 8, 2.5), ("small", 2, 1.5)):
+        d = tmp_path / name
+        d.mkdir()
+        settings = {"seqs": windows, "requests": "sharegpt", "answers": "given"}
+        torch.save({"kind": "distill", "settings": settings, "state_dict": "{}",
+                    "tokens": torch.zeros(windows, 16, dtype=torch.long)}, d / "distill.pt")
+        torch.save({"kind": "dflash", "budget": {"steps": 3, "seconds": 7}}, d / "dflash.pt")
+        (d / "bench-chat.json").write_text(json.dumps({"methods": {"dflash": {"tau": tau}}}))
+    out = tmp_path / "curve.json"
+    data_curve.main([str(tmp_path / "big"), str(tmp_path / "small"), "--json", str(out)])
+    points = json.loads(out.read_text())
+    assert [(p["tokens"], p["tau"], p["answers"]) for p in points] == [
+        (32, {"chat": 1.5}, "given"), (128, {"chat": 2.5}, "given")]
+    (tmp_path / "small" / "bench-chat.json").write_text(json.dumps({"methods": {}}))
+    with pytest.raises(SystemExit, match="error: bench-chat.json .* has no dflash row"):
+        data_curve.main([str(tmp_path / "small"), "--json", str(out)])
