@@ -19,9 +19,10 @@ for the expensive part and adds two cheap pieces on top:
    `survival`). A scheduler, with the target's verify latency profiled once at load, verifies
    only the prefix that maximises expected tokens per second,
    (1 + sum_{j<=l} a_j) / (t_draft + t_verify(l + 1)), where t_draft is the rest of a round
-   (draft, commit, loop): profiled at load, then measured as the rounds run. Scoring the drafts
-   costs time too, so the scheduler watches itself: when the cuts it makes save less than its
-   scoring costs (at batch 1 on a CPU its rule keeps every draft: a longer verify costs little
+   (draft, commit, loop): profiled at load, then measured as the rounds run. Over a batch of
+   requests the same rule (the paper's Algorithm 1, admit) spends one verify over every row.
+   Scoring the drafts costs time too, so the scheduler watches itself: when the cuts it makes
+   save less than its scoring costs (at batch 1 on a CPU its rule keeps every draft: a longer verify costs little
    next to a round; docs/experiments.md: DSpark: scheduler at batch 1), it verifies whole
    blocks unscored and scores one round in SCORE_EVERY to keep watching.
 
@@ -44,6 +45,7 @@ drafters take the same number of optimizer steps:
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
@@ -53,7 +55,6 @@ from torch.nn import functional as F
 from draft_small import total_variation
 from draft_dflash import (DFlash, DFlashConfig, DFlashDrafter, position_weights, soft_labels,
                           training_states)
-from speculative import Drafter
 from tree import pays
 
 # -----------------------------------------------------------------------------
@@ -221,7 +222,7 @@ def ece(prob, outcome, bins=10):
 
 def admit(survival, base, t_fixed, cost):
     """DSpark's scheduler (paper §3.2.2, Algorithm 1): how many of its drafts each request
-    verifies, over a batch of requests (serving/dflash.py) or one, a batch of one.
+    verifies, over a batch of requests (one request: a batch of one).
     survival[r]: request r's prefix survivals a_{r,1}, a_{r,2}, ... (as many as it drafted);
     base: the requests verified this round, each with at least its last token; cost(N): seconds
     of one target forward over N tokens in all; t_fixed: the rest of a round's seconds. Start
@@ -244,12 +245,16 @@ def above(survival, threshold):
     return next((j for j in range(1, len(survival)) if survival[j] < threshold), len(survival))
 
 
-def expected_saving(survival, length, t_draft, t_verify):
-    """Seconds per round that verifying only `length` of the k drafts is expected to save against
-    verifying all k: (seconds per token at k - at length) x the tokens such a round yields."""
-    def per_token(m):
-        return (t_draft + t_verify[m + 1]) / (1 + sum(survival[:m]))
-    return (per_token(len(survival)) - per_token(length)) * (1 + sum(survival[:length]))
+def expected_saving(survival, lengths, base, t_draft, cost):
+    """Seconds per round that verifying only lengths[r] of request r's drafts is expected to save
+    against verifying them all: (seconds per token at all - at lengths) x the tokens such a
+    round yields. survival, base, cost: as admit's."""
+    def per_token(ls):
+        tokens = base + sum(sum(a[:m]) for a, m in zip(survival, ls))
+        return (t_draft + cost(base + sum(ls))) / tokens, tokens
+    full, _ = per_token([len(a) for a in survival])
+    cut, tokens = per_token(lengths)
+    return (full - cut) * tokens
 
 
 # -----------------------------------------------------------------------------
@@ -312,19 +317,24 @@ def host_greedy_chain(table):
 
 class DSparkDrafter(DFlashDrafter):
     """DFlash's drafter (self.net: the DFlash network, DSpark's backbone) plus the Markov head and
-    the scheduler (self.spark: the whole DSpark network).
+    the scheduler (self.spark: the whole DSpark network). It drafts a batch of requests in one
+    pass, as DFlash does, and its scheduler spends one verify over all of them (Algorithm 1);
+    one request is a batch of one.
 
     schedule        'auto' (the throughput scheduler), 'threshold' (verify while a_j >=
                     threshold) or 'full' (always all k); markov=False drops the Markov bias. The
                     last two are the paper's ablations.
     t_draft         seconds of the rest of a round (drafting, commit, the loop), and
-    t_verify        t_verify[m], seconds of an m-token verify: what the scheduler weighs.
-                    runtime/profiling.py measures them on the device in use. None: no device
-                    measured, and every verify length costs the same (a large target on a GPU,
-                    where a verify is bound by reading the weights), so the rule verifies every
-                    draft. measured: whether the rounds keep measuring t_draft (measure_round).
-    greedy_chain    markov_chain's twin for greedy drafting on a CPU (host_greedy_chain), or
-                    None: the Markov table is not on the CPU, or does not fit
+    t_verify        t_verify[n], seconds of a verify forward of n tokens in all: what the
+                    scheduler weighs, at the batch size in use. use_costs() passes them in, per
+                    batch size (runtime/profiling.py measures them on the device in use). None:
+                    no device measured, and every verify length costs the same (a large target
+                    on a GPU, where a verify is bound by reading the weights), so the rule
+                    verifies every draft. measured: whether the rounds keep measuring t_draft
+                    (measure_round).
+    greedy_chain    markov_chain's twin for greedy drafting of one request on a CPU
+                    (host_greedy_chain), or None: the Markov table is not on the CPU, or does
+                    not fit
     sync            waits for the device before scoring is timed (None: none; its start-up
                     profile sets it)
     mean_verify_len the drafts sent to verification, per round
@@ -361,9 +371,10 @@ class DSparkDrafter(DFlashDrafter):
         # t_draft: what a round costs besides its verify forward. The profile's guess first;
         # then, when measured, the rounds move it (inside the loop a draft runs slower than
         # alone, where the target and the drafter evict each other from the cache)
-        if t_verify is None:
-            t_verify = [0.0] + [1.0] * (self.max_k + 1)
+        if t_verify is None:  # no device measured: a verify of any length costs one unit
+            t_verify = defaultdict(lambda: 1.0)
         self.t_draft, self.t_verify, self.measured, self._last = t_draft, t_verify, False, None
+        self.costs, self.batch_size = None, None
         # the confidence head as a table (DSpark.confidence_table). Like the stacked ctx_kv, a copy
         # taken here: a drafter is built after training
         self.conf_h, self.conf_code = spark.confidence_table()
@@ -375,11 +386,11 @@ class DSparkDrafter(DFlashDrafter):
         self.greedy_chain = host_greedy_chain(self.markov_table)
         self.sync = None
 
-    def use_costs(self, t_draft, t_verify, sync=None):
-        """The start-up profile's costs (runtime/profiling.profile_dspark): t_draft, a round's
-        seconds besides its verify, which the rounds then measure; t_verify[m], seconds of an
-        m-token verify; sync, a wait for the device before scoring is timed."""
-        self.t_draft, self.t_verify, self.sync, self.measured = t_draft, t_verify, sync, True
+    def use_costs(self, costs, sync=None):
+        """The start-up profile's costs (runtime/profiling.profile_dspark): costs(B) -> (t_draft,
+        t_verify) at batch size B, asked when a batch of a new size begins (t_draft then moves
+        with the rounds); sync, a wait for the device before scoring is timed."""
+        self.costs, self.sync, self.measured, self.batch_size = costs, sync, True, None
 
     def scoring_every_draft(self):
         """A copy with state of its own that scores every draft and verifies them all: what a
@@ -400,87 +411,97 @@ class DSparkDrafter(DFlashDrafter):
     def mean_verify_len(self):
         return self.verified / max(1, self.rounds)
 
-    # DSpark's scheduler decides for one request, by its own clock: a batch drafts one copy a row
-    # here (speculative.Drafter's default), or in one pass under the batch's own rules
-    # (serving/dflash.py). One request is DFlash's batch of one row underneath.
-    begin_batch, propose_batch = Drafter.begin_batch, Drafter.propose_batch
-    commit_batch = Drafter.commit_batch
-
-    def begin(self, tokens, hidden):
-        self._last = None  # (start time, verified drafts) of this generation's previous round
-        DFlashDrafter.begin_batch(self, [tokens.view(-1)], hidden)
-
-    def commit(self, n, new, hidden):
-        DFlashDrafter.commit_batch(self, [n + 1], new.view(1, -1), hidden)
+    def begin_batch(self, seqs, hidden):
+        self._last = None  # (start time, tokens verified) of this generation's previous round
+        if self.costs is not None and len(seqs) != self.batch_size:  # a new batch size: its costs
+            self.batch_size = len(seqs)
+            self.t_draft, self.t_verify = self.costs(self.batch_size)
+        DFlashDrafter.begin_batch(self, seqs, hidden)
 
     def measure_round(self):
         """Called as a round starts: the time since the previous one started, less the profiled
-        verify forward of the length it chose, moves t_draft (a running average, 10% a round)."""
+        verify forward of the tokens it verified, moves t_draft (a running average, 10% a round)."""
         now = time.perf_counter()
         if self.measured and self._last is not None:
-            start, length = self._last
-            fixed = max(0.0, now - start - self.t_verify[length + 1])
+            start, n = self._last
+            fixed = max(0.0, now - start - self.t_verify[n])
             self.t_draft += 0.1 * (fixed - self.t_draft)
         return now
 
     @torch.inference_mode()
-    def propose(self, k, sampler):
+    def propose_batch(self, ks, sampler):
         now = self.measure_round()
-        h = self.draft_states([k])[0]  # (k, d): the states that draft the next k tokens
-        # (k, V) base logits, all slots in one product (row by row was slower)
-        base_logits = self.net.logits(h)
-        if sampler.mode == "greedy" and self.markov and self.greedy_chain is not None:
-            toks, qs = self.greedy_chain(base_logits, int(self.seq[-1])), None
-        else:
-            S = self.seq.numel()
-
-            def draw(logits, j):
-                return sampler.draft(logits, S + j)
-            toks, qs = markov_chain(self.spark, base_logits[None], self.seq[-1:], draw,
-                                    self.markov_table, self.markov)
-            toks, qs = toks[0], (qs[0] if qs is not None else None)
-        length = self.schedule_round(h, toks)
-        self.verified += length
+        h = self.draft_states(ks)  # (B, K, d): the states that draft each row's next tokens
+        toks, q = self.chain(h, ks, sampler)
+        lengths = self.schedule_round(h, toks, ks)
+        base = sum(k > 0 for k in ks)  # rows verified, each with its last token at least
+        self.verified += sum(lengths)
         self.rounds += 1
-        self._last = (now, length)
-        return toks[:length], (qs[:length] if qs is not None else None)
+        self._last = (now, base + sum(lengths))
+        L = max(lengths)
+        return toks[:, :L], lengths, (q[:, :L] if q is not None else None)
 
-    def schedule_round(self, h, toks):
-        """How many of the k drafts to verify: every confidence c_j at once, the prefix survival
-        a_j = prod c_i, then the rule on the host (one sync per scored round, not one per
-        draft). While scoring does not pay (closed), a round scores nothing and verifies all k,
-        and a watch round scores and verifies all k too: it only works out what its cut would
-        have saved. Drafting all k first costs only the cheap Markov steps past the cut.
-        toks (k,): the drafts."""
-        k, auto = h.size(0), self.schedule == "auto"
+    def chain(self, h, ks, sampler):
+        """The Markov chain over the backbone's logits (every row's slots in one product), left
+        to right, every row at once -> (tokens (B, K), q (B, K, V) or None). One request drafting
+        greedily on a CPU takes the chain on the host (host_greedy_chain)."""
+        base = self.head(h, ks)  # (B, K, V)
+        last = self.rows.last()  # (B,)
+        if (len(ks) == 1 and sampler.mode == "greedy" and self.markov
+                and self.greedy_chain is not None):
+            return self.greedy_chain(base[0], int(last[0]))[None], None
+        S = self.rows.lengths
+
+        def draw(logits, j):  # logits (B, V): slot j of every row, from its own position
+            tok, q = sampler.draft(logits[:, None], [s + j for s in S], [int(k > j) for k in ks])
+            return tok[:, 0], (q[:, 0] if q is not None else None)
+        return markov_chain(self.spark, base, last, draw, self.markov_table, self.markov)
+
+    def schedule_round(self, h, toks, ks):
+        """How many drafts each row verifies: every confidence c_j at once, the prefix survivals
+        a_j = prod c_i, then the rule on the host (one sync per scored round, not one per draft).
+        While scoring does not pay (closed), a round scores nothing and verifies all it drafted,
+        and a watch round scores and verifies all too: it only works out what its cut would have
+        saved. Drafting all k first costs only the cheap Markov steps past the cut.
+        toks (B, K): the drafts."""
+        auto = self.schedule == "auto"
         closed = auto and self.closed()
         watching = closed and (self.rounds + 1) % SCORE_EVERY == 0  # this is round rounds + 1
         if self.schedule == "full" or (closed and not watching):
-            return k
+            return list(ks)
         if self.sync is not None:
             self.sync()  # on a GPU: the draft's queued work is not scoring's cost
         t0 = time.perf_counter()
         self.scored += 1
-        prev = torch.cat([self.seq[-1:], toks[:-1]])  # x_{j-1}: the token before each draft
+        survival = self.survival(h, toks, ks)
+        if not auto:
+            return [above(a, self.threshold) for a in survival]
+        base = sum(k > 0 for k in ks)
+        lengths = admit(survival, base, self.t_draft, self.verify_cost)
+        self.watch(expected_saving(survival, lengths, base, self.t_draft, self.verify_cost),
+                   time.perf_counter() - t0)
+        # a watch round cuts nothing: it only asks whether cuts pay yet. Cutting there gave up
+        # drafts for a saving its own account put below what scoring cost (docs/experiments.md:
+        # DSpark: scheduler at batch 1)
+        return list(ks) if watching else lengths
+
+    def verify_cost(self, n):
+        return self.t_verify[n]
+
+    def survival(self, h, toks, ks):
+        """Every row's prefix survivals a_{r,j} = prod_{i<=j} c_{r,i}, its first ks[r] -> a list a
+        row (host floats). One product and one host read for the whole batch."""
+        prev = torch.cat([self.rows.last()[:, None], toks[:, :-1]], 1)  # x_{j-1} before each draft
         f = self.spark.features(h)
-        z = (f @ self.conf_h + self.conf_code[prev]).tolist()  # (k,) logits: the host sync
-        survival, prefix = [], 1.0
-        for z_j, temp in zip(z, self.conf_temp):  # on the host: k tiny steps, not k more ops
-            prefix *= 0.5 * (1 + math.tanh(0.5 * z_j / temp))  # sigmoid(z_j / T_j)
-            survival.append(prefix)
-        if auto:  # one request: a batch of one, its verify costs indexed by its length
-            length = admit([survival], 1, self.t_draft, lambda n: self.t_verify[n])[0]
-        else:
-            length = above(survival, self.threshold)
-        if auto:
-            self.watch(expected_saving(survival, length, self.t_draft, self.t_verify),
-                       time.perf_counter() - t0)
-        if watching:
-            # a watch round cuts nothing: it only asks whether cuts pay yet. Cutting there gave up
-            # drafts for a saving its own account put below what scoring cost
-            # (docs/experiments.md: DSpark: scheduler at batch 1)
-            length = k
-        return length
+        z = (f @ self.conf_h + self.conf_code[prev]).tolist()  # (B, K) logits: the host sync
+        out = []
+        for z_r, k in zip(z, ks):  # on the host: k tiny steps a row, not k more ops
+            row, prefix = [], 1.0
+            for z_j, temp in zip(z_r[:k], self.conf_temp):
+                prefix *= 0.5 * (1 + math.tanh(0.5 * z_j / temp))  # sigmoid(z_j / T_j)
+                row.append(prefix)
+            out.append(row)
+        return out
 
     def closed(self):
         """Whether scoring has cost more than the cuts it made would save (the running averages):
@@ -522,5 +543,5 @@ DRAFTER = dict(
     drafter=lambda spark, target: DSparkDrafter(spark),
     pairs=True,
     trees=True,
-    syncs={"propose": (1, 0)},  # its scheduler reads the k confidences in a round it scores
+    syncs={"propose_batch": (1, 0)},  # its scheduler reads the confidences in a round it scores
 )

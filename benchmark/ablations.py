@@ -8,14 +8,14 @@ buffers (every generation starts with begin(), so they can), each with counts of
              -nomarkov (no Markov head: DFlash's parallel picks)
   hybrid     -lookup (the lookup alone at the rule's length), -m1/-m4/-m8 (fixed rules: the
              lookup where m >= 1, 4, 8 tokens match, else the learned drafter), and the oracle
-  batched DSpark (benchmark/serving_sweep.py): -cut, -goodput, -full, its other batch rules
+  batched DSpark (benchmark/serving_sweep.py): -cut (its own scheduler), -full, beside the measured
+             rule (serving/rules.py)
   trees (tree.py)  dspark-tree, dflash-tree (each drafter's tree beside its chain), two-branch
              (prompt lookup's copy and DSpark's draft as two branches of one tree)
 """
 
 import copy
 
-from serving.dflash import BATCH_SCHEDULES
 from draft_dspark import DSparkDrafter
 from draft_hybrid import HybridDrafter, outcome
 from runtime.profiling import add_stats, profile_tree
@@ -91,12 +91,11 @@ def trees(drafters, sampling):
     return out
 
 
-def batch_variants(batch_dspark):
-    """The batched DSpark drafter under each other rule ("auto" is named "cut"): copies that share
-    its start-up profiles and its buffers."""
-    rows = {"dspark-" + ("cut" if s == "auto" else s): dict(schedule=s)
-            for s in BATCH_SCHEDULES if s != batch_dspark.schedule}
-    return copies(batch_dspark, rows, type(batch_dspark).new_account)
+def batch_variants(dspark):
+    """DSpark's other rows in the serving sweep: its own scheduler over the batch (Algorithm 1,
+    "cut") and its whole block ("full"): copies that share its start-up profiles and buffers."""
+    return copies(dspark, {"dspark-cut": dict(schedule="auto"), "dspark-full": dict(schedule="full")},
+                  DSparkDrafter.reset_account)
 
 
 class MatchHybrid(HybridDrafter):

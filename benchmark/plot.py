@@ -166,7 +166,7 @@ def draw_serving(results, path):
     Bs, res = s["batch_sizes"], {int(B): r for B, r in s["results"].items()}
     names = [n for n in res[Bs[0]] if n != "ar"]
     color = colors(["ar", *names])
-    style = {n: "-" if n in ("dspark", "dspark-cut", "dspark-goodput") else
+    style = {n: "-" if n in ("dspark", "dspark-cut") else
              "--" if n.startswith("dspark-") else ":" for n in names}
     with matplotlib.rc_context({"font.size": 10, "axes.titlesize": 11, "axes.titleweight": "bold",
                                 "axes.spines.top": False, "axes.spines.right": False}):

@@ -13,8 +13,8 @@ matmul shape: the target's logit margin is printed at each such divergence).
 
 Methods: "ar" (batched plain decoding), each drafter at its own k, and DSpark under each rule:
 "dspark" (the measured rule: one width a round, or a plain batch, by measured tokens per second),
-"dspark-cut" (the paper's Algorithm 1 on a drafted block), "dspark-goodput" (one k per batch, the
-serving engines' rule), "dspark-full" (its whole block), "dspark-kN" (a fixed k of N).
+"dspark-cut" (its own scheduler, the paper's Algorithm 1, on a drafted block), "dspark-full" (its
+whole block), "dspark-kN" (a fixed k of N).
 
     python bench.py --batch-size 1,2,4,8,16,32     # the sweep, then OUT_DIR/serving.json/.png
 """
@@ -46,7 +46,7 @@ def ragged(prompts, seed=0):
 
 
 def methods(drafters):
-    """{name: (batched drafter or None for plain, k)}: each drafter's batched twin at its own k,
+    """{name: (batched drafter or None for plain, k)}: each drafter (under its serving rule) at its own k,
     and DSpark under every rule and at every fixed k."""
     out = {"ar": (None, 0)}
     for name, (d, k) in drafters.items():
@@ -61,8 +61,8 @@ def methods(drafters):
         full = d.max_k
         # its default rule is the one that pays in this sweep (docs/results.md: Many requests at
         # once); the other rules share its profiles: one cost table per batch size for all
-        out["dspark"] = (batched(d, schedule="measured"), full)
-        out.update({v: (vd, full) for v, vd in batch_variants(out["dspark"][0]).items()})
+        out["dspark"] = (batched(d), full)
+        out.update({v: (vd, full) for v, vd in batch_variants(d).items()})
         for kk in FIXED_K:
             if kk < full:
                 out[f"dspark-k{kk}"] = (out["dspark-full"][0], kk)

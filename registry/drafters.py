@@ -5,9 +5,8 @@ A drafter declares itself once, in its own files. Its lesson file (draft_<name>.
 DRAFTER, a runtime.declaration.Declaration: its name, what it builds from its checkpoint, the
 Drafter that runs it. If it has a checkpoint, its stage file (training/stages_<name>.py) ends with
 STAGE, a training.stage.Stage: its settings and their defaults, its phases, how it trains, what a
-step costs. The list below pairs the two, with the batched twin that drafts for many requests at
-once where serving/ still has one, and the start-up profile that readies it where it weighs
-seconds.
+step costs. The list below pairs the two, with the serving rule that decides its batches where
+it has one (serving/rules.py) and the start-up profile that readies it where it weighs seconds.
 
 From the list come train.py's stages (and --only, and their flags), bench.py's --methods,
 sample.py's --method, --hybrid-with, the one loader of every drafter's checkpoint, what drafts a
@@ -35,7 +34,7 @@ from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
 from runtime.settings import settings_of
-from serving.dflash import BatchDSpark
+from serving.rules import Measured
 from training import (stages_dflash, stages_dspark, stages_eagle, stages_mtp, stages_small,
                       stages_target)
 from training.stage import Stage
@@ -48,12 +47,12 @@ class RegistryError(ValueError):
 
 class Entry:
     """One drafter of the house: its lesson file, its stage file (None: it has no checkpoint to
-    write), its batched twin (serving/; None: the drafter drafts a batch itself, in one pass or one
-    copy a row: speculative.Drafter's batch calls), whether it batches at all (False: it drafts
-    for one request at a time) and ready(drafter), the start-up profile that readies it on the
-    device in use, where it weighs seconds."""
+    write), its serving rule (serving/rules.py: what decides its batches in the serving sweep;
+    None: the drafter itself, speculative.Drafter's batch calls), whether it batches at all
+    (False: it drafts for one request at a time) and ready(drafter), the start-up profile that
+    readies it on the device in use, where it weighs seconds."""
 
-    def __init__(self, lesson, stages=None, twin=None, batched=True, ready=None):
+    def __init__(self, lesson, stages=None, rule=None, batched=True, ready=None):
         self.declared = declared(lesson)
         self.stage = None if stages is None else getattr(stages, "STAGE", None)
         where = None if stages is None else stages.__name__.replace(".", "/") + ".py"
@@ -68,7 +67,7 @@ class Entry:
                                 "neither")
         if self.stage is not None:
             check_settings(where, self.stage.settings)
-        self.lesson, self.twin, self.batched, self.ready = lesson, twin, batched, ready
+        self.lesson, self.rule, self.batched, self.ready = lesson, rule, batched, ready
 
     @property
     def name(self):
@@ -111,7 +110,7 @@ def listed():
         Entry(draft_mtp, stages_mtp),
         Entry(draft_eagle, stages_eagle),
         Entry(draft_dflash, stages_dflash),
-        Entry(draft_dspark, stages_dspark, BatchDSpark, ready=profile_dspark),
+        Entry(draft_dspark, stages_dspark, Measured, ready=profile_dspark),
         Entry(draft_lookup),
         Entry(draft_hybrid, batched=False, ready=profile_hybrid),
     ]
@@ -220,13 +219,13 @@ def load_drafter(name, out_dir, target, target_ckpt, device="cpu", dtype=torch.f
     return drafter
 
 
-def batched(drafter, **options):
-    """What drafts a batch for this drafter (serving/batched.serve runs it): its line's twin, with
-    the twin's own options (BatchDSpark's schedule), else the drafter itself
-    (speculative.Drafter's batch calls)."""
+def batched(drafter):
+    """What decodes a batch for this drafter in the serving sweep (serving/batched.serve runs
+    it): its line's serving rule around it, else the drafter itself (speculative.Drafter's batch
+    calls)."""
     e = next((e for e in drafters() if e.name == drafter.name), None)
     if e is not None and not e.batched:
         raise NotImplementedError(f"the {e.name} drafts one request at a time (batch 1)")
-    if e is not None and e.twin is not None:
-        return e.twin(drafter, **options)
+    if e is not None and e.rule is not None:
+        return e.rule(drafter)
     return drafter

@@ -28,8 +28,9 @@ class Declaration:
     partner   the drafter it is built around unless told (--hybrid-with), or None
     trees     whether tree.BlockTree grows a token tree from its block (sample.py --tree)
     syncs     what it reads back from the device or uploads to it itself, {call: (reads,
-              uploads)} per begin / propose / commit, beyond the loop's one read a round: a rule
-              it runs on the host (tests/test_device.py counts them)
+              uploads)} per call of the Drafter's (begin, propose, commit or their batch calls,
+              whichever it writes), beyond the loop's one read a round: a rule it runs on the
+              host (tests/test_device.py counts them)
     """
     name: str
     drafter: Callable

@@ -9,8 +9,10 @@ by their own timings. Nothing here imports a drafter: each is read through what 
 import statistics
 import time
 
+import numpy as np
 import torch
 
+import ragged
 from runtime.devices import synchronize
 from sampler import Sampler
 
@@ -53,19 +55,19 @@ def profile_verify(target, m_max, context=None, reps=9, between=None, as_tree=Fa
     return t
 
 
-def profile_propose(drafter, target, k, reps=9):
-    """Seconds for one propose(k) of `drafter` (a greedy pick) after begin() on a dummy context of
-    half the target's window, the fastest of `reps` (as profile_verify: interference only adds).
-    Leaves that dummy context begun."""
+def profile_propose(drafter, target, k, reps=9, batch_size=1):
+    """Seconds for one draft of k tokens in each of batch_size rows by `drafter` (a greedy pick)
+    after begin_batch() on a dummy context of half the target's window, the fastest of `reps`
+    (as profile_verify: interference only adds). Leaves that dummy context begun."""
     tcfg, w = target.config, target.lm_head.weight
-    n_ctx = tcfg.sequence_len // 2
-    hid = {t: torch.zeros(1, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
+    n_ctx, B = tcfg.sequence_len // 2, batch_size
+    hid = {t: torch.zeros(B, n_ctx, tcfg.n_embd, device=w.device, dtype=w.dtype)
            for t in drafter.hidden_layers}
-    drafter.begin(torch.zeros(1, n_ctx + 1, dtype=torch.long, device=w.device), hid)
+    drafter.begin_batch([torch.zeros(n_ctx + 1, dtype=torch.long, device=w.device)] * B, hid)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        drafter.propose(k, Sampler("greedy"))
+        drafter.propose_batch([k] * B, Sampler("greedy"))
         synchronize(w.device)
         ts.append(time.perf_counter() - t0)
     return min(ts)
@@ -80,19 +82,81 @@ def chain_as_tree(m, start, device):
     return depths, mask
 
 
+class CostTable:
+    """Seconds of one target forward over a batch carrying N real tokens in all (the verify
+    budget, every row's [last, drafts]), profiled once at start-up on the device in use, as the
+    DSpark paper's SPS(B) "cost table" and vLLM's verify_cost are: rows of m = 1..width tokens
+    each (N = B*m), the fastest of `reps` tries, made non-decreasing, linear in between. Called
+    with a number or a numpy array of them."""
+
+    def __init__(self, batch_size, seconds):
+        self.batch_size, self.seconds = batch_size, list(seconds)  # seconds[m - 1]: N = B * m
+        self.n = np.arange(1, len(seconds) + 1) * batch_size
+
+    def __call__(self, n):
+        return np.interp(n, self.n, self.seconds)
+
+    @classmethod
+    @torch.inference_mode()
+    def profile(cls, target, batch_size, width, context=None, reps=5):
+        dev, window = target.lm_head.weight.device, target.config.sequence_len
+        n_ctx = min(context if context is not None else window // 2, window - width)
+        cache = ragged.new_cache(target, batch_size)
+        x = torch.zeros(batch_size, n_ctx + width, dtype=torch.long, device=dev)
+        ragged.forward(target, x[:, :n_ctx], cache)
+        seconds = []
+        for m in range(1, width + 1):
+            best = float("inf")
+            for _ in range(reps):
+                cache.rollback([n_ctx] * batch_size)
+                synchronize(dev)
+                t0 = time.perf_counter()
+                ragged.forward(target, x[:, n_ctx:n_ctx + m], cache)
+                synchronize(dev)
+                best = min(best, time.perf_counter() - t0)
+            seconds.append(best)
+        # non-decreasing from the right: m tokens never cost more than any longer forward. (A
+        # running max from the left would let one slow try raise every longer entry with it)
+        for m in range(len(seconds) - 2, -1, -1):
+            seconds[m] = min(seconds[m], seconds[m + 1])
+        return cls(batch_size, seconds)
+
+
 def profile_dspark(drafter, reps=9):
-    """DSpark's scheduler weighs expected tokens against seconds (DSparkDrafter.use_costs):
-    t_draft, one full-block propose of a copy that scores and admits every draft (the full cost)
-    on a dummy context, then t_verify by length, each try after that copy's own forward, as in
-    the loop; and how to wait for its device before scoring is timed."""
-    target, k = drafter.net.target, drafter.max_k
-    scoring_all = drafter.scoring_every_draft()
-    t_draft = profile_propose(scoring_all, target, k, reps)
-    t_verify = profile_verify(
-        target, k + 1,
-        between=lambda: scoring_all.net.target_logits(scoring_all.draft_states([k])[0]))
-    drafter.use_costs(t_draft, t_verify, sync=lambda: synchronize(target.lm_head.weight.device))
+    """DSpark's scheduler weighs expected tokens against seconds (DSparkDrafter.use_costs): its
+    costs at batch size 1 now, at another batch size when a batch of that size first begins
+    (DSparkCosts); and how to wait for its device before scoring is timed."""
+    costs = DSparkCosts(drafter, reps)
+    costs(1)
+    drafter.use_costs(costs, sync=lambda: synchronize(drafter.net.target.lm_head.weight.device))
     return drafter
+
+
+class DSparkCosts:
+    """costs(B) -> (t_draft, t_verify), DSpark's scheduler's costs at batch size B, profiled the
+    first time B is asked for (a drafter's copies share them):
+      t_draft      one full-block draft of B rows by a copy that scores and admits every draft
+                   (the full cost), on a dummy context;
+      t_verify[n]  seconds of a verify of n tokens in all: at batch 1 by length, each try after
+                   that copy's own forward, as in the loop; over B rows from a cost table of
+                   rows of 1..k+1 tokens (CostTable), linear in between."""
+
+    def __init__(self, drafter, reps=9):
+        self.scoring, self.reps, self.at = drafter.scoring_every_draft(), reps, {}
+
+    def __call__(self, B):
+        if B not in self.at:
+            d, k = self.scoring, self.scoring.max_k
+            target = d.net.target
+            t_draft = profile_propose(d, target, k, self.reps, batch_size=B)
+            if B == 1:
+                t_verify = profile_verify(
+                    target, k + 1, between=lambda: d.net.target_logits(d.draft_states([k])[0]))
+            else:
+                table = CostTable.profile(target, B, k + 1)
+                t_verify = table(np.arange(B * (k + 1) + 1)).tolist()
+            self.at[B] = (t_draft, t_verify)
+        return self.at[B]
 
 
 def profile_hybrid(hybrid, reps=5):

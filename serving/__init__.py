@@ -1,3 +1,3 @@
-"""Serving: many requests in one forward. The lesson decodes one request at a time; this package
-runs the same drafters over a ragged batch (a KV cache with a length per row), with batched twins
-of the drafters and the rules that decide how much of a batch to verify."""
+"""Serving: many requests in one forward. The lesson's loop decodes a batch (one request: a batch
+of one); this package adds plain decoding of a ragged batch (the baseline at batch B) and a rule
+that decides, by what the rounds measure, how wide a batch drafts and whether it drafts at all."""

@@ -6,9 +6,9 @@ speculative.generate_batch decodes B prompts of different lengths together, ever
 forward shared by all of them (ragged.py). What changes with load: at batch 1 a 16-token verify
 costs little more than a 1-token step, so drafting long always pays. At batch 32 the same verify
 is a 512-token forward and costs several times a plain batched step: a fixed draft length turns
-into a slowdown. DSpark's scheduler (serving.dflash.BatchDSpark, with serving/rules.py) spends
-one verify budget over the whole batch instead, and may decode a batch plainly where no draft
-pays (serve()).
+into a slowdown. DSpark's scheduler (draft_dspark.py) spends one verify over the whole batch
+instead; its measured rule (serving/rules.py) sets each round's width by what the rounds
+measured, and may decode a batch plainly where no draft pays (serve()).
 
 Rows are exact one by one: greedy and coupled sampling give each row the tokens its own batch-1
 decoding gives (the coupled noise is keyed on the row's own seed and absolute positions);
@@ -83,14 +83,13 @@ def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None, stop=
 
 
 class BatchDrafter:
-    """A batched twin: a lesson drafter's batch calls (speculative.Drafter's begin_batch,
-    propose_batch, commit_batch), written here until its lesson file drafts a batch itself, and
-    what a serving rule adds:
+    """A serving rule around a lesson drafter (serving/rules.Measured): the drafter's batch calls
+    (speculative.Drafter's begin_batch, propose_batch, commit_batch), with what the rule adds:
 
     plain_batch(B)             asked before each batch of B rows: True decodes it on plain
-                               decoding's own path, start to end (BatchDSpark's measured rule,
-                               where no draft pays); the drafter then sees nothing of it but
-                               timed_plain(B, steps, seconds), the plain steps' time.
+                               decoding's own path, start to end (where no draft pays); the
+                               drafter then sees nothing of it but timed_plain(B, steps,
+                               seconds), the plain steps' time.
     one_request()              the drafter that decodes a batch of one: the lesson's own.
     """
     name = "drafter"
@@ -101,8 +100,8 @@ class BatchDrafter:
     budget = []
 
     def __init__(self, drafter):
-        """The batched twin of the batch-1 `drafter`: it drafts what that one would, so it takes
-        its name, the target layers it reads, its k and its training record."""
+        """The rule around `drafter`: it drafts what that one would, so it takes its name, the
+        target layers it reads, its k and its training record."""
         for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k"):
             setattr(self, name, getattr(drafter, name))
         self.budget = getattr(drafter, "budget", [])
@@ -123,10 +122,10 @@ class BatchDrafter:
 
 
 def serve(target, drafter, prompts, max_new_tokens, k, sampler, cache=None, stop=()):
-    """speculative.generate_batch, with what a twin's batch rule decides (BatchDrafter): a batch
-    of one runs the lesson's own drafter (its one-request scheduler), and a batch where no draft
-    pays is decoded plainly, start to end, the drafter told the plain steps' time. -> (token
-    lists, Stats)."""
+    """speculative.generate_batch, with what a serving rule decides (BatchDrafter): a batch of
+    one runs the lesson's own drafter (its own scheduler), and a batch where no draft pays is
+    decoded plainly, start to end, the drafter told the plain steps' time. -> (token lists,
+    Stats)."""
     if isinstance(drafter, BatchDrafter):
         if len(prompts) == 1:
             drafter = drafter.one_request()

@@ -1,14 +1,15 @@
 """
-serving/rules.py -- what a verify costs at batch B, and the rules that spend it: DSpark's and a
-serving engine's.
+serving/rules.py -- DSpark's measured rule, the one the serving sweep runs: how wide each round
+drafts, and whether a batch drafts at all, by what the loop itself measures.
 
 At batch 1 a longer verify costs little more than a short one, so drafting long pays. At batch
 32 a verify of 16 tokens a row is a 512-token forward and costs several times a plain batched
-step. The rules here decide how many drafts each row verifies; the batched DSpark drafter
-(serving.dflash.BatchDSpark) applies them round by round. The paper's (Algorithm 1) and a
-serving engine's read each row's prefix survivals (draft_dspark.py's confidence head) and a cost
-table profiled on the device in use; the measured rule (Widths), the one the serving sweep
-runs, reads what the loop itself measured: tokens each width kept, seconds each round took.
+step. draft_dspark.py's scheduler (the paper's Algorithm 1) spends one verify over the batch by
+the confidence head's survivals and a cost table profiled at start-up; over batches on a CPU
+the profile misses much of what a round costs, and the head is far from calibrated on short
+prompts (docs/experiments.md: Batched: the measured rule). The measured rule (Widths, run by
+Measured around DSpark's own drafter) reads only what the rounds showed: tokens each width kept,
+seconds each round took, and whole batches against plain decoding.
 """
 
 import time
@@ -17,50 +18,10 @@ import numpy as np
 import torch
 
 import ragged
-from serving.batched import plain_steps
+from serving.batched import BatchDrafter, plain_steps
 from sampler import Sampler
 from runtime.devices import synchronize
-from runtime.profiling import timed
-
-
-class CostTable:
-    """Seconds of one target forward over a batch carrying N real tokens in all (the verify
-    budget, every row's [last, drafts]), profiled once at start-up on the device in use, as the
-    DSpark paper's SPS(B) "cost table" and vLLM's verify_cost are: rows of m = 1..width tokens
-    each (N = B*m), the fastest of `reps` tries, made non-decreasing, linear in between. Called
-    with a number or a numpy array of them."""
-
-    def __init__(self, batch_size, seconds):
-        self.batch_size, self.seconds = batch_size, list(seconds)  # seconds[m - 1]: N = B * m
-        self.n = np.arange(1, len(seconds) + 1) * batch_size
-
-    def __call__(self, n):
-        return np.interp(n, self.n, self.seconds)
-
-    @classmethod
-    @torch.inference_mode()
-    def profile(cls, target, batch_size, width, context=None, reps=5):
-        dev, window = target.lm_head.weight.device, target.config.sequence_len
-        n_ctx = min(context if context is not None else window // 2, window - width)
-        cache = ragged.new_cache(target, batch_size)
-        x = torch.zeros(batch_size, n_ctx + width, dtype=torch.long, device=dev)
-        ragged.forward(target, x[:, :n_ctx], cache)
-        seconds = []
-        for m in range(1, width + 1):
-            best = float("inf")
-            for _ in range(reps):
-                cache.rollback([n_ctx] * batch_size)
-                synchronize(dev)
-                t0 = time.perf_counter()
-                ragged.forward(target, x[:, n_ctx:n_ctx + m], cache)
-                synchronize(dev)
-                best = min(best, time.perf_counter() - t0)
-            seconds.append(best)
-        # non-decreasing from the right: m tokens never cost more than any longer forward. (A
-        # running max from the left would let one slow try raise every longer entry with it)
-        for m in range(len(seconds) - 2, -1, -1):
-            seconds[m] = min(seconds[m], seconds[m + 1])
-        return cls(batch_size, seconds)
+from runtime.profiling import CostTable, timed
 
 
 @torch.inference_mode()
@@ -90,35 +51,6 @@ def interpolate(points):
     return lambda x: np.interp(x, xs, ys)
 
 
-def as_table(survival):
-    """Survivals as (A, L): A (B, K) float array, row r's first L[r] entries its a_{r,1..L[r]}.
-    Takes that pair as it is, or a list of rows (the readable form, used by the tests)."""
-    if isinstance(survival, tuple):
-        return survival
-    K = max((len(row) for row in survival), default=0)
-    A = np.zeros((len(survival), K))
-    for r, row in enumerate(survival):
-        A[r, :len(row)] = row
-    return A, np.array([len(row) for row in survival], dtype=np.int64)
-
-
-def best_single_k(survival, base, t_fixed, cost):
-    """The serving engines' rule (vLLM's goodput choice; SmartSpec, arXiv 2406.14066): ONE draft
-    length l for every row of the batch, the l in 0..K that maximises expected tokens per second
-    from the same survivals and cost table. -> a length per row (l, or fewer where a row has
-    fewer drafts)."""
-    A, L = as_table(survival)
-    C = np.cumsum(A * (np.arange(A.shape[1]) < L[:, None]), axis=1)  # tokens expected by l
-    best, best_l = base / (t_fixed + float(cost(base))), 0
-    for l in range(1, A.shape[1] + 1):
-        m = np.minimum(l, L)
-        tau = base + C[m > 0, m[m > 0] - 1].sum()
-        theta = tau / (t_fixed + float(cost(base + m.sum())))
-        if theta > best:
-            best, best_l = theta, l
-    return np.minimum(best_l, L).tolist()
-
-
 # -----------------------------------------------------------------------------
 # the measured rule: one width a round for every row, or plain batches, by what the loop measures
 
@@ -139,7 +71,7 @@ RATE = 0.3  # running averages of round times: the host's speed can change under
 
 
 class Widths:
-    """DSpark's serving rule, decided by what the loop measures (BatchDSpark, schedule="measured").
+    """DSpark's serving rule, decided by what the loop measures (run by Measured).
     Before each round it picks ONE draft width w for every row: the most tokens per second,
         rate(w) = tokens(w) / seconds(B, w).
     tokens(w) = 1 + S_1 + ... + S_w, S_j the chance that a row's first j drafts all survive, is
@@ -247,3 +179,117 @@ class Widths:
         self.passed *= DECAY
         self.reached += ((j <= c) & (a >= j - 1)).sum(0)
         self.passed += ((j <= c) & (a >= j)).sum(0)
+
+
+class Measured(BatchDrafter):
+    """DSpark's drafter (draft_dspark.py) under the measured rule: before each round one width w
+    for every row (Widths.choose), the drafter drafting min(k, w) a row and verifying all of
+    them; before each batch, whether to draft it at all (plain_batch). A batch of one runs the
+    drafter as loaded, with its own scheduler (one_request). The rule's prior at each batch size
+    (prior) is profiled at the first batch of that size: a verify's cost table
+    (runtime/profiling.CostTable), the draft's cost by width (time_draft), a plain step's
+    (time_plain)."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.drafter = drafter.fresh()  # buffers of its own; it drafts what the rule asks, all
+        self.drafter.schedule, self.drafter.costs, self.drafter.measured = "full", None, False
+        self.priors = {}  # batch size -> {width: profiled seconds of a round; 0: a plain step}
+        self.new_account()
+
+    def new_account(self):
+        """What it learns as it runs, from nothing: the rule's numbers (Widths), the rounds
+        drafted, this batch's state."""
+        self.widths, self.rounds = Widths(self.max_k), 0
+        self._round, self._ks, self.cap = None, None, None
+
+    @torch.inference_mode()
+    def begin_batch(self, seqs, hidden):
+        t0 = time.perf_counter()
+        self.drafter.begin_batch(seqs, hidden)
+        B, t1 = len(seqs), time.perf_counter()
+        if B not in self.priors:
+            self.priors[B] = self.prior(B)
+        # the batch's clock: its prompts through the drafter count, the profile not
+        self.widths.started(B, time.perf_counter() - (t1 - t0))
+        self._round = None
+
+    def prior(self, B):
+        """{width: profiled seconds of a round at B} (0: a plain step), every width 0..max_k."""
+        target = self.drafter.net.target
+        verify, draft = CostTable.profile(target, B, self.max_k + 1), self.time_draft(B)
+        prior = {w: float(verify(B * (w + 1)) + draft(B * (w + 1)))
+                 for w in range(1, self.max_k + 1)}
+        prior[0] = time_plain(target, B, target.config.sequence_len // 2)
+        return prior
+
+    def time_draft(self, B, reps=5):
+        """Seconds of one draft of all B rows, w drafts each, at a few w (fastest of reps) ->
+        t_draft(slots), slots = B * (w + 1) block slots in all, linear in between (the draft's
+        Linears run on real slots only, so its cost follows their total). Each try follows a
+        target forward, as a draft does in the loop: timed back to back, the drafter's weights
+        stay in the cache and a draft looks several times cheaper than it is. Proposing writes
+        only past every row's context, so it runs on the state begin_batch() made."""
+        target, dev = self.drafter.net.target, self.drafter.k_cache.device
+        scratch = ragged.new_cache(target, B)
+        x = torch.zeros(B, 1, dtype=torch.long, device=dev)
+
+        def timed_draft(w):
+            best = float("inf")
+            for _ in range(reps):
+                scratch.reset()
+                ragged.forward(target, x, scratch)  # the target's weights back in the cache
+                synchronize(dev)
+                t0 = time.perf_counter()
+                self.drafter.propose_batch([w] * B, Sampler("greedy", device=dev))
+                synchronize(dev)
+                best = min(best, time.perf_counter() - t0)
+            return best
+        seconds = {B * (w + 1): timed_draft(w) for w in sorted({1, 2, 4, 8, self.max_k})
+                   if w <= self.max_k}
+        self.drafter.reset_account()
+        return interpolate(seconds)
+
+    def plain_batch(self, B):
+        """Asked before each batch (batched.BatchDrafter): plainly, start to end, where the batches
+        drafted at this batch size made fewer tokens a second than plain decoding, with the
+        benefit of the doubt to drafting (Widths.plain); and once at each batch size, to time
+        plain decoding's own step."""
+        if B not in self.priors:
+            return False  # a batch size not seen yet drafts: begin_batch() profiles it
+        plain = self.widths.plain(B, self.priors[B])
+        return plain or 0 not in self.widths.seconds.get(B, {})
+
+    def timed_plain(self, B, steps, seconds):
+        """serving/batched.py timed plain decoding's own path at batch size B."""
+        if steps and B in self.priors:
+            self.widths.timed(B, 0, seconds / steps, self.priors[B])
+
+    def propose_batch(self, ks, sampler):
+        w = self.measured_width(ks)
+        self._ks = [min(k, w) for k in ks]
+        self.rounds += 1
+        return self.drafter.propose_batch(self._ks, sampler)
+
+    def measured_width(self, ks):
+        """Time the round before, then choose this round's width (Widths)."""
+        now, B = time.perf_counter(), len(ks)
+        prior = self.priors[B]
+        if self._round is not None and self._round[1]:
+            self.widths.timed(B, self._round[2], now - self._round[0], prior)
+        if self._round is None:  # a batch's first round: the loop's k
+            self.cap = max(ks)
+        w = self.widths.choose(B, prior, cap=self.cap)
+        # timed: a round after one at the same width, its last rounds with fewer rows included:
+        # not a batch's first (its prompts' context goes through the drafter's projection then),
+        # nor one that changed width (new shapes)
+        self._round = (now, self._round is not None and self._round[2] == w, w)
+        return w
+
+    def commit_batch(self, kept, new, hidden):
+        self.drafter.commit_batch(kept, new, hidden)
+        if self._ks is not None:  # what this round's width showed, and when it ended
+            self.widths.verified(len(kept), self._round[2],
+                                 [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m],
+                                 time.perf_counter())
+            self._ks = None

@@ -7,13 +7,16 @@ DSpark's batch rules cut, skip and stay exact; bad batches are one clear error."
 import math
 import time
 
+import numpy as np
+
 import pytest
 import torch
 
 from serving import batched
 import ragged
 from draft_dspark import admit
-from serving.rules import CostTable, Widths, best_single_k, interpolate
+from runtime.profiling import CostTable
+from serving.rules import Measured, Widths, interpolate
 from serving.batched import generate_plain_batched, serve
 from conftest import make, within
 from draft_dspark import DSparkDrafter
@@ -40,12 +43,20 @@ def ragged_prompts(n, vocab, seed=0, window=None):
 
 
 def fixed_costs(drafter, B):
-    """A deterministic cost table for BatchDSpark (the real one is profiled): a verify of N tokens
-    over B rows costs 1 + N/B units, a draft half a unit per row, a plain step two."""
-    drafter.costs[B] = (CostTable(B, [1.0 + m for m in range(1, drafter.max_k + 2)]),
-                        interpolate({B: 0.5, B * (drafter.max_k + 1): 0.5 + 0.1 * drafter.max_k}),
-                        2.0)
-    drafter.widths.timed(B, 0, 2.0, {0: 2.0})  # a plain step timed already: the rule drafts
+    """Deterministic costs at batch size B (the real ones are profiled): a verify of N tokens over
+    B rows costs 1 + N/B units, a draft half a unit (a tenth more a slot a row), a plain step two:
+    the measured rule's prior, or the costs DSpark's own scheduler weighs."""
+    K = drafter.max_k
+    verify = CostTable(B, [1.0 + m for m in range(1, K + 2)])
+    draft = interpolate({B: 0.5, B * (K + 1): 0.5 + 0.1 * K})
+    if isinstance(drafter, Measured):
+        drafter.priors[B] = {w: float(verify(B * (w + 1)) + draft(B * (w + 1)))
+                             for w in range(1, K + 1)}
+        drafter.priors[B][0] = 2.0
+        drafter.widths.timed(B, 0, 2.0, drafter.priors[B])  # a plain step timed already: it drafts
+    else:
+        drafter.use_costs(lambda b: (0.5, verify(np.arange(b * (K + 1) + 1)).tolist()))
+        drafter.measured = False  # the clock never moves its costs: the same lengths every run
     return drafter
 
 
@@ -60,11 +71,9 @@ def batched_drafter(name, target, B):
         with pytest.raises(NotImplementedError, match="one request at a time"):
             batched_twin(one)
         pytest.skip(f"{name} drafts one request at a time (its registry line says so)")
-    # DSpark's batched twin under the rule that pays in the serving sweep
-    # (benchmark/serving_sweep.py)
-    options = {"schedule": "measured"} if isinstance(one, DSparkDrafter) else {}
-    d = batched_twin(one, **options)
-    return fixed_costs(d, B) if hasattr(d, "costs") else d
+    # DSpark under the rule that pays in the serving sweep (benchmark/serving_sweep.py)
+    d = batched_twin(one)
+    return fixed_costs(d, B) if isinstance(d, Measured) else d
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +195,7 @@ def natively_batched(target):
         one = make(e.name, target)
         if isinstance(one, DSparkDrafter):
             one.schedule = "full"
-        if e.twin is not None or type(one).propose_batch is not Drafter.propose_batch:
+        if type(one).propose_batch is not Drafter.propose_batch:
             yield e.name, one
     yield "mtp1", MTPDrafter(fit_mtp(target, n_modules=1), target)
 
@@ -197,10 +206,8 @@ def test_native_batched_drafters_equal_the_per_row_reference(target, mode):
     draft lengths, in rejection mode too (each row's generator moves as in its own run)."""
     prompts = ragged_prompts(4, target.config.vocab_size, seed=5)
     for name, one in natively_batched(target):
-        native = batched_twin(one, **({"schedule": "full"} if name == "dspark" else {}))
-        assert not isinstance(native, PerRow), name
         runs = [serve(target, d, prompts, 24, 3, Sampler(mode, 0.9, None, 2))
-                for d in (native, PerRow(one))]
+                for d in (one, PerRow(one))]
         assert runs[0][0] == runs[1][0], name
         assert runs[0][1].given == runs[1][1].given, name
 
@@ -261,13 +268,6 @@ def test_algorithm_1_admits_by_survival_and_stops_at_the_first_drop():
     assert admit(survival, 2, 0.0, CostTable(2, [1.0, 3.0, 9.0, 27.0])) == [0, 0]
 
 
-def test_goodput_gives_every_row_one_length():
-    cost = CostTable(2, [1.0, 1.2, 1.6, 2.4])
-    survival = [[0.9, 0.8, 0.1], [0.5, 0.05]]
-    assert best_single_k(survival, 2, 0.5, cost) in ([1, 1], [2, 2], [3, 2])
-    assert len(set(best_single_k(survival, 2, 0.5, cost))) == 1
-
-
 def test_the_measured_rule_compares_every_width_on_the_same_rounds():
     """One verify at width 8 tells what every narrower width would have kept; the choice is the
     width with the most tokens per second."""
@@ -313,17 +313,23 @@ def test_the_measured_rule_goes_plain_on_evidence_and_looks_again():
     assert not w.plain(32, flat)
 
 
-@pytest.mark.parametrize("schedule", ["measured", "auto", "goodput", "full"])
+@pytest.mark.parametrize("schedule", ["measured", "auto", "full"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 def test_every_batch_rule_is_exact(target, schedule, mode):
-    from serving.dflash import BatchDSpark
+    """The measured rule, DSpark's own scheduler over the batch (which cuts some rows' drafts
+    here) and its whole block: every row exact."""
     prompts = ragged_prompts(4, target.config.vocab_size, seed=2, window=target.config.sequence_len)
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 5)) for p in prompts]
-    d = fixed_costs(BatchDSpark(make("dspark", target), schedule), 4)
+    one = make("dspark", target)
+    if schedule != "measured":
+        one.schedule = schedule
+    d = fixed_costs(Measured(one) if schedule == "measured" else one, 4)
     out, stats = serve(target, d, prompts, 30, 6, Sampler(mode, 0.8, None, 5))
     assert out == ref
     if schedule == "full":
         assert sum(stats.given[1:6]) <= 4 * 3  # only near the end does a row get fewer than 6
+    if schedule == "auto":  # it scored every round, and cut
+        assert d.scored == d.rounds and sum(stats.given[:6]) > 4 * 3, stats.given
 
 
 def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
@@ -334,10 +340,10 @@ def test_the_measured_rule_decodes_plainly_where_no_draft_pays(target):
     throughout. (Left to the tiny drafter's own speed the verdict hung on the host's timings: a
     drafted batch made about a third of plain decoding's rate on a quiet host, and once, on a
     busy one, the rule drafted a batch again.)"""
-    from serving.dflash import BatchDSpark
     prompts = ragged_prompts(4, target.config.vocab_size, seed=4)
-    d = BatchDSpark(make("dspark", target), "measured")
-    d.costs[4] = (CostTable(4, [1.0] * (d.max_k + 1)), interpolate({4: 1.0, 64: 1.0}), 1e-9)
+    d = Measured(make("dspark", target))
+    d.priors[4] = {w: 2.0 for w in range(1, d.max_k + 1)}  # a verify and a draft a unit each
+    d.priors[4][0] = 1e-9
     propose = d.propose_batch
 
     def slow_propose(ks, sampler):

@@ -213,7 +213,7 @@ def test_the_serving_sweep_runs_every_method_exact_at_every_batch_size(trained, 
     plot.main([str(tmp_path / "s.json"), str(tmp_path / "again.png")])  # the README's redraw
     assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     names = set(out["serving"]["results"][1])
-    assert {"ar", "dspark", "dspark-cut", "dspark-goodput", "dspark-full", "lookup"} <= names
+    assert {"ar", "dspark", "dspark-cut", "dspark-full", "lookup"} <= names
     for B in ("1", "2", "4"):
         assert s["results"][B]["ar"]["speedup"] == 1.0
         for name, e in s["results"][B].items():

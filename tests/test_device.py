@@ -179,7 +179,7 @@ def own_syncs(name):
     return registry.entry(name).declared.syncs or {}
 
 
-CALLS = ("begin", "propose", "commit")
+CALLS = ("begin", "propose", "commit", "begin_batch", "propose_batch", "commit_batch")
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
@@ -202,8 +202,8 @@ def test_one_host_sync_per_round(target, drafter_name, mode, monkeypatch):
     own = {what: own_syncs(kind).get(what, (0, 0)) for what in CALLS}
     calls = dict(drafter.calls)
     if kind == "dspark":
-        assert 1 <= drafter.scored <= calls["propose"]
-        calls["propose"] = drafter.scored
+        assert 1 <= drafter.scored <= calls["propose_batch"]
+        calls["propose_batch"] = drafter.scored
     if drafter_name.startswith("hybrid"):
         # as the lookup: the prompt at begin, the new tokens at commit, its draft on its rounds
         # (its learned drafter, DFlash, reads and uploads nothing)

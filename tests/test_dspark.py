@@ -96,9 +96,14 @@ def test_a_round_verifies_only_the_scheduled_prefix(target):
 def test_expected_saving_of_a_cut():
     a = [0.9, 0.5, 0.1]
     t_verify = [0, 1.0, 1.0, 2.0, 3.0]
-    assert expected_saving(a, 3, 1.0, t_verify) == 0.0  # no cut, no saving
+    cost = t_verify.__getitem__
+    assert expected_saving([a], [3], 1, 1.0, cost) == 0.0  # no cut, no saving
     # verify 1 of 3: 2 s for 1.9 tokens against 4 s for 2.5 tokens, over 1.9 tokens
-    assert abs(expected_saving(a, 1, 1.0, t_verify) - (4.0 / 2.5 - 2.0 / 1.9) * 1.9) < 1e-12
+    assert abs(expected_saving([a], [1], 1, 1.0, cost) - (4.0 / 2.5 - 2.0 / 1.9) * 1.9) < 1e-12
+    # two requests, one verify: both cut to 1 of 3 (N = 4 tokens), against all (N = 8)
+    cost = [0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 5.0].__getitem__
+    assert abs(expected_saving([a, a], [1, 1], 2, 1.0, cost)
+               - (6.0 / 5.0 - 3.0 / 3.8) * 3.8) < 1e-12
 
 
 @torch.inference_mode()
