@@ -107,8 +107,8 @@ TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prin
 
 class Caches:
     """The caches every method of a one-request run shares, made once (each is as long as the
-    context window): plain decoding's and a tree's gpt.KVCache, the loop's one-row
-    ragged.RaggedCache."""
+    context window): a tree's gpt.KVCache, and the one-row ragged.RaggedCache of plain decoding
+    and the loop."""
 
     def __init__(self, target):
         self.kv, self.ragged = target.new_cache(), new_cache(target, 1)
@@ -117,8 +117,8 @@ class Caches:
 def run_ar(target, prompts, args, caches):
     """Plain decoding, with the Stats it implies: one target forward per token, nothing drafted
     (tau 1, no acceptance, no draft time), so every method is summarized alike."""
-    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target), caches.kv,
-                           stop=args.stop) for p in prompts]
+    outs = [generate_plain(target, p, args.max_new_tokens, make_sampler(args, target),
+                           caches.ragged, stop=args.stop) for p in prompts]
     n = sum(len(o) for o in outs)
     return outs, Stats(tokens=n, target_forwards=n)
 

@@ -48,28 +48,77 @@ def as_prompt(prompt, device):
     return torch.as_tensor(prompt, dtype=torch.long, device=device).view(1, -1)
 
 
+def check_prompts(model, prompts, max_new_tokens):
+    """How many tokens each row may generate (tokens_allowed per row): one clear ValueError naming
+    the row for an empty or over-long prompt, or an empty batch."""
+    if len(prompts) == 0:
+        raise ValueError("the batch is empty: give at least one prompt")
+    allowed = []
+    for r, p in enumerate(prompts):
+        try:
+            n = p.numel() if isinstance(p, torch.Tensor) else len(p)
+            allowed.append(tokens_allowed(model, n, max_new_tokens))
+        except ValueError as e:
+            raise ValueError(f"prompt {r} of the batch: {e}" if len(prompts) > 1 else str(e)) \
+                from None
+    return allowed
+
+
+def padded(prompts, device):
+    """Prompts (token lists or tensors) -> ((B, width) long tensor on the device, zeros after each
+    row's end; each row's length). One request goes as it is (a prompt already on the device is
+    not copied)."""
+    if len(prompts) == 1:
+        x = as_prompt(prompts[0], device)
+        return x, [x.size(1)]
+    rows = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompts]
+    x = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=torch.long)
+    for i, r in enumerate(rows):
+        x[i, :r.numel()] = r
+    return x.to(device), [r.numel() for r in rows]
+
+
 @torch.inference_mode()
-def generate_plain(model, prompt, max_new_tokens, sampler, cache=None, stop=()):
-    """Token-by-token decoding with the KV cache. No host sync until the end, in every sampling
-    mode: the chosen token stays on the device and is fed straight back in (only the prompt is
-    uploaded, before any work is queued). stop: token ids that end the text (a chat model's end
-    of turn), kept as its last token; watching for them reads each token back, a host sync a
-    token (on a CPU, free)."""
-    dev = model.lm_head.weight.device
-    x = as_prompt(prompt, dev)
-    P = x.size(1)
-    n = tokens_allowed(model, P, max_new_tokens)
-    cache = cache or model.new_cache()
+def generate_plain_batch(model, prompts, max_new_tokens, sampler, cache=None, stats=None,
+                         stop=()):
+    """Token-by-token decoding of B prompts at once, each row at its own length: one prefill,
+    then one (B, 1) forward a step over a ragged.RaggedCache; a row that has all its tokens gets
+    zero tokens (its slot is padding, packed away). No host sync until the end, in every
+    sampling mode: the chosen tokens stay on the device and are fed straight back in. stop:
+    token ids that end a row's text (a chat model's end of turn), kept as its last token;
+    watching for them reads each step's tokens back (on a CPU, free). Returns a token list a
+    row. stats: a Stats to count the steps in, and their seconds (verify_time; not the
+    prefill)."""
+    allowed = check_prompts(model, prompts, max_new_tokens)
+    x, P = padded(prompts, model.lm_head.weight.device)
+    cache = cache or ragged.new_cache(model, len(prompts))
     cache.reset()
-    out = torch.empty(n, dtype=torch.long, device=dev)
-    logits = model(x, cache=cache, last_only=True)[0][0]  # (1, V)
-    out[0:1] = sampler.first_token(logits, P)
-    for i in range(1, n):
-        if stop and out[i - 1].item() in stop:
-            return out[:i].tolist()
-        logits = model(out[i - 1:i].view(1, 1), cache=cache)[0][0]
-        out[i:i + 1] = sampler.pick(logits, P + i)
-    return out.tolist()  # host sync (the only one)
+    out = torch.empty(len(P), max(allowed), dtype=torch.long, device=x.device)
+    logits = ragged.forward(model, x, cache, P, last_only=True)[0]  # (B, 1, V)
+    out[:, :1] = sampler.first_token(logits, P)
+    t0 = time.perf_counter()
+    for i in range(1, max(allowed)):
+        if stop:  # a row whose token i - 1 is a stop token has all its tokens
+            ended = out[:, i - 1].tolist()
+            allowed = [i if i - 1 < a and t in stop else a for t, a in zip(ended, allowed)]
+        counts = [int(i < a) for a in allowed]
+        if not any(counts):
+            break
+        logits = ragged.forward(model, out[:, i - 1:i], cache, counts)[0]  # (B, 1, V)
+        out[:, i:i + 1] = sampler.pick(logits, [p + i for p in P])
+        if stats is not None:
+            stats.record_plain(sum(counts))
+    rows = out.tolist()  # host sync (the only one, without stop tokens)
+    if stats is not None:
+        stats.verify_time += time.perf_counter() - t0
+        stats.tokens += sum(allowed)
+    return [row[:a] for row, a in zip(rows, allowed)]
+
+
+def generate_plain(model, prompt, max_new_tokens, sampler, cache=None, stop=()):
+    """One request: generate_plain_batch's batch of one -> its tokens. cache: a
+    ragged.RaggedCache of one row."""
+    return generate_plain_batch(model, [prompt], max_new_tokens, sampler, cache, stop=stop)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -333,36 +382,6 @@ def check_k(drafter, k, window):
     if drafter.max_k is not None and k > drafter.max_k:
         raise ValueError(f"the {drafter.name} drafter can draft at most {drafter.max_k} tokens "
                          f"per round (asked for k={k})")
-
-
-def check_prompts(model, prompts, max_new_tokens):
-    """How many tokens each row may generate (tokens_allowed per row): one clear ValueError naming
-    the row for an empty or over-long prompt, or an empty batch."""
-    if len(prompts) == 0:
-        raise ValueError("the batch is empty: give at least one prompt")
-    allowed = []
-    for r, p in enumerate(prompts):
-        try:
-            n = p.numel() if isinstance(p, torch.Tensor) else len(p)
-            allowed.append(tokens_allowed(model, n, max_new_tokens))
-        except ValueError as e:
-            raise ValueError(f"prompt {r} of the batch: {e}" if len(prompts) > 1 else str(e)) \
-                from None
-    return allowed
-
-
-def padded(prompts, device):
-    """Prompts (token lists or tensors) -> ((B, width) long tensor on the device, zeros after each
-    row's end; each row's length). One request goes as it is (a prompt already on the device is
-    not copied)."""
-    if len(prompts) == 1:
-        x = as_prompt(prompts[0], device)
-        return x, [x.size(1)]
-    rows = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompts]
-    x = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=torch.long)
-    for i, r in enumerate(rows):
-        x[i, :r.numel()] = r
-    return x.to(device), [r.numel() for r in rows]
 
 
 def until_stop(new_ids, stop):

@@ -27,11 +27,11 @@ import torch
 from benchmark.ablations import batch_variants
 from benchmark.report import Progress
 from registry.drafters import batched
-from serving.batched import generate_plain_batched, serve
+from serving.batched import serve
 from runtime.profiling import timed
 from ragged import new_cache
 from sampler import Sampler
-from speculative import generate_plain
+from speculative import generate_plain, generate_plain_batch
 
 FIXED_K = (1, 2, 4, 8)  # DSpark's fixed-k rows: the baselines its scheduler must beat
 NEW_TOKENS = 48  # tokens per request unless --max-new-tokens says otherwise: the sweep in minutes
@@ -76,8 +76,8 @@ def run_batch(name, entry, target, batch, args, cache):
     sampler = Sampler(args.sampling, args.temperature, args.top_k, args.seed,
                       target.lm_head.weight.device)
     if drafter is None:
-        return generate_plain_batched(target, batch, args.max_new_tokens, sampler, cache,
-                                      stop=args.stop), None
+        return generate_plain_batch(target, batch, args.max_new_tokens, sampler, cache,
+                                    stop=args.stop), None
     return serve(target, drafter, batch, args.max_new_tokens, k, sampler, cache, stop=args.stop)
 
 

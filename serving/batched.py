@@ -1,9 +1,8 @@
 """
-serving/batched.py -- what serving adds to the loop: plain decoding of a batch (the baseline at
-batch B) and a drafter's batch rule.
+serving/batched.py -- what serving adds to the loop: a serving rule's say over each batch.
 
 speculative.generate_batch decodes B prompts of different lengths together, every target
-forward shared by all of them (ragged.py). What changes with load: at batch 1 a 16-token verify
+forward shared by all of them (ragged.py), and generate_plain_batch is the baseline at batch B. What changes with load: at batch 1 a 16-token verify
 costs little more than a 1-token step, so drafting long always pays. At batch 32 the same verify
 is a 512-token forward and costs several times a plain batched step: a fixed draft length turns
 into a slowdown. DSpark's scheduler (draft_dspark.py) spends one verify over the whole batch
@@ -17,66 +16,7 @@ rejection sampling gives each row the target's distribution, from the row's own 
     python bench.py --batch-size 1,4,16,32     # the serving sweep: every method, batched
 """
 
-import time
-
-import torch
-
-import ragged
-from speculative import Stats, check_prompts, generate_batch, padded
-
-# -----------------------------------------------------------------------------
-# plain batched decoding: the baseline at batch B
-
-
-@torch.inference_mode()
-def generate_plain_batched(model, prompts, max_new_tokens, sampler, cache=None, stats=None,
-                           stop=()):
-    """Token-by-token decoding of B prompts at once: one ragged prefill, then one (B, 1) forward
-    a step. A row that has all its tokens gets zero tokens (its slot is padding, packed away).
-    No host sync until the end (but a read of each step's tokens where `stop` ends a row, as in
-    generate_plain). Returns one token list per row. stats: a speculative.Stats to count the
-    steps in, and their seconds (verify_time, the prefill not counted)."""
-    allowed = check_prompts(model, prompts, max_new_tokens)
-    x, P = padded(prompts, model.lm_head.weight.device)
-    cache = cache or ragged.new_cache(model, len(prompts))
-    cache.reset()
-    logits = ragged.forward(model, x, cache, P, last_only=True)[0]  # (B, 1, V)
-    first = sampler.first_token(logits, P)  # (B, 1)
-    firsts = first[:, 0].tolist()
-    allowed = [1 if t in stop else a for t, a in zip(firsts, allowed)]  # ended at its first
-    t0 = time.perf_counter()
-    rest = plain_steps(model, cache, first[:, 0], [1] * len(P), allowed, P, sampler, stats, stop)
-    if stats is not None:
-        stats.verify_time += time.perf_counter() - t0
-        stats.tokens += sum(1 + len(r) for r in rest)
-    return [[t] + r for t, r in zip(firsts, rest)]
-
-
-def plain_steps(model, cache, last, done, allowed, P, sampler, stats=None, stop=()):
-    """Plain decoding of every row to its end: row r has done[r] of its allowed[r] tokens, the
-    last of them, last[r], not yet in the cache; its next token sits at position P[r] + done[r].
-    One (B, 1) forward a step, a row with all its tokens getting zero. No host sync until the
-    end, unless `stop` ends rows: then each step's tokens are read back, and a row that wrote a
-    stop token has all its tokens. Returns each row's new tokens. stats: a speculative.Stats to count
-    the steps in (a round each, nothing drafted)."""
-    B, steps, allowed = len(done), max(a - d for a, d in zip(allowed, done)), list(allowed)
-    out = torch.empty(B, max(steps, 0), dtype=torch.long, device=last.device)
-    x = last[:, None]
-    for i in range(steps):
-        counts = [1 if d + i < a else 0 for d, a in zip(done, allowed)]
-        if not any(counts):  # every row stopped
-            break
-        logits = ragged.forward(model, x, cache, counts)[0]  # (B, 1, V)
-        x = out[:, i:i + 1] = sampler.pick(logits, [p + d + i for p, d in zip(P, done)])
-        if stats is not None:
-            stats.record_plain(sum(counts))
-        if stop:  # a host read a step
-            for r, t in enumerate(x[:, 0].tolist()):
-                if counts[r] and t in stop:
-                    allowed[r] = done[r] + i + 1
-    rows = out.tolist()  # host sync (the only one)
-    return [row[:a - d] for row, a, d in zip(rows, allowed, done)]
-
+from speculative import Stats, generate_batch, generate_plain_batch
 
 # -----------------------------------------------------------------------------
 # the batched drafter interface
@@ -131,8 +71,8 @@ def serve(target, drafter, prompts, max_new_tokens, k, sampler, cache=None, stop
             drafter = drafter.one_request()
         elif drafter.plain_batch(len(prompts)):
             stats = Stats.of(k, len(prompts))
-            out = generate_plain_batched(target, prompts, max_new_tokens, sampler, cache, stats,
-                                         stop)
+            out = generate_plain_batch(target, prompts, max_new_tokens, sampler, cache, stats,
+                                       stop)
             drafter.timed_plain(len(out), max(len(o) for o in out) - 1, stats.verify_time)
             return out, stats
     return generate_batch(target, drafter, prompts, max_new_tokens, k, sampler, cache, stop=stop)

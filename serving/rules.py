@@ -18,28 +18,24 @@ import numpy as np
 import torch
 
 import ragged
-from serving.batched import BatchDrafter, plain_steps
+from serving.batched import BatchDrafter
 from sampler import Sampler
 from runtime.devices import synchronize
-from runtime.profiling import CostTable, timed
+from runtime.profiling import CostTable
+from speculative import Stats, generate_plain_batch
 
 
-@torch.inference_mode()
 def time_plain(target, batch_size, context, steps=8, reps=3):
-    """Seconds of one step of plain batched decoding itself (batched.plain_steps: the forward,
-    the pick, the loop), every row at `context` tokens, the fastest of `reps` runs of `steps`:
-    the measured rule's prior for a plain step, before any plain batch has run."""
-    dev, B = target.lm_head.weight.device, batch_size
-    cache = ragged.new_cache(target, B)
-    x = torch.zeros(B, context, dtype=torch.long, device=dev)
-    best = float("inf")
+    """Seconds of one step of plain batched decoding itself (speculative.generate_plain_batch:
+    the forward, the pick, the loop), every row at `context` tokens, the fastest of `reps` runs
+    of `steps`: the measured rule's prior for a plain step, before any plain batch has run."""
+    dev, best = target.lm_head.weight.device, float("inf")
+    cache, prompts = ragged.new_cache(target, batch_size), [[0] * context] * batch_size
     for _ in range(reps):
-        cache.reset()
-        ragged.forward(target, x, cache)
-        seconds, _ = timed(lambda: plain_steps(
-            target, cache, x[:, -1], [0] * B, [steps] * B, [context] * B,
-            Sampler("greedy", device=dev)), dev)
-        best = min(best, seconds / steps)
+        stats = Stats.of(1, batch_size)
+        generate_plain_batch(target, prompts, steps + 1, Sampler("greedy", device=dev), cache,
+                             stats)
+        best = min(best, stats.verify_time / steps)
     return best
 
 

@@ -17,7 +17,7 @@ import ragged
 from draft_dspark import admit
 from runtime.profiling import CostTable
 from serving.rules import Measured, Widths, interpolate
-from serving.batched import generate_plain_batched, serve
+from serving.batched import serve
 from conftest import make, within
 from draft_dspark import DSparkDrafter
 from draft_mtp import MTPDrafter
@@ -25,7 +25,8 @@ from registry import drafters as registry
 from registry.drafters import batched as batched_twin
 from ragged import RaggedCache
 from sampler import Sampler
-from speculative import Drafter, Stats, generate_plain, generate_speculative, padded
+from speculative import (Drafter, Stats, generate_plain, generate_plain_batch,
+                         generate_speculative, padded)
 from test_mtp import fit_mtp
 
 
@@ -120,7 +121,7 @@ def test_plain_batched_equals_batch_one(target):
     prompts = ragged_prompts(5, target.config.vocab_size, window=window)
     for mode in ("greedy", "coupled"):
         ref = [generate_plain(target, p, 30, Sampler(mode, 0.8, None, 7)) for p in prompts]
-        out = generate_plain_batched(target, prompts, 30, Sampler(mode, 0.8, None, 7))
+        out = generate_plain_batch(target, prompts, 30, Sampler(mode, 0.8, None, 7))
         assert out == ref
     assert len(out[-1]) == 6  # the long prompt's row stopped at the window
 
@@ -161,7 +162,7 @@ def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode
     stop = {whole[0][6], whole[2][12]}
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11), stop=stop) for p in prompts]
     assert any(len(r) < 30 for r in ref)
-    plain = generate_plain_batched(target, prompts, 30, Sampler(mode, 0.9, None, 11),
+    plain = generate_plain_batch(target, prompts, 30, Sampler(mode, 0.9, None, 11),
                                    stop=stop)
     d = batched_drafter(drafter_name, target, len(prompts))
     out, stats = serve(target, d, prompts, 30, within(d, 4),
@@ -369,11 +370,11 @@ def test_bad_batches_are_one_clear_error(target):
     window = target.config.sequence_len
     s = Sampler("greedy")
     with pytest.raises(ValueError, match="batch is empty"):
-        generate_plain_batched(target, [], 4, Sampler("greedy"))
+        generate_plain_batch(target, [], 4, Sampler("greedy"))
     with pytest.raises(ValueError, match="prompt 1 of the batch: the prompt is empty"):
-        generate_plain_batched(target, [[1, 2], []], 4, s)
+        generate_plain_batch(target, [[1, 2], []], 4, s)
     with pytest.raises(ValueError, match="prompt 0 of the batch: the prompt has"):
-        generate_plain_batched(target, [[1] * window, [1]], 4, s)
+        generate_plain_batch(target, [[1] * window, [1]], 4, s)
     with pytest.raises(ValueError, match="seeds for a batch"):
         Sampler("coupled", seed=[1, 2]).pick(torch.zeros(3, 1, 5), [0, 0, 0])
     d = batched_twin(make("dflash", target))
@@ -389,7 +390,7 @@ def test_a_batch_of_one_is_the_one_request_loop(target, mode):
     plain decoding of a batch of one, plain decoding's tokens)."""
     p = ragged_prompts(1, target.config.vocab_size, seed=4)[0]
     ref = generate_plain(target, p, 30, Sampler(mode, 0.9, None, 3))
-    assert generate_plain_batched(target, [p], 30, Sampler(mode, 0.9, None, 3)) == [ref]
+    assert generate_plain_batch(target, [p], 30, Sampler(mode, 0.9, None, 3)) == [ref]
     for name in (n for n in registry.names() if batches(n)):
         d = batched_drafter(name, target, 1)
         k = within(d, 4)

@@ -78,12 +78,12 @@ def test_an_interrupted_chat_set_answers_only_the_rest(chat_drafter, monkeypatch
     kept = ck["conversations"][:4]
     save_checkpoint({**ck, "conversations": kept}, path)
     asked = []
-    real = chat_set.generate_plain_batched
+    real = chat_set.generate_plain_batch
 
     def counting(model, prompts, *a, **k):
         asked.append(len(prompts))
         return real(model, prompts, *a, **k)
-    monkeypatch.setattr(chat_set, "generate_plain_batched", counting)
+    monkeypatch.setattr(chat_set, "generate_plain_batch", counting)
     target, tck = load_target(str(chat_drafter / "target.pt"))
     enc = tokenizer.encoding_of(data.load_build(str(chat_drafter)))
     convs = chat_set.write(target, Chat(**tck["chat"]), enc, 6, 12, 1337, path, ck["settings"],
@@ -221,7 +221,7 @@ def test_given_answers_train_a_drafter_with_nothing_generated(tiny_file, corpus,
     convs.write_text("\n".join(json.dumps({"conversations": [
         {"from": "human", "value": f"question {i}?"},
         {"from": "gpt", "value": f"answer {i}, " * 8}]}) for i in range(8)))
-    monkeypatch.setattr(chat_set, "generate_plain_batched", None)  # it must not answer
+    monkeypatch.setattr(chat_set, "generate_plain_batch", None)  # it must not answer
     out = tmp_path / "o"
     train.main(tiny_args(corpus, out, "--init-from", tiny_file, "--block-size", "128",
                          "--drafters", "dflash", "--gen-prompts", "chat", "--gen-seqs", "6",

@@ -398,6 +398,6 @@ def test_the_prefill_computes_the_first_token_as_plain_decoding_does(monkeypatch
     plain = generate_plain(target, prompt, 1, RecordingSampler("greedy"))
     spec, _ = generate_speculative(target, watcher, prompt, 1, 4, RecordingSampler("greedy"))
     assert calls == [([prompt], True)] * 2  # one prefill each, the head on the last row only
-    assert firsts[0].shape == (1, target.config.vocab_size)
-    assert torch.equal(firsts[0], firsts[1][0]) and spec == plain  # bit for bit, in float32
+    assert firsts[0].shape == (1, 1, target.config.vocab_size)
+    assert torch.equal(firsts[0], firsts[1]) and spec == plain  # bit for bit, in float32
     assert all(h.shape == (1, len(prompt), 32) for h in watcher.hidden.values())

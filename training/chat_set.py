@@ -35,8 +35,8 @@ import time
 import torch
 
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from serving.batched import generate_plain_batched
 from sampler import Sampler
+from speculative import generate_plain_batch
 from training import data
 
 BATCH = 64  # requests answered at once (plain batched decoding: more rows, more tokens a second)
@@ -294,8 +294,8 @@ def write(target, chat, enc, n, max_new, seed, path, want, dtype=torch.float32,
     saved = (len(convs), n, path)
     for i in range(len(convs), n, BATCH):
         batch = prompts[i:i + BATCH]
-        answers = generate_plain_batched(model, batch, max_new, Sampler("greedy"),
-                                         stop=tuple(chat.stop))
+        answers = generate_plain_batch(model, batch, max_new, Sampler("greedy"),
+                                       stop=tuple(chat.stop))
         convs += [p + a for p, a in zip(batch, answers)]
         tokens += sum(len(a) for a in answers)
         save_checkpoint({"kind": "chat_set", "settings": want, "state_dict": {},
