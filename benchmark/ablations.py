@@ -9,7 +9,7 @@ buffers (every generation starts with begin(), so they can), each with counts of
   hybrid     -lookup (the lookup alone at the rule's length), -m1/-m4/-m8 (fixed rules: the
              lookup where m >= 1, 4, 8 tokens match, else the learned drafter), and the oracle
   batched DSpark (benchmark/serving_sweep.py): -cut (its own scheduler), -full, beside the measured
-             rule (serving/rules.py)
+             rule (serving/batched.py)
   trees (tree.py)  dspark-tree, dflash-tree (each drafter's tree beside its chain), two-branch
              (prompt lookup's copy and DSpark's draft as two branches of one tree)
 """

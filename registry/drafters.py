@@ -6,7 +6,7 @@ DRAFTER, a runtime.declaration.Declaration: its name, what it builds from its ch
 Drafter that runs it. If it has a checkpoint, its stage file (training/stages_<name>.py) ends with
 STAGE, a training.stage.Stage: its settings and their defaults, its phases, how it trains, what a
 step costs. The list below pairs the two, with the serving rule that decides its batches where
-it has one (serving/rules.py) and the start-up profile that readies it where it weighs seconds.
+it has one (serving/batched.py) and the start-up profile that readies it where it weighs seconds.
 
 From the list come train.py's stages (and --only, and their flags), bench.py's --methods,
 sample.py's --method, --hybrid-with, the one loader of every drafter's checkpoint, what drafts a
@@ -34,7 +34,7 @@ from runtime import cpu_speed
 from runtime.checkpoint import load_trained
 from runtime.profiling import profile_dspark, profile_hybrid
 from runtime.settings import settings_of
-from serving.rules import Measured
+from serving.batched import Measured
 from training import (stages_dflash, stages_dspark, stages_eagle, stages_mtp, stages_small,
                       stages_target)
 from training.stage import Stage
@@ -47,7 +47,7 @@ class RegistryError(ValueError):
 
 class Entry:
     """One drafter of the house: its lesson file, its stage file (None: it has no checkpoint to
-    write), its serving rule (serving/rules.py: what decides its batches in the serving sweep;
+    write), its serving rule (serving/batched.py: what decides its batches in the serving sweep;
     None: the drafter itself, speculative.Drafter's batch calls), whether it batches at all
     (False: it drafts for one request at a time) and ready(drafter), the start-up profile that
     readies it on the device in use, where it weighs seconds."""

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from serving import batched
 import ragged
 from draft_dspark import admit
 from runtime.profiling import CostTable
-from serving.rules import Measured, Widths, interpolate
-from serving.batched import serve
+from serving.batched import Measured, Widths, interpolate, serve
 from conftest import make, within
 from draft_dspark import DSparkDrafter
 from draft_mtp import MTPDrafter
@@ -395,7 +393,7 @@ def test_a_batch_of_one_is_the_one_request_loop(target, mode):
         d = batched_drafter(name, target, 1)
         k = within(d, 4)
         out, st = serve(target, d, [p], 30, k, Sampler(mode, 0.9, None, 3))
-        single = d.one_request() if isinstance(d, batched.BatchDrafter) else d
+        single = d.single if isinstance(d, Measured) else d
         _, one = generate_speculative(target, single, p, 30, k, Sampler(mode, 0.9, None, 3))
         assert out == [ref], name
         assert (st.rounds, st.tau, st.accepted_at) == (one.rounds, one.tau, one.accepted_at)

