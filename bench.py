@@ -96,7 +96,6 @@ from runtime.settings import parse_args
 from sampler import Sampler
 from speculative import Stats, generate_plain, generate_speculative, k_for
 from training import data
-from runtime.target import load_target
 from tree import TreeDrafter, generate_tree
 
 TREE_WIDTHS = (1, 8, 16, 24, 32, 48, 64)  # verify widths whose cost --full prints beside the trees
@@ -164,12 +163,11 @@ def load(args, stem="bench"):
     wanted = args.methods or ["ar", *registry.names()]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
-    target, target_ckpt = load_target(os.path.join(args.out_dir, "target.pt"), device, dtype)
+    # args.float_target: the peers' transformers rows read its weights
+    target, target_ckpt, args.float_target, args.arithmetic_ran, args.one_row = \
+        gguf_int4.decoding_target(os.path.join(args.out_dir, "target.pt"), args.arithmetic,
+                                  device, dtype)
     args.target_ckpt = target_ckpt
-    args.one_row = cpu_speed.pick_one_row(target)  # the faster single-row matmul here
-    args.float_target = target  # the peers' transformers rows read its weights
-    target, args.arithmetic_ran = gguf_int4.pick(target, target_ckpt, args.arithmetic, device,
-                                                 dtype)
     check_outputs(args, stem)
     # every data file checked, and the tokenizer the target was trained with
     enc = tokenizer.encoding_of(data.load_build_for(target_ckpt, args.out_dir))

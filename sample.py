@@ -19,8 +19,6 @@ import os
 import sys
 import time
 
-import torch
-
 from benchmark.flags import ARITHMETIC, ARITHMETIC_HELP
 from formats.chat import Chat
 from registry import drafters as registry
@@ -35,7 +33,6 @@ from runtime.settings import (ArgumentParser, add_sampling_flags, number, parse_
 from sampler import Sampler
 from speculative import generate_plain, generate_speculative, k_for
 from training import data
-from runtime.target import load_target
 from tree import BlockTree, generate_tree
 
 
@@ -129,10 +126,8 @@ def main(argv=None):
     cpu_speed.enable()
     device = pick_device(a.device)
     path = os.path.join(a.out_dir, "target.pt")
-    target, target_ckpt = load_target(path, device)
-    cpu_speed.pick_one_row(target)  # the faster single-row matmul here, as bench.py does
-    target, a.arithmetic_ran = gguf_int4.pick(target, target_ckpt, a.arithmetic, device,
-                                             torch.float32)
+    target, target_ckpt, _, a.arithmetic_ran, _ = gguf_int4.decoding_target(path, a.arithmetic,
+                                                                            device)
     chat = Chat.of_target(target_ckpt, path, "--chat") if a.chat is not None else None
     # every data file checked, and the tokenizer the target was trained with
     enc = tokenizer.encoding_of(data.load_build_for(target_ckpt, a.out_dir))

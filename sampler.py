@@ -215,7 +215,10 @@ class Sampler:
         row r's first counts[r] real; start[r]: the absolute position of row r's first logits.
         Returns (n, ids, new): n[r] drafts of row r survived (host ints); new (B, T) holds, in
         row r's first n[r] + 1 slots, those drafts and the target's own token after them, and
-        ids[r] the same as a host list. Exactly one host sync (a .tolist())."""
+        ids[r] the same as a host list. Exactly one host sync (a .tolist()). The rule: greedy
+        and coupled, a draft survives where it is the token the target itself picks at its
+        position (pick: the same keyed noise), up to the first that is not, and the target's
+        pick follows; rejection, verify_rejection's min(1, p/q)."""
         if self.mode == "rejection":
             return self.verify_rejection(logits, drafts, counts, q)
         t = self.pick(logits, start)  # (B, T) what the target itself would emit

@@ -33,7 +33,9 @@ import torch
 import torch.nn as nn
 
 from formats import gguf
+from runtime import cpu_speed
 from runtime.profiling import profile_verify
+from runtime.target import load_target
 
 GROUP = 32  # weights per scale: every legacy GGUF block and every K-quant group
 KERNEL = "_weight_int4pack_mm_for_cpu"
@@ -223,6 +225,19 @@ def row_invariant(model, context=24, k=8):
 
 # -----------------------------------------------------------------------------
 # --arithmetic
+
+
+def decoding_target(path, arithmetic, device="cpu", dtype=torch.float32):
+    """The target as bench.py and sample.py decode with it -> (that target, its checkpoint, the
+    float target, the arithmetic it computes in, the single-row matmul chosen): out/target.pt
+    (runtime/target.load_target), the faster single-row matmul on this CPU
+    (cpu_speed.pick_one_row), then --arithmetic (pick): on a CPU `auto` re-reads the GGUF the
+    target was imported from and decodes in its own int4 codes where they give every verify row
+    a one-row decode's bits and run faster here."""
+    target, ckpt = load_target(path, device, dtype)
+    one_row = cpu_speed.pick_one_row(target)
+    decoding, computes_in = pick(target, ckpt, arithmetic, device, dtype)
+    return decoding, ckpt, target, computes_in, one_row
 
 
 def pick(target, ckpt, choice, device, dtype):

@@ -261,8 +261,10 @@ class DistillationSet:
 
     def batches(self, text, sampled_only=False, layers=None, vocab=None):
         """step -> (x, logits, hidden): batch_size training windows with the target's features
-        on them. 'gen': rows of the set (sampled_only: only its sampled share, the last rows),
-        features from the cache (--feature-cache 1) or computed per step; 'data': corpus
+        on them. 'gen': rows of the set drawn at random (with replacement, seeded by the step:
+        a resumed run draws the same; sampled_only: only its sampled share, the last rows),
+        features from the cache (--feature-cache 1: bfloat16 in host memory, a chat set's logits
+        its TOP_K largest, back in float32 on the device) or computed per step; 'data': corpus
         windows, features per step. layers: the hidden states wanted (default: every layer);
         vocab: (Vd,) target ids, the logits then only theirs (a drafter's draft vocabulary)."""
         a = self.run

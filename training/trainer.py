@@ -394,7 +394,10 @@ class Trainer:
             after_step=None, keep_resume=False):
         """The one training loop, every phase's: `steps` AdamW steps of loss(step), the loss of
         that step's batch, on module's trainable parameters, from a peak learning rate lr (warmup,
-        then cosine decay). evaluate(): the validation loss, every --eval-interval steps and at
+        then cosine decay). A step: loss(step) under bfloat16 autocast where the run uses it, in
+        --grad-accum micro-steps (each loss divided by their number), loss.backward(), the
+        gradients clipped to norm 1.0, optimizer.step() (AdamW, betas 0.9 and 0.95, weight decay
+        0.1 on matrices only: make_optimizer). evaluate(): the validation loss, every --eval-interval steps and at
         the end. fingerprint: all the phase's result depends on (a resume file of another is not
         resumed); tokens_per_step: for the progress lines; after_step(n), if given, runs after the
         n-th step; keep_resume: keep the phase's resume file when it ends (a rerun skips it).
