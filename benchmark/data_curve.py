@@ -42,15 +42,17 @@ def point(out_dir, drafter):
 
 
 def draw(points, path, drafter):
-    """τ against the set's tokens (log scale), one line per prompt set."""
+    """τ against the set's tokens (log scale), one line per prompt set and kind of answers (the
+    target's own, or the conversations' given ones)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for prompts in sorted({p for pt in points for p in pt["tau"]}):
-        xs = [pt["tokens"] for pt in points if prompts in pt["tau"]]
-        ax.plot(xs, [pt["tau"][prompts] for pt in points if prompts in pt["tau"]], "o-",
-                label=prompts)
+    for answers in sorted({pt["answers"] for pt in points}):
+        for prompts in sorted({p for pt in points for p in pt["tau"]}):
+            line = [pt for pt in points if pt["answers"] == answers and prompts in pt["tau"]]
+            ax.plot([pt["tokens"] for pt in line], [pt["tau"][prompts] for pt in line],
+                    "o-" if answers == "given" else "s--", label=f"{prompts}, {answers} answers")
     ax.set_xscale("log")
     ax.set_xticks([pt["tokens"] for pt in points], [f"{pt['tokens'] / 1000:.0f}k" for pt in points])
     ax.minorticks_off()
