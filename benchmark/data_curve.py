@@ -48,13 +48,18 @@ def draw(points, path, drafter):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for answers in sorted({pt["answers"] for pt in points}):
-        for prompts in sorted({p for pt in points for p in pt["tau"]}):
+    for color, prompts in enumerate(sorted({p for pt in points for p in pt["tau"]})):
+        for answers in sorted({pt["answers"] for pt in points}):
             line = [pt for pt in points if pt["answers"] == answers and prompts in pt["tau"]]
             ax.plot([pt["tokens"] for pt in line], [pt["tau"][prompts] for pt in line],
-                    "o-" if answers == "given" else "s--", label=f"{prompts}, {answers} answers")
+                    "o-" if answers == "given" else "s", color=f"C{color}", mfc="white"
+                    if answers != "given" else None, label=f"{prompts}, {answers} answers")
     ax.set_xscale("log")
-    ax.set_xticks([pt["tokens"] for pt in points], [f"{pt['tokens'] / 1000:.0f}k" for pt in points])
+    ticks = []  # a tick a size, none within 20% of the one before (they would overprint)
+    for n in sorted(pt["tokens"] for pt in points):
+        if not ticks or n > 1.2 * ticks[-1]:
+            ticks.append(n)
+    ax.set_xticks(ticks, [f"{n / 1000:.0f}k" for n in ticks])
     ax.minorticks_off()
     ax.set_ylim(bottom=1.0)  # plain decoding's τ
     ax.set_xlabel("training set (tokens)")
