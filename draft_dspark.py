@@ -22,9 +22,9 @@ for the expensive part and adds two cheap pieces on top:
    (draft, commit, loop): profiled at load, then measured as the rounds run. Over a batch of
    requests the same rule (the paper's Algorithm 1, admit) spends one verify over every row.
    Scoring the drafts costs time too, so the scheduler watches itself: when the cuts it makes
-   save less than its scoring costs (at batch 1 on a CPU its rule keeps every draft: a longer verify costs little
-   next to a round; docs/experiments.md: DSpark: scheduler at batch 1), it verifies whole
-   blocks unscored and scores one round in SCORE_EVERY to keep watching.
+   save less than its scoring costs (at batch 1 on a CPU its rule keeps every draft: a longer
+   verify costs little next to a round; docs/experiments.md: DSpark: scheduler at batch 1), it
+   verifies whole blocks unscored and scores one round in SCORE_EVERY to keep watching.
 
 How it learns (dspark_loss, calibrate). The paper lets the anchor slot predict too; here the
 backbone is exactly DFlash's (the masks predict, B-1 drafts), so DSpark starts from DFlash's own
@@ -433,8 +433,8 @@ class DSparkDrafter(DFlashDrafter):
         now = self.measure_round()
         h = self.draft_states(ks)  # (B, K, d): the states that draft each row's next tokens
         toks, q = self.chain(h, ks, sampler)
-        lengths = self.schedule_round(h, toks, ks)
         base = sum(k > 0 for k in ks)  # rows verified, each with its last token at least
+        lengths = self.schedule_round(h, toks, ks, base)
         self.verified += sum(lengths)
         self.rounds += 1
         self._last = (now, base + sum(lengths))
@@ -457,13 +457,13 @@ class DSparkDrafter(DFlashDrafter):
             return tok[:, 0], (q[:, 0] if q is not None else None)
         return markov_chain(self.spark, base, last, draw, self.markov_table, self.markov)
 
-    def schedule_round(self, h, toks, ks):
+    def schedule_round(self, h, toks, ks, base):
         """How many drafts each row verifies: every confidence c_j at once, the prefix survivals
         a_j = prod c_i, then the rule on the host (one sync per scored round, not one per draft).
         While scoring does not pay (closed), a round scores nothing and verifies all it drafted,
         and a watch round scores and verifies all too: it only works out what its cut would have
         saved. Drafting all k first costs only the cheap Markov steps past the cut.
-        toks (B, K): the drafts."""
+        toks (B, K): the drafts; base: the rows verified (admit's)."""
         auto = self.schedule == "auto"
         closed = auto and self.closed()
         watching = closed and (self.rounds + 1) % SCORE_EVERY == 0  # this is round rounds + 1
@@ -476,7 +476,6 @@ class DSparkDrafter(DFlashDrafter):
         survival = self.survival(h, toks, ks)
         if not auto:
             return [above(a, self.threshold) for a in survival]
-        base = sum(k > 0 for k in ks)
         lengths = admit(survival, base, self.t_draft, self.verify_cost)
         self.watch(expected_saving(survival, lengths, base, self.t_draft, self.verify_cost),
                    time.perf_counter() - t0)

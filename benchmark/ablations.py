@@ -94,8 +94,8 @@ def trees(drafters, sampling):
 def batch_variants(dspark):
     """DSpark's other rows in the serving sweep: its own scheduler over the batch (Algorithm 1,
     "cut") and its whole block ("full"): copies that share its start-up profiles and buffers."""
-    return copies(dspark, {"dspark-cut": dict(schedule="auto"), "dspark-full": dict(schedule="full")},
-                  DSparkDrafter.reset_account)
+    rows = {"dspark-cut": dict(schedule="auto"), "dspark-full": dict(schedule="full")}
+    return copies(dspark, rows, DSparkDrafter.reset_account)
 
 
 class MatchHybrid(HybridDrafter):

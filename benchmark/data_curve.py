@@ -1,5 +1,6 @@
 """
-benchmark/data_curve.py -- what data buys a learned drafter: τ against the size of its training set.
+benchmark/data_curve.py -- what data buys a learned drafter: τ against the size of its training
+set.
 
 Each point is one out-dir trained with a different --gen-seqs (the same recipe otherwise) and
 benched on held-out chat requests: its chat set's tokens (distill.pt), the drafter's training

@@ -46,8 +46,8 @@ def ragged(prompts, seed=0):
 
 
 def methods(drafters):
-    """{name: (batched drafter or None for plain, k)}: each drafter (under its serving rule) at its own k,
-    and DSpark under every rule and at every fixed k."""
+    """{name: (batched drafter or None for plain, k)}: each drafter (under its serving rule) at
+    its own k, and DSpark under every rule and at every fixed k."""
     out = {"ar": (None, 0)}
     for name, (d, k) in drafters.items():
         if "-" in name:  # batch-1 ablations: the serving rows below replace them
@@ -183,7 +183,7 @@ def sweep(target, prompts, drafters, args, device):
         progress.line(f"batch {B}: " + ", ".join(f"{n} {results[B][n]['speedup']:.2f}x"
                                                  for n in table))
     spark = table.get("dspark", (None,))[0]
-    costs = getattr(spark, "costs", {})
+    profiles = getattr(spark, "profiles", {})
     return {"batch_sizes": list(args.batch_size), "results": results,
             "divergences": divergences, "batch_one_match": match,
             "k": {n: k for n, (_, k) in table.items()},
@@ -192,7 +192,7 @@ def sweep(target, prompts, drafters, args, device):
             "cost_tables": {B: {"verify_ms": [1000 * x for x in c.seconds],
                                 "draft_ms": {str(n): 1000 * float(d(n)) for n in
                                              (B * 2, B * 3, B * 5, B * 9, B * 16)}}
-                            for B, (c, d, _) in costs.items()},
+                            for B, (c, d) in profiles.items()},
             # what its measured rule timed: ms a round at each width it ran (0: a plain step)
             "measured_ms": {B: {str(w): 1000 * s for w, s in sorted(at.items())}
                             for B, at in getattr(getattr(spark, "widths", None), "seconds",

@@ -139,10 +139,17 @@ class DSparkCosts:
                    (the full cost), on a dummy context;
       t_verify[n]  seconds of a verify of n tokens in all: at batch 1 by length, each try after
                    that copy's own forward, as in the loop; over B rows from a cost table of
-                   rows of 1..k+1 tokens (CostTable), linear in between."""
+                   rows of 1..k+1 tokens (table(B)), linear in between."""
 
     def __init__(self, drafter, reps=9):
-        self.scoring, self.reps, self.at = drafter.scoring_every_draft(), reps, {}
+        self.scoring, self.reps, self.at, self.tables = drafter.scoring_every_draft(), reps, {}, {}
+
+    def table(self, B):
+        """The CostTable of a verify over B rows of 1..k+1 tokens, profiled once (DSpark's
+        measured rule reads it too: serving/batched.py)."""
+        if B not in self.tables:
+            self.tables[B] = CostTable.profile(self.scoring.net.target, B, self.scoring.max_k + 1)
+        return self.tables[B]
 
     def __call__(self, B):
         if B not in self.at:
@@ -153,8 +160,7 @@ class DSparkCosts:
                 t_verify = profile_verify(
                     target, k + 1, between=lambda: d.net.target_logits(d.draft_states([k])[0]))
             else:
-                table = CostTable.profile(target, B, k + 1)
-                t_verify = table(np.arange(B * (k + 1) + 1)).tolist()
+                t_verify = self.table(B)(np.arange(B * (k + 1) + 1)).tolist()
             self.at[B] = (t_draft, t_verify)
         return self.at[B]
 

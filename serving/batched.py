@@ -29,7 +29,7 @@ import torch
 import ragged
 from sampler import Sampler
 from runtime.devices import synchronize
-from runtime.profiling import CostTable
+from runtime.profiling import DSparkCosts
 from speculative import Stats, generate_batch, generate_plain_batch
 
 
@@ -191,7 +191,7 @@ class Measured:
     them; before each batch, whether to draft it at all (plain_batch: serve() then decodes it
     plainly, and tells timed_plain). A batch of one runs the drafter as loaded (`single`), with
     its own scheduler. The rule's prior at each batch size (prior) is profiled at the first batch
-    of that size: a verify's cost table (runtime/profiling.CostTable), the draft's cost by width
+    of that size: a verify's cost table (DSparkCosts.table, the drafter's own), the draft's cost by width
     (time_draft), a plain step's (time_plain). It drafts what DSpark's drafter would, so it takes
     its name, the target layers it reads, its k and its training record."""
 
@@ -199,9 +199,13 @@ class Measured:
         for name in ("name", "hidden_layers", "max_k", "default_k", "sampled_k"):
             setattr(self, name, getattr(drafter, name))
         self.budget, self.single = getattr(drafter, "budget", []), drafter
+        # the verify's cost tables: the drafter's own profile's where it has one (one per batch
+        # size for this rule and DSpark's other rows), else profiled here
+        self.costs = drafter.costs or DSparkCosts(drafter)
         self.drafter = drafter.fresh()  # buffers of its own; it drafts what the rule asks, all
         self.drafter.schedule, self.drafter.costs, self.drafter.measured = "full", None, False
         self.priors = {}  # batch size -> {width: profiled seconds of a round; 0: a plain step}
+        self.profiles = {}  # batch size -> (the verify's CostTable, draft seconds by slots)
         self.new_account()
 
     def new_account(self):
@@ -224,7 +228,7 @@ class Measured:
     def prior(self, B):
         """{width: profiled seconds of a round at B} (0: a plain step), every width 0..max_k."""
         target = self.drafter.net.target
-        verify, draft = CostTable.profile(target, B, self.max_k + 1), self.time_draft(B)
+        verify, draft = self.profiles[B] = self.costs.table(B), self.time_draft(B)
         prior = {w: float(verify(B * (w + 1)) + draft(B * (w + 1)))
                  for w in range(1, self.max_k + 1)}
         prior[0] = time_plain(target, B, target.config.sequence_len // 2)
@@ -296,8 +300,8 @@ class Measured:
     def commit_batch(self, kept, new, hidden):
         self.drafter.commit_batch(kept, new, hidden)
         if self._ks is not None:  # what this round's width showed, and when it ended
-            self.widths.verified(len(kept), self._round[2],
-                                 [k for k, m in zip(self._ks, kept) if m], [m - 1 for m in kept if m],
+            counts = [k for k, m in zip(self._ks, kept) if m]
+            self.widths.verified(len(kept), self._round[2], counts, [m - 1 for m in kept if m],
                                  time.perf_counter())
             self._ks = None
 

@@ -214,6 +214,10 @@ def test_the_serving_sweep_runs_every_method_exact_at_every_batch_size(trained, 
     assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     names = set(out["serving"]["results"][1])
     assert {"ar", "dspark", "dspark-cut", "dspark-full", "lookup"} <= names
+    # the measured rule's start-up profile, at each batch size it decided (not batch 1: there
+    # DSpark's own scheduler runs)
+    assert sorted(s["cost_tables"]) == ["2", "4"]
+    assert all(c["verify_ms"] and c["draft_ms"] for c in s["cost_tables"].values())
     for B in ("1", "2", "4"):
         assert s["results"][B]["ar"]["speedup"] == 1.0
         for name, e in s["results"][B].items():
