@@ -2,11 +2,10 @@
 bench.py -- proves equivalence and measures the speedup of every drafter.
 
 speculative.py made the loop; this file runs it honestly. The baseline is plain decoding
-with the same model, a static KV cache of the same layout (the loop's keeps a length per row:
-one row of it runs level, docs/experiments.md), dtype, device and process; methods are
-interleaved prompt by prompt (A B C on prompt 1, then B C A, C B A, ...: a seeded shuffle for
-each prompt) after a warm-up so drift hits all of them alike, and every figure is a median over
-repeats of the same run. Absolute CPU times are noisy: read the ratios.
+with the same model, KV cache (the loop's one-row ragged.RaggedCache), dtype, device and
+process; methods are interleaved prompt by prompt (A B C on prompt 1, then B C A, C B A, ...: a
+seeded shuffle for each prompt) after a warm-up so drift hits all of them alike, and every figure
+is a median over repeats of the same run. Absolute CPU times are noisy: read the ratios.
 
 For each method it reports tau (tokens per target forward, bonus included), per-position
 acceptance (the share of ALL rounds in which draft position i survived, so tau = 1 + its

@@ -8,7 +8,6 @@ import math
 import time
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -160,8 +159,7 @@ def test_rows_end_at_their_stop_token_as_at_batch_one(target, drafter_name, mode
     stop = {whole[0][6], whole[2][12]}
     ref = [generate_plain(target, p, 30, Sampler(mode, 0.9, None, 11), stop=stop) for p in prompts]
     assert any(len(r) < 30 for r in ref)
-    plain = generate_plain_batch(target, prompts, 30, Sampler(mode, 0.9, None, 11),
-                                   stop=stop)
+    plain = generate_plain_batch(target, prompts, 30, Sampler(mode, 0.9, None, 11), stop=stop)
     d = batched_drafter(drafter_name, target, len(prompts))
     out, stats = serve(target, d, prompts, 30, within(d, 4),
                                   Sampler(mode, 0.9, None, 11), stop=stop)
